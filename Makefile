@@ -1,0 +1,32 @@
+# Fresh CPU machine (Python 3.11, no GPU): `make demo` or `make test` install what they need first.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rl_megatron-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# Rebuilt only when the pins change: a second `make demo` installs nothing.
+$(STAMP): setup.py requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first, so nothing below can pull the CUDA one.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	# PyPI's builds of these link CUDA and break `transformers` imports on a CPU torch;
+	# triton has no CPU backend. vLLM's text models need none of them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m rl_megatron.train --config configs/demo_cpu.yaml
+
+test: install
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

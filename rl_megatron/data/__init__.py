@@ -1,0 +1,1 @@
+"""Prompt datasets (rows of prompt, ground_truth, data_source) and the loader that batches them."""

@@ -1,0 +1,157 @@
+"""Megatron GPTModel built from a Hugging Face config.json, and HF weights loaded into its TP/PP shards."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rl_megatron.models.weight_tables import DenseTable, table_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def rope_theta(hf: dict) -> float:
+    # transformers >= 5 writes rope settings under "rope_parameters"; older configs keep them top-level.
+    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+def rope_scaling(hf: dict):
+    parameters = hf.get("rope_parameters") or {}
+    return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
+
+
+def transformer_config(hf: dict, tp: int, pp: int, dtype: str) -> TransformerConfig:
+    if rope_scaling(hf):
+        raise ValueError(f"config.json sets rope scaling {rope_scaling(hf)}, which is not supported yet.")
+    heads = hf["num_attention_heads"]
+    torch_dtype = DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf["model_type"] == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_layernorm=hf["model_type"] == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16,
+        # Built in full on the host and then sliced: the same seed gives the same weights at any TP.
+        use_cpu_initialization=True,
+        # The training step passes the loss itself to the schedule (no per-token reduction inside Megatron).
+        calculate_per_token_loss=False,
+    )
+
+
+def layer_spec(qk_layernorm: bool):
+    """Transformer-Engine spec when TE imports, Megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+
+
+def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int) -> GPTModel:
+    """This rank's shard of the model (parallel_state must be initialised)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(hf, tp, pp, dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config.qk_layernorm),
+        vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, tp),
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,  # logits stay split over the vocabulary; log-probs never gather them
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta(hf)),
+    )
+    return model.to(DTYPES[dtype])
+
+
+def weight_table(model: GPTModel, hf: dict) -> DenseTable:
+    return table_for(hf, model.vocab_size)
+
+
+def layer_offset(model: GPTModel) -> int:
+    """Global index of this pipeline stage's first layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+class SafetensorsReader:
+    """Reads single tensors from a folder of *.safetensors files without loading the whole model."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        index_file = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index_file):
+            with open(index_file) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"No *.safetensors weights in '{folder}'. Convert the model to safetensors, or set "
+                    "model.random_init=true to start from random weights.")
+            weight_map = {}
+            for name in files:
+                with safe_open(os.path.join(folder, name), framework="pt") as handle:
+                    weight_map.update({key: name for key in handle.keys()})
+        self.folder, self.weight_map = folder, weight_map
+        self._open = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"Tensor '{name}' is not in the safetensors of '{self.folder}'; "
+                           "does model.path hold the model its config.json describes?")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.folder, file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, hf: dict, folder: str) -> None:
+    """Copy the HF weights into this rank's TP/PP shard of `model`, checking every shape."""
+    reader = SafetensorsReader(folder)
+    table = weight_table(model, hf)
+    offset = layer_offset(model)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for name, param in model.named_parameters():
+        entry = table.lookup(name, offset)
+        shard = entry.layout.shard([reader.get(n) for n in entry.hf_names], tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"Parameter '{name}' (from {', '.join(entry.hf_names)}) has shape "
+                             f"{tuple(shard.shape)} in the checkpoint but {tuple(param.shape)} in the model.")
+        param.copy_(shard)

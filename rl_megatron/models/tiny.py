@@ -1,0 +1,81 @@
+"""The demo model: a 2-layer Qwen2 with a character-level tokenizer over digits, '+', '-', '=', ' '.
+
+Everything is built locally, so the demo and the tests never download a model. Usage:
+    python -m rl_megatron.models.tiny OUT_DIR [--with-weights] [--seed N]
+"""
+import argparse
+import os
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = "0123456789+-= "
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    # AutoTokenizer (and so vLLM) loads any qwen2 folder as Qwen2Tokenizer, whose byte-level
+    # pre-tokenizer turns " " into "Ġ", which is not in the vocab. Added tokens are matched before
+    # any pre-tokenizer, so the space keeps its id under either class.
+    backend.add_tokens([AddedToken(" ", normalized=False)])
+    # Every character is its own token; Fuse joins them back without separators.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
+    )
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_config() -> Qwen2Config:
+    return Qwen2Config(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=len(SPECIAL_TOKENS) + len(CHARACTERS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype="float32",
+    )
+
+
+def write_tiny_model(out_dir: str, with_weights: bool = False, seed: int = 0) -> str:
+    """Writes config, generation config and tokenizer (and random weights if asked) to out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    config = build_config()
+    config.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    if with_weights:
+        torch.manual_seed(seed)
+        Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="folder to write the model files into (created if missing)")
+    parser.add_argument("--with-weights", action="store_true", help="also write random safetensors weights")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    args = parser.parse_args()
+    print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()

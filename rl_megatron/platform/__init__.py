@@ -1,0 +1,36 @@
+"""The one place that knows which device the process runs on.
+
+On a CUDA machine nothing is changed: Megatron-core runs as upstream intends, over NCCL. Without CUDA,
+`setup()` applies the small compatibility layer in `cpu_compat` so that Megatron-core runs on CPU over
+gloo. Every process that builds Megatron objects calls `setup()` once before it does (the worker actors,
+the test helpers); the rest of the code base uses `device()` / `dist_backend()` and never tests for CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The compute device of this process."""
+    return torch.device("cuda", torch.cuda.current_device()) if has_cuda() else torch.device("cpu")
+
+
+def dist_backend() -> str:
+    return "nccl" if has_cuda() else "gloo"
+
+
+def setup() -> None:
+    """Make Megatron-core usable on this process's device (idempotent; call on the thread that runs Megatron)."""
+    global _applied
+    if _applied or has_cuda():
+        return
+    from rl_megatron.platform import cpu_compat
+
+    cpu_compat.apply()
+    _applied = True

@@ -1,0 +1,87 @@
+"""Megatron-core on a CPU-only torch, over gloo.
+
+Megatron-core assumes CUDA in a handful of places that matter for us. Each patch below answers one of
+them (measured on megatron-core 0.16.1, see docs/architecture.md, "CPU compatibility"):
+
+1. `torch.cuda.current_device()` is used as the `device=` of buffers (rotary inv_freq, p2p shapes):
+   it returns "cpu".
+2. Megatron's RNG tracker saves and restores CUDA RNG states (even with dropout 0): it uses the CPU
+   generator instead. Consequence: `model_parallel_cuda_manual_seed(s)` also seeds the CPU RNG with s.
+3. The default causal mask helper builds its mask with `device="cuda"`.
+4. megatron-core 0.16.1 references `te_general_gemm` although it is only defined when
+   transformer-engine imports; None selects its torch fallback.
+5. Schedules, DDP and the optimizer contain literal `device="cuda"`, `.cuda()` and
+   `param.type() == "torch.cuda.FloatTensor"` checks: a TorchFunctionMode maps them to the CPU.
+   Torch function modes are thread-local, so `apply()` must run on the thread that runs Megatron
+   (Ray actors run `__init__` and their methods on one thread).
+
+Nothing here changes numerics: the same code computes the same values, on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_device_mode: TorchFunctionMode | None = None
+
+
+def _names_cuda(dev) -> bool:
+    if isinstance(dev, bool):
+        return False
+    if isinstance(dev, int):  # a bare CUDA ordinal
+        return True
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, torch.device) and dev.type == "cuda"
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Run code written for CUDA tensors on CPU tensors (patch 5 above)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]) and not isinstance(args[1], int):
+            args = (args[0], "cpu", *args[2:])
+        out = func(*args, **kwargs)
+        if (func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str)
+                and out.startswith("torch.") and not out.startswith("torch.cuda.")):
+            out = "torch.cuda." + out[len("torch."):]
+        return out
+
+
+def _causal_mask(seq_len: int) -> torch.Tensor:
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
+
+
+def apply() -> None:
+    global _device_mode
+    if _device_mode is not None:
+        return
+    # 1. and 2.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    torch.cuda.synchronize = lambda *a, **k: None
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # 3.
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    transformer_utils.get_default_causal_mask = _causal_mask
+    fused_softmax.get_default_causal_mask = _causal_mask
+    # 4.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # 5.
+    _device_mode = CudaToCpuMode()
+    _device_mode.__enter__()

@@ -1,0 +1,99 @@
+"""The rollout engine: vLLM, in-process inside the worker that also holds the Megatron shards.
+
+The engine starts with dummy weights; the trainer pushes its own weights before the first generation
+(`load_weights`), so that the engine always samples from exactly the policy being trained.
+Log-probs are `processed_logprobs`: after temperature, which is what the trainer computes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from rl_megatron import platform
+from rl_megatron.config.schema import RolloutConfig
+
+# Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+CPU_ENGINE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    # The worker pins its own threads; vLLM's automatic OpenMP binding would put every engine on one core.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_log_probs: list[float]
+    finished_by_stop: bool
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, eos_token_id: int):
+        for key, value in {**ENGINE_ENV, **({} if platform.has_cuda() else CPU_ENGINE_ENV)}.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
+                  else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
+        self.cfg, self.eos_token_id = cfg, eos_token_id
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=not platform.has_cuda(),
+            seed=seed,
+            tensor_parallel_size=1,
+            distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **memory,
+        )
+
+    def _model_runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int | None = None,
+                 temperature: float | None = None) -> list[Generation]:
+        """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=n,
+            temperature=self.cfg.temperature if temperature is None else temperature,
+            top_p=self.cfg.top_p,
+            top_k=self.cfg.top_k,
+            max_tokens=max_tokens or self.cfg.max_tokens,
+            stop_token_ids=[self.eos_token_id],
+            logprobs=0,
+            detokenize=False,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        generations = []
+        for prompt, output in zip(prompts, outputs):
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                log_probs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+                generations.append(Generation(prompt, ids, log_probs, sample.finish_reason == "stop"))
+        return generations
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place (HF names and layouts) and drop cached KV of the old ones."""
+        # Not `model.load_weights`: on CPU vLLM repacks linear weights at load, and reload redoes that.
+        self._model_runner().reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    def readable_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters by vLLM name, except those vLLM repacked for the CPU kernels (size 0)."""
+        model = self._model_runner().get_model()
+        return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.numel() > 0}

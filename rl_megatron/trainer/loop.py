@@ -1,0 +1,121 @@
+"""The training loop: one single controller driving the actor+rollout workers, step by step.
+
+    prompts -> generate (vLLM) -> score (rules) -> old log-probs (Megatron) -> advantages (GRPO)
+            -> PPO-clip update (Megatron) -> sync weights (Megatron -> vLLM) -> log
+
+Everything parallel hides behind the worker group; everything numeric is a pure function.
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+from tqdm import tqdm
+
+from rl_megatron import rewards
+from rl_megatron.algorithms import grpo_advantages, masked_mean
+from rl_megatron.config import Config, read_hf_config, to_yaml
+from rl_megatron.data.arithmetic import arithmetic_rows
+from rl_megatron.data.loader import PromptLoader
+from rl_megatron.tracking import Tracker
+from rl_megatron.trainer.sequences import pack_generations
+from rl_megatron.workers.actor_rollout import ActorRolloutWorker
+from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
+
+TASKS = {"arithmetic": arithmetic_rows}
+REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = time.perf_counter() - start
+
+
+def build_actor(cfg: Config, hf_config: dict, cpus: int) -> WorkerGroup:
+    pool = ResourcePool(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node)
+    steps_per_rl_step = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
+    threads = max(1, cpus // pool.world_size)
+    return WorkerGroup(ActorRolloutWorker, pool, cfg, hf_config, cfg.trainer.total_steps * steps_per_rl_step,
+                       threads, env=worker_env(threads))
+
+
+def worker_env(threads: int) -> dict:
+    from rl_megatron.rollout.vllm_engine import CPU_ENGINE_ENV, ENGINE_ENV
+
+    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads)}
+    if not torch.cuda.is_available():
+        env.update(CPU_ENGINE_ENV, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    return env
+
+
+def train(cfg: Config, cpus: int) -> dict:
+    """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
+    from transformers import AutoTokenizer
+
+    hf_config = read_hf_config(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    loader = PromptLoader(TASKS[cfg.data.task](), tokenizer, cfg.data.train_batch_size,
+                          cfg.data.max_prompt_length, cfg.trainer.seed)
+    run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+
+    actor = build_actor(cfg, hf_config, cpus)
+    actor.sync_weights()  # the engines start from dummy weights: give them the policy's
+    reward_history: list[float] = []
+    timer = Timer()
+    bar = tqdm(range(1, cfg.trainer.total_steps + 1), desc="GRPO", unit="step", disable=not cfg.trainer.progress_bar)
+    with Tracker(run_dir) as tracker:
+        for step in bar:
+            with timer("step"):
+                prompts = loader.next_batch()
+                with timer("gen"):
+                    generations = actor.generate(prompts["prompt_ids"])
+                n = cfg.rollout.n
+                scores = torch.tensor([
+                    rewards.score(prompts["data_source"][i // n], tokenizer.decode(g.response_ids, skip_special_tokens=True),
+                                  prompts["ground_truth"][i // n])
+                    for i, g in enumerate(generations)])
+                batch = pack_generations(generations, pad_id)
+                with timer("old_log_prob"):
+                    old = actor.log_probs({"input_ids": batch["input_ids"]})
+                batch["old_log_probs"] = old["log_probs"]
+                group_ids = torch.arange(len(generations)) // n
+                batch["advantages"] = grpo_advantages(scores, group_ids, cfg.algorithm.norm_adv_by_std)
+                with timer("update_actor"):
+                    update_metrics = actor.update(batch)[0]
+                with timer("sync_weights"):
+                    actor.sync_weights()
+            mask = batch["response_mask"]
+            metrics = {
+                "reward/mean": scores.mean().item(),
+                "reward/std": scores.std().item(),
+                "response_length/mean": mask.sum(1).mean().item(),
+                "actor/entropy": masked_mean(old["entropy"], mask).item(),
+                "rollout/logprob_diff_mean": masked_mean((old["log_probs"] - batch["rollout_log_probs"]).abs(), mask).item(),
+                **update_metrics,
+                **{f"timing_s/{phase}": seconds for phase, seconds in timer.seconds.items()},
+                "perf/tokens_per_s": (batch["input_ids"] != pad_id).sum().item() / timer.seconds["step"],
+            }
+            tracker.log(metrics, step)
+            reward_history.append(metrics["reward/mean"])
+            recent = sum(reward_history[-REWARD_WINDOW:]) / len(reward_history[-REWARD_WINDOW:])
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", avg5=f"{recent:.3f}",
+                            step_s=f"{timer.seconds['step']:.2f}")
+            if cfg.trainer.target_reward is not None and len(reward_history) >= REWARD_WINDOW \
+                    and recent >= cfg.trainer.target_reward:
+                break
+    actor.shutdown()
+    first = reward_history[:REWARD_WINDOW]
+    return {"steps": len(reward_history), "reward_first": sum(first) / len(first), "reward_last": recent,
+            "run_dir": run_dir}

@@ -1,0 +1,79 @@
+"""The hybrid actor+rollout worker: one Ray actor per device holding one Megatron shard of the policy and one
+vLLM engine. Train and generate share the device in turn; after each update the new weights go from the
+Megatron shards into the engine (`sync_weights`).
+"""
+from __future__ import annotations
+
+import ray
+import torch
+
+from rl_megatron.config.schema import Config
+from rl_megatron.workers.distributed import free_port, init_distributed, owns_dp_output
+from rl_megatron.workers.worker_group import dispatch
+
+
+class ActorRolloutWorker:
+    def __init__(self, rank: int, world_size: int, cfg: Config, hf_config: dict, optimizer_steps: int,
+                 threads: int):
+        self.rank, self.world_size = rank, world_size
+        self.cfg, self.hf_config, self.optimizer_steps = cfg, hf_config, optimizer_steps
+        # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
+        torch.set_num_threads(threads)
+
+    def rendezvous(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init(self, master_addr: str, master_port: int) -> None:
+        from rl_megatron.rollout.vllm_engine import VLLMEngine
+        from rl_megatron.workers.megatron_actor import MegatronActor
+
+        cfg = self.cfg
+        init_distributed(self.rank, self.world_size, master_addr, master_port,
+                         cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed)
+        self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
+        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.rank,
+                                 eos_token_id=self.hf_config["eos_token_id"])
+
+    def mesh(self) -> dict:
+        from megatron.core import parallel_state
+
+        return {
+            "dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                   owns_dp_output()),
+            "rollout": (self.rank, self.world_size, True),  # one engine per device (engine TP = 1)
+        }
+
+    @dispatch(axis="rollout")
+    def generate(self, prompts: list[list[int]]):
+        return self.engine.generate(prompts, n=self.cfg.rollout.n)
+
+    @dispatch(axis="rollout")
+    def generate_greedy(self, prompts: list[list[int]]):
+        """One greedy answer per prompt (validation, tests)."""
+        return self.engine.generate(prompts, n=1, temperature=0.0)
+
+    @dispatch(axis="dp")
+    def log_probs(self, batch):
+        return self.actor.log_probs(batch)
+
+    @dispatch(axis="dp")
+    def update(self, batch):
+        return self.actor.update(batch)
+
+    @dispatch(axis=None)
+    def sync_weights(self) -> int:
+        """Push the policy's current weights into this worker's engine; returns the bytes loaded."""
+        state = self.actor.hf_state_dict()
+        self.engine.load_weights(state.items())
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+    @dispatch(axis=None)
+    def hf_state_dict(self):
+        """The policy's full HF state dict (from rank 0 only; every rank takes part in the gather)."""
+        state = self.actor.hf_state_dict()
+        return state if self.rank == 0 else None
+
+    @dispatch(axis=None)
+    def engine_weights(self) -> dict:
+        """The engine's weights as it holds them (those vLLM keeps readable on this device)."""
+        return self.engine.readable_weights()

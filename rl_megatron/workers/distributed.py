@@ -1,0 +1,39 @@
+"""Process-group setup shared by every process that holds Megatron shards (Ray workers, test processes)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron import platform
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     tp: int, pp: int, seed: int) -> None:
+    """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state + Megatron's RNG seeds."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    platform.setup()
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    if platform.has_cuda():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def owns_dp_output() -> bool:
+    """Whether this rank returns the results of its data-parallel slice (last PP stage, first TP rank)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0

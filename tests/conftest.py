@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny HF model with weights (built locally), and one local Ray for the session."""
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The demo model's architecture with random seed-0 weights saved as safetensors."""
+    from rl_megatron.models.tiny import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2")), with_weights=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()

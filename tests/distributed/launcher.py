@@ -1,0 +1,48 @@
+"""Run a function in N spawned processes that form a gloo world with Megatron's parallel state."""
+import io
+import os
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world_size, port, tp, pp, fn, args, results):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+
+    torch.set_num_threads(1)
+    from rl_megatron.workers.distributed import init_distributed
+
+    try:
+        init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, seed=0)
+        # As bytes: tensors put on a queue as-is live in shared memory that dies with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, buffer.getvalue(), None))
+    except Exception:
+        results.put((rank, None, traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, args=()) -> list:
+    """fn(*args) on every rank after init_distributed; returns the results in rank order."""
+    from rl_megatron.workers.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, tp, pp, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = dict()
+    for _ in procs:
+        rank, value, error = results.get(timeout=600)
+        if error:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{error}")
+        out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    for p in procs:
+        p.join()
+    return [out[r] for r in range(world_size)]
