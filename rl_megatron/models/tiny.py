@@ -41,9 +41,10 @@ def build_config() -> Qwen2Config:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        # vLLM's CPU attention needs head_dim >= 32; two KV heads let TP=2 split them.
+        num_attention_heads=2,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,
         max_position_embeddings=64,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,

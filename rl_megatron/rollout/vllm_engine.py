@@ -19,6 +19,7 @@ from rl_megatron.config.schema import RolloutConfig
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",  # per-sync INFO lines would drown the progress bar
 }
 CPU_ENGINE_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",

@@ -74,8 +74,9 @@ def train(cfg: Config, cpus: int) -> dict:
     actor.sync_weights()  # the engines start from dummy weights: give them the policy's
     reward_history: list[float] = []
     timer = Timer()
-    bar = tqdm(range(1, cfg.trainer.total_steps + 1), desc="GRPO", unit="step", disable=not cfg.trainer.progress_bar)
     with Tracker(run_dir) as tracker:
+        bar = tqdm(range(1, cfg.trainer.total_steps + 1), desc="GRPO", unit="step",
+                   disable=not cfg.trainer.progress_bar)
         for step in bar:
             with timer("step"):
                 prompts = loader.next_batch()

@@ -136,7 +136,9 @@ def test_policy_loss_micro_batches_sum_to_full_batch_loss():
     full_loss, full_stats = ppo_clip_policy_loss(log_probs, old, advantages, mask, 0.2, 0.28, normalizer)
     micro_losses, micro_stats = zip(
         *(
-            ppo_clip_policy_loss(log_probs[rows], old[rows], advantages[rows], mask[rows], 0.2, 0.28, normalizer)
+            ppo_clip_policy_loss(
+                log_probs[rows], old[rows], advantages[rows], mask[rows], 0.2, 0.28, normalizer
+            )
             for rows in (slice(0, 2), slice(2, 6))
         )
     )

@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rl_megatron.models.tiny import write_tiny_model
 
+MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
 COMMITTED_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "tiny-qwen2-digits")
 
 
@@ -36,14 +37,9 @@ def test_config_loads_with_the_demo_shape(tiny_dir):
     config = AutoConfig.from_pretrained(tiny_dir)
     assert config.model_type == "qwen2"
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (18, 64, 2)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 2, 32)
     assert not config.tie_word_embeddings
-    assert sorted(os.listdir(tiny_dir)) == [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
+    assert sorted(os.listdir(tiny_dir)) == MODEL_FILES
 
 
 def test_random_weights_are_seeded_and_loadable(tmp_path):
@@ -57,7 +53,7 @@ def test_random_weights_are_seeded_and_loadable(tmp_path):
         assert torch.equal(weight, other_weight), name
 
 
-@pytest.mark.parametrize("file_name", ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("file_name", MODEL_FILES)
 def test_committed_folder_matches_the_generator(tiny_dir, file_name):
     def load(folder):
         with open(os.path.join(folder, file_name)) as file:

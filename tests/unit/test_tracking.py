@@ -2,6 +2,7 @@ import json
 import os
 
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rl_megatron.tracking import Tracker
 
@@ -23,6 +24,9 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     assert records == [{"step": 1, "reward/mean": 0.25, "pg_loss": -1.5}, {"step": 2, "reward/mean": 0.75}]
     assert isinstance(records[1]["reward/mean"], float)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]
 
 
 def test_a_second_tracker_appends_to_the_same_run(tmp_path):
