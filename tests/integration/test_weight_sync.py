@@ -26,7 +26,9 @@ def assert_engines_hold(state: dict, engine_weights: list[dict]):
         assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
         for name, tensor in weights.items():
             parts = next(([name.replace(k, p) for p in v] for k, v in fused.items() if k in name), [name])
-            assert torch.equal(tensor, torch.cat([state[p] for p in parts])), name
+            expected = torch.cat([state[p] for p in parts])
+            # vLLM pads the vocabulary rows of its embedding and LM head; the rows that exist must match.
+            assert tensor.shape[1:] == expected.shape[1:] and torch.equal(tensor[: len(expected)], expected), name
 
 
 def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir):
