@@ -54,17 +54,26 @@ def start_ray(cfg) -> int:
     return cpus
 
 
+def config_error(err: ConfigError) -> int:
+    """Report a configuration problem as one `error: ...` line on stderr (no traceback); exit code 2."""
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return config_error(err)
     from rl_megatron.trainer.loop import train
 
     start = time.time()
-    summary = train(cfg, start_ray(cfg))
+    try:
+        summary = train(cfg, start_ray(cfg))
+    except ConfigError as err:  # found once the model or data is opened (e.g. a task that rejects the tokenizer)
+        return config_error(err)
     print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "
           f"{summary['reward_first']:.3f} (first 5 steps) -> {summary['reward_last']:.3f} (last 5 steps).")
     target = cfg.trainer.target_reward

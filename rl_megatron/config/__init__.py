@@ -25,56 +25,112 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
         keys[dotted] = f.type
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
+            _SECTIONS.add(dotted)
             keys.update(_schema_keys(type(default), dotted + "."))
     return keys
 
 
+_TASKS = ("arithmetic",)  # the built-in data.task names (rl_megatron/trainer/loop.py maps them to datasets)
+_SECTIONS: set[str] = set()  # dotted keys that hold a section (trainer, actor.optim, ...), filled by _schema_keys
 _KEYS = _schema_keys(Config)
 
 
-def _reject_unknown(tree: dict, where: str, prefix: str = "") -> None:
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _omegaconf_reason(err: OmegaConfBaseException) -> str:
+    """The first line of an OmegaConf error: its reason, without the full_key/reference_type trailer."""
+    text = str(getattr(err, "msg", None) or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _unknown_key(dotted: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(dotted, list(_KEYS), n=1, cutoff=0.6)
+    hint = f" Did you mean '{close[0]}'?" if close else " See rl_megatron/config/schema.py for the keys."
+    return ConfigError(f"Unknown config key '{dotted}' in {where}.{hint}")
+
+
+def _leaves(tree: dict, where: str, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """Flatten a (nested) mapping into (dotted key, value, where) settings, rejecting what the schema lacks."""
+    settings = []
     for key, value in tree.items():
         dotted = prefix + str(key)
         if dotted not in _KEYS:
-            close = difflib.get_close_matches(dotted, list(_KEYS), n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else " See rl_megatron/config/schema.py for the keys."
-            raise ConfigError(f"Unknown config key '{dotted}' in {where}.{hint}")
-        if isinstance(value, dict) and not isinstance(value, list):
-            _reject_unknown(value, where, dotted + ".")
+            raise _unknown_key(dotted, where)
+        if dotted in _SECTIONS:
+            if value is None:  # an empty section (`trainer:` with every key commented out)
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"Config key '{dotted}' (in {where}) is a section, not a value: set its keys "
+                                  f"instead, e.g. {dotted}.<key>=... (see rl_megatron/config/schema.py).")
+            settings += _leaves(value, where, dotted + ".")
+        elif isinstance(value, dict):
+            raise ConfigError(f"Config key '{dotted}' (in {where}) takes a single value, not a mapping of "
+                              f"{sorted(map(str, value))}.")
+        else:
+            settings.append((dotted, value, where))
+    return settings
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.exists(path):
+        raise ConfigError(f"Config file '{path}' does not exist. Pass an existing YAML, e.g. configs/demo_cpu.yaml.")
+    if not os.path.isfile(path):
+        raise ConfigError(f"Config file '{path}' is not a file. Pass a YAML file, e.g. configs/demo_cpu.yaml.")
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # yaml.YAMLError and friends: report them all the same way
+        problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        detail = f"{problem}{where}" if problem else _one_line(err)
+        raise ConfigError(f"Config file '{path}' is not valid YAML: {detail}. Fix the YAML syntax there.") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"Config file '{path}' must hold a mapping of sections (trainer:, model:, ...), "
+                          f"not a {type(tree).__name__}.")
+    return tree
+
+
+def _parse_override(item: str) -> list[tuple[str, Any, str]]:
+    where = "the command-line overrides"
+    if "=" not in item:
+        raise ConfigError(f"Override '{item}' is not of the form key=value (e.g. trainer.total_steps=5).")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"Override '{item}' has no key before '=' (e.g. trainer.total_steps=5).")
+    if key not in _KEYS:
+        raise _unknown_key(key, where)
+    try:  # parse the value as YAML, the way OmegaConf does: 5 -> int, 1e-3 -> float, [a, b] -> list, null -> None
+        tree = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
+    except Exception as err:
+        raise ConfigError(f"Override '{item}': the value of '{key}' is not valid YAML "
+                          f"({getattr(err, 'problem', None) or _one_line(err)}). Quote it or fix its brackets.") from None
+    return _leaves(tree, where)
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """Merge `path` (YAML) and `overrides` (`a.b=value`) onto the schema and validate the result."""
-    layers = []
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"Config file '{path}' does not exist. Pass an existing YAML, e.g. configs/demo_cpu.yaml.")
-        try:
-            tree = OmegaConf.to_container(OmegaConf.load(path))
-        except Exception as err:  # yaml.YAMLError and friends: report them all the same way
-            raise ConfigError(f"Config file '{path}' is not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"Config file '{path}' must hold a mapping of sections (trainer:, model:, ...).")
-        _reject_unknown(tree, f"'{path}'")
-        layers.append(tree)
+    settings = _leaves(_read_yaml(path), f"'{path}'") if path is not None else []
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"Override '{item}' is not of the form key=value (e.g. trainer.total_steps=5).")
-        key, value = item.split("=", 1)
-        if key not in _KEYS:
-            _reject_unknown({key: None}, "the command-line overrides")
-        layers.append(OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"])))
+        settings += _parse_override(item)
     merged = OmegaConf.structured(Config)
+    for key, value, where in settings:  # one key at a time, so that a bad value is reported with its key
+        try:
+            OmegaConf.update(merged, key, value, merge=False)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"Config key '{key}' (in {where}) has a bad value {value!r}: "
+                              f"{_omegaconf_reason(err)}. See its type in "
+                              "rl_megatron/config/schema.py.") from None
     try:
-        for layer in layers:
-            merged = OmegaConf.merge(merged, layer)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
-            raise ConfigError(f"Config key '{missing[0]}' must be set (in the YAML or as {missing[0]}=...).")
+            hint = " (a Hugging Face model folder)" if missing[0] == "model.path" else ""
+            raise ConfigError(f"Config key '{missing[0]}' must be set{hint}: in the YAML or as {missing[0]}=...")
         cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
+    except OmegaConfBaseException as err:  # e.g. an interpolation ${...} that does not resolve
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"Config key '{key}' has a bad value: {err.msg if hasattr(err, 'msg') else err}") from None
+        raise ConfigError(f"Config key '{key}' has a bad value: {_omegaconf_reason(err)}.") from None
     validate(cfg)
     return cfg
 
@@ -84,13 +140,25 @@ def to_yaml(cfg: Config) -> str:
 
 
 def read_hf_config(model_path: str) -> dict:
+    if not os.path.isdir(model_path):
+        raise ConfigError(
+            f"model.path='{model_path}' is not a folder (relative paths count from {os.getcwd()}). Point model.path "
+            "at a Hugging Face model folder (config.json, tokenizer files, *.safetensors).")
     config_file = os.path.join(model_path, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(
             f"model.path='{model_path}' has no config.json. Point model.path at a Hugging Face model folder "
             "(config.json, tokenizer files, *.safetensors).")
-    with open(config_file) as f:
-        return json.load(f)
+    try:
+        with open(config_file) as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"model.path='{model_path}': config.json is not readable JSON ({_one_line(err)}). "
+                          "Fix or replace the file.") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.path='{model_path}': config.json must hold a JSON object, "
+                          f"not a {type(hf).__name__}.")
+    return hf
 
 
 def validate(cfg: Config) -> None:
@@ -104,7 +172,27 @@ def validate(cfg: Config) -> None:
               ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size), ("actor.ppo_epochs", a.ppo_epochs),
               ("actor.micro_batch_size", a.micro_batch_size), ("rollout.n", r.n),
               ("rollout.max_tokens", r.max_tokens), ("rollout.tensor_parallel_size", r.tensor_parallel_size),
-              ("data.train_batch_size", d.train_batch_size), ("data.max_prompt_length", d.max_prompt_length))
+              ("data.train_batch_size", d.train_batch_size), ("data.max_prompt_length", d.max_prompt_length),
+              ("rollout.max_model_len", r.max_model_len), ("rollout.kv_cache_bytes", r.kv_cache_bytes),
+              ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by),
+              ("ray.object_store_memory", cfg.ray.object_store_memory))
+    if cfg.ray.num_cpus is not None:
+        _positive(("ray.num_cpus", cfg.ray.num_cpus))
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling.")
+    if r.top_k != -1 and r.top_k < 1:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (disabled) or at least 1.")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1], e.g. 0.5.")
+    for key, value in (("actor.optim.lr", a.optim.lr), ("actor.optim.min_lr", a.optim.min_lr),
+                       ("actor.optim.lr_warmup_steps", a.optim.lr_warmup_steps),
+                       ("actor.optim.weight_decay", a.optim.weight_decay),
+                       ("actor.optim.clip_grad", a.optim.clip_grad),
+                       ("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative.")
+    if cfg.data.task not in _TASKS:
+        raise ConfigError(f"data.task='{cfg.data.task}' is unknown: use one of {', '.join(_TASKS)}.")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype='{cfg.model.dtype}' is not supported: use float32 or bfloat16.")
     if a.optim.lr_decay_style not in ("constant", "linear", "cosine"):
@@ -119,19 +207,21 @@ def validate(cfg: Config) -> None:
     world = t.nnodes * t.n_gpus_per_node
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
     if cp != 1:
-        raise ConfigError(f"actor.context_parallel_size={cp}: only 1 is supported yet.")
+        raise ConfigError(f"actor.context_parallel_size={cp}: only 1 is supported yet; set "
+                          "actor.context_parallel_size=1.")
     if world % (tp * pp * cp):
         raise ConfigError(
             f"The actor has {world} devices (trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node="
-            f"{t.n_gpus_per_node}), which TP x PP x CP = {tp} x {pp} x {cp} does not divide. "
-            "Choose sizes whose product divides the device count; the rest becomes data parallelism.")
+            f"{t.n_gpus_per_node}), which actor.tensor_model_parallel_size={tp} x "
+            f"actor.pipeline_model_parallel_size={pp} x actor.context_parallel_size={cp} = {tp * pp * cp} does not "
+            "divide. Choose sizes whose product divides the device count; the rest becomes data parallelism.")
     dp = world // (tp * pp * cp)
     if world % r.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the actor's "
-                          f"{world} devices.")
+                          f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node); choose a divisor.")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is not a multiple of "
-                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}.")
+                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it a multiple.")
     samples = a.ppo_mini_batch_size * r.n
     if samples % (dp * a.micro_batch_size):
         raise ConfigError(
@@ -140,7 +230,8 @@ def validate(cfg: Config) -> None:
     if (d.train_batch_size * r.n) % (world // r.tensor_parallel_size):
         raise ConfigError(
             f"data.train_batch_size x rollout.n = {d.train_batch_size * r.n} samples do not split evenly over "
-            f"{world // r.tensor_parallel_size} rollout engines.")
+            f"{world // r.tensor_parallel_size} rollout engines (devices / rollout.tensor_parallel_size). "
+            "Change data.train_batch_size or rollout.n.")
     if d.max_prompt_length + r.max_tokens > r.max_model_len:
         raise ConfigError(f"data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens} "
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
@@ -152,16 +243,22 @@ def validate(cfg: Config) -> None:
 def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int) -> None:
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in hf:
-            raise ConfigError(f"The model's config.json lacks '{key}'; is it a decoder-only causal LM?")
+            raise ConfigError(f"The model's config.json (model.path) lacks '{key}'; is it a decoder-only causal LM?")
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "num_key_value_heads"):
+        value = hf.get(key)
+        if key in hf and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; it must be a positive "
+                              "integer.")
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     for name, size in (("actor.tensor_model_parallel_size", tp), ("rollout.tensor_parallel_size", rollout_tp)):
         if heads % size or groups % size:
             raise ConfigError(
-                f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads ({groups}).")
+                f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads ({groups}) "
+                "(model.path's config.json). Choose a size that divides both.")
     if hf["num_hidden_layers"] % pp:
         raise ConfigError(f"actor.pipeline_model_parallel_size={pp} must divide the model's "
-                          f"{hf['num_hidden_layers']} layers.")
+                          f"{hf['num_hidden_layers']} layers (model.path's config.json). Choose a divisor.")
 
 
 def _positive(*pairs) -> None:

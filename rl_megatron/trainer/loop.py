@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from rl_megatron import rewards
 from rl_megatron.algorithms import grpo_advantages, masked_mean
-from rl_megatron.config import Config, read_hf_config, to_yaml
+from rl_megatron.config import Config, ConfigError, read_hf_config, to_yaml
 from rl_megatron.data.arithmetic import arithmetic_rows
 from rl_megatron.data.loader import PromptLoader
 from rl_megatron.tracking import Tracker
@@ -63,8 +63,11 @@ def train(cfg: Config, cpus: int) -> dict:
     hf_config = read_hf_config(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    loader = PromptLoader(TASKS[cfg.data.task](), tokenizer, cfg.data.train_batch_size,
-                          cfg.data.max_prompt_length, cfg.trainer.seed)
+    try:
+        loader = PromptLoader(TASKS[cfg.data.task](), tokenizer, cfg.data.train_batch_size,
+                              cfg.data.max_prompt_length, cfg.trainer.seed)
+    except ValueError as err:
+        raise ConfigError(f"data.task={cfg.data.task}: {err}") from None
     run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

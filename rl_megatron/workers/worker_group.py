@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ray
 import torch
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_megatron import platform
@@ -77,13 +77,11 @@ class WorkerGroup:
 
     def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None):
         remote_cls = ray.remote(worker_cls)
-        self.worker_cls = worker_cls
+        self.pool = pool
         runtime_env = {"env_vars": env or {}}
-        # Rank 0 picks the rendezvous address; the others join it.
-        self.workers = [remote_cls.options(**pool.options(0), runtime_env=runtime_env).remote(0, pool.world_size, *args)]
-        addr, port = ray.get(self.workers[0].rendezvous.remote())
-        self.workers += [remote_cls.options(**pool.options(r), runtime_env=runtime_env).remote(r, pool.world_size, *args)
-                         for r in range(1, pool.world_size)]
+        self.workers = [remote_cls.options(**pool.options(rank), runtime_env=runtime_env)
+                        .remote(rank, pool.world_size, *args) for rank in range(pool.world_size)]
+        addr, port = ray.get(self.workers[0].rendezvous.remote())  # rank 0 hosts the process group's store
         ray.get([w.init.remote(addr, port) for w in self.workers])
         self.meshes = ray.get([w.mesh.remote() for w in self.workers])
         for name in dir(worker_cls):
@@ -103,5 +101,7 @@ class WorkerGroup:
         return concat_batches([out for _, out in owned])
 
     def shutdown(self) -> None:
+        """Stop the actors and give their devices back to the cluster."""
         for worker in self.workers:
             ray.kill(worker)
+        remove_placement_group(self.pool.placement_group)

@@ -69,7 +69,8 @@ def hf_reference(model_dir: str, batch: dict, temperature: float):
         logits = model(batch["input_ids"]).logits / temperature
     log_probs = torch.log_softmax(logits, -1)
     labels = torch.cat([batch["input_ids"][:, 1:], torch.zeros(BATCH, 1, dtype=torch.long)], 1)
-    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), model.state_dict()
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, model.state_dict()
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
@@ -77,10 +78,11 @@ def test_log_probs_and_export_match_transformers(tiny_model_dir, tp, pp):
     cfg = config(tiny_model_dir, tp, pp)
     batch = make_batch(18)
     results = run_distributed(log_probs_and_export, tp * pp, tp, pp, args=(cfg, batch))
-    ref_log_probs, ref_state = hf_reference(tiny_model_dir, batch, cfg.rollout.temperature)
+    ref_log_probs, ref_entropy, ref_state = hf_reference(tiny_model_dir, batch, cfg.rollout.temperature)
     owner = results[-1][0] if pp > 1 else results[0][0]
     mask = batch["response_mask"].bool()
     assert (owner["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+    assert (owner["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
     exported = results[0][1]
     assert set(exported) == set(ref_state)
     for name, tensor in ref_state.items():

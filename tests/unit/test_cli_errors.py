@@ -1,0 +1,75 @@
+"""The command line: `python -m rl_megatron.train` explains bad input in one `error:` line, before Ray starts.
+
+Each case runs the real entry point in a subprocess. A configuration problem must exit with code 2, print a single
+line starting with `error:` on stderr and no traceback, and do so quickly (Ray and Megatron are never started).
+"""
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = "configs/demo_cpu.yaml"
+FAIL_FAST_S = 20  # a config error must be reported well before Ray (or Megatron, or vLLM) could start
+
+
+def run_train(*args):
+    """Run the CLI from the repository root; returns (completed process, seconds it took)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rl_megatron.train", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    return proc, time.monotonic() - start
+
+
+def assert_config_error(proc, seconds, *needles):
+    """Exit code 2, exactly one `error:` line on stderr that contains every needle, no traceback, fast."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout  # nothing else ran
+    assert seconds < FAIL_FAST_S, f"took {seconds:.1f} s: the error should come before Ray starts"
+
+
+def test_help_shows_usage_and_an_example():
+    proc, seconds = run_train("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--config" in proc.stdout
+    assert "python -m rl_megatron.train --config configs/demo_cpu.yaml" in proc.stdout  # the example
+    assert "key=value" in proc.stdout
+    assert seconds < FAIL_FAST_S
+
+
+def test_malformed_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  total_steps: [1, 2\nmodel:\n  path: configs/models/tiny-qwen2-digits\n")
+    proc, seconds = run_train("--config", str(path))
+    assert_config_error(proc, seconds, "bad.yaml", "not valid YAML", "line")
+
+
+def test_impossible_parallel_layout():
+    proc, seconds = run_train("--config", DEMO, "actor.tensor_model_parallel_size=3")
+    assert_config_error(proc, seconds, "actor.tensor_model_parallel_size=3", "trainer.n_gpus_per_node")
+
+
+def test_missing_model_folder(tmp_path):
+    proc, seconds = run_train("--config", DEMO, f"model.path={tmp_path / 'no-such-model'}")
+    assert_config_error(proc, seconds, "model.path=", "no-such-model")
+
+
+def test_unknown_override_key_suggests_the_right_one():
+    proc, seconds = run_train("--config", DEMO, "trainer.total_step=5")
+    assert_config_error(proc, seconds, "trainer.total_step", "Did you mean 'trainer.total_steps'?")
+
+
+def test_type_error_names_the_key():
+    proc, seconds = run_train("--config", DEMO, "trainer.total_steps=abc")
+    assert_config_error(proc, seconds, "trainer.total_steps", "abc")
+
+
+def test_missing_config_file():
+    proc, seconds = run_train("--config", "configs/no_such_config.yaml")
+    assert_config_error(proc, seconds, "configs/no_such_config.yaml", "does not exist")

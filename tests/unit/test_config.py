@@ -1,0 +1,373 @@
+"""Config loading: YAML + `key=value` overrides onto the typed schema, and the validation messages.
+
+Every failure must be a ConfigError whose message names the offending key (and says how to fix it).
+No Ray, no Megatron: these run in well under a second.
+"""
+import json
+import os
+
+import pytest
+
+from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config.schema import ActorConfig, Config, OptimConfig, TrainerConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
+DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
+
+
+def load_demo(*overrides):
+    """The demo config, with its (repo-relative) model path made absolute so the tests run from any folder."""
+    return load_config(DEMO, [f"model.path={DEMO_MODEL}", *overrides])
+
+
+def config_error(*overrides, path=DEMO) -> str:
+    """The message of the ConfigError that loading `path` with `overrides` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [f"model.path={DEMO_MODEL}", *overrides] if path == DEMO else list(overrides))
+    return str(info.value)
+
+
+def write(folder, name, text) -> str:
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def model_folder(folder, **hf) -> str:
+    """A model folder whose config.json has the demo model's shape, changed by `hf` (None drops a field)."""
+    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64,
+              "vocab_size": 18, **hf}
+    config = {key: value for key, value in config.items() if value is not None}
+    os.makedirs(folder, exist_ok=True)
+    write(folder, "config.json", json.dumps(config))
+    return str(folder)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def test_demo_config_loads_as_typed_dataclasses():
+    cfg = load_demo()
+    assert isinstance(cfg, Config)
+    assert isinstance(cfg.trainer, TrainerConfig)
+    assert isinstance(cfg.actor, ActorConfig)
+    assert isinstance(cfg.actor.optim, OptimConfig)
+    assert isinstance(cfg.actor.optim.lr, float) and cfg.actor.optim.lr == pytest.approx(1e-3)
+    assert cfg.actor.optim.betas == (0.9, 0.999)
+    assert cfg.trainer.experiment_name == "demo_cpu"
+    assert isinstance(cfg.trainer.total_steps, int) and cfg.trainer.total_steps == 400
+    assert cfg.actor.tensor_model_parallel_size == 2
+    assert cfg.model.random_init is True
+    assert cfg.trainer.target_reward == pytest.approx(0.8)
+
+
+def test_demo_config_loads_with_its_relative_model_path_from_the_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config("configs/demo_cpu.yaml")
+    assert cfg.model.path == "configs/models/tiny-qwen2-digits"
+
+
+def test_schema_defaults_fill_keys_the_yaml_leaves_out():
+    cfg = load_demo()
+    assert cfg.trainer.seed == 0
+    assert cfg.actor.optim.lr_decay_style == "constant"
+    assert cfg.ray.address is None
+
+
+def test_overrides_apply_to_nested_keys_and_are_typed():
+    cfg = load_demo("actor.optim.lr=0.5", "trainer.total_steps=5", "trainer.target_reward=null",
+                    "model.random_init=false", "actor.optim.betas=[0.8,0.95]", "trainer.experiment_name=123")
+    assert cfg.actor.optim.lr == 0.5 and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.trainer.total_steps == 5 and isinstance(cfg.trainer.total_steps, int)
+    assert cfg.trainer.target_reward is None
+    assert cfg.model.random_init is False
+    assert cfg.actor.optim.betas == (0.8, 0.95)
+    assert cfg.trainer.experiment_name == "123"  # a str field keeps a number-looking value as a str
+    assert cfg.actor.optim.clip_grad == 1.0  # the YAML's sibling keys survive a nested override
+
+
+def test_scientific_notation_and_int_to_float_overrides():
+    assert load_demo("actor.optim.lr=1e-4").actor.optim.lr == pytest.approx(1e-4)
+    cfg = load_demo("trainer.target_reward=1")
+    assert cfg.trainer.target_reward == 1.0 and isinstance(cfg.trainer.target_reward, float)
+
+
+def test_later_overrides_win():
+    assert load_demo("trainer.total_steps=5", "trainer.total_steps=7").trainer.total_steps == 7
+
+
+def test_override_value_may_contain_equals_sign():
+    assert load_demo("trainer.experiment_name=a=b").trainer.experiment_name == "a=b"
+
+
+def test_no_yaml_at_all_uses_the_schema_defaults_plus_overrides():
+    cfg = load_config(None, [f"model.path={DEMO_MODEL}"])
+    assert cfg.actor.optim.lr == 1e-6 and cfg.trainer.total_steps == 100
+
+
+def test_an_empty_section_in_yaml_is_allowed(tmp_path):
+    path = write(tmp_path, "c.yaml", f"trainer:\nmodel:\n  path: {DEMO_MODEL}\n")
+    assert load_config(path).trainer.total_steps == 100
+
+
+# ------------------------------------------------------------------------------------- files and syntax
+
+
+def test_missing_yaml_file(tmp_path):
+    message = config_error(path=str(tmp_path / "nope.yaml"))
+    assert "nope.yaml" in message and "does not exist" in message
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    path = write(tmp_path, "bad.yaml", "trainer:\n  total_steps: [1, 2\nmodel:\n  path: x\n")
+    message = config_error(path=path)
+    assert "bad.yaml" in message and "not valid YAML" in message and "line" in message
+    assert "\n" not in message
+
+
+def test_yaml_that_is_a_list_is_rejected(tmp_path):
+    path = write(tmp_path, "list.yaml", "- trainer\n- model\n")
+    message = config_error(path=path)
+    assert "list.yaml" in message and "mapping" in message
+
+
+def test_unknown_key_in_yaml_suggests_the_close_match(tmp_path):
+    path = write(tmp_path, "typo.yaml", f"trainer:\n  total_step: 5\nmodel:\n  path: {DEMO_MODEL}\n")
+    message = config_error(path=path)
+    assert "'trainer.total_step'" in message and "typo.yaml" in message
+    assert "Did you mean 'trainer.total_steps'?" in message
+
+
+def test_unknown_section_in_yaml(tmp_path):
+    path = write(tmp_path, "typo.yaml", "trainerr:\n  total_steps: 5\n")
+    message = config_error(path=path)
+    assert "'trainerr'" in message and "Did you mean 'trainer'?" in message
+
+
+def test_unknown_key_in_overrides_suggests_the_close_match():
+    message = config_error("trainer.total_step=5")
+    assert "'trainer.total_step'" in message and "command-line" in message
+    assert "Did you mean 'trainer.total_steps'?" in message
+
+
+def test_unknown_key_with_no_close_match_points_at_the_schema():
+    message = config_error("zzz.qqq=1")
+    assert "'zzz.qqq'" in message and "schema.py" in message
+
+
+def test_override_without_equals_sign():
+    message = config_error("trainer.total_steps")
+    assert "'trainer.total_steps'" in message and "key=value" in message
+
+
+def test_override_without_a_key():
+    message = config_error("=5")
+    assert "'=5'" in message and "no key" in message
+
+
+def test_override_with_unparsable_value():
+    message = config_error("trainer.experiment_name=[a")
+    assert "trainer.experiment_name" in message and "not valid YAML" in message
+
+
+def test_a_section_given_a_plain_value():
+    message = config_error("actor.optim=3")
+    assert "'actor.optim'" in message and "section" in message and "actor.optim.<key>" in message
+
+
+def test_a_value_given_a_mapping(tmp_path):
+    path = write(tmp_path, "c.yaml", f"trainer:\n  total_steps:\n    a: 1\nmodel:\n  path: {DEMO_MODEL}\n")
+    message = config_error(path=path)
+    assert "'trainer.total_steps'" in message and "single value" in message
+
+
+# -------------------------------------------------------------------------------------------------- types
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.total_steps=abc", "trainer.total_steps"),
+    ("trainer.total_steps=1.5", "trainer.total_steps"),
+    ("trainer.progress_bar=maybe", "trainer.progress_bar"),
+    ("actor.optim.lr=fast", "actor.optim.lr"),
+    ("actor.optim.betas=[0.9]", "actor.optim.betas"),
+    ("trainer.experiment_name=null", "trainer.experiment_name"),
+])
+def test_type_errors_name_the_key(override, key):
+    message = config_error(override)
+    assert f"'{key}'" in message and "bad value" in message and "schema.py" in message
+    assert "\n" not in message and "full_key" not in message
+
+
+def test_type_error_in_yaml_names_the_key_and_file(tmp_path):
+    path = write(tmp_path, "c.yaml", f"trainer:\n  total_steps: many\nmodel:\n  path: {DEMO_MODEL}\n")
+    message = config_error(path=path)
+    assert "'trainer.total_steps'" in message and "c.yaml" in message
+
+
+def test_unresolvable_interpolation_names_the_key():
+    message = config_error("trainer.total_steps=${nowhere}")
+    assert "'trainer.total_steps'" in message and "nowhere" in message
+
+
+# --------------------------------------------------------------------------------------------- model path
+
+
+def test_yaml_without_model_path_says_it_must_be_set(tmp_path):
+    path = write(tmp_path, "nomodel.yaml", "trainer:\n  total_steps: 3\n")
+    message = config_error(path=path)
+    assert "'model.path'" in message and "must be set" in message and "model.path=" in message
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    message = config_error(f"model.path={tmp_path / 'no-such-model'}")
+    assert "model.path=" in message and "no-such-model" in message and "not a folder" in message
+
+
+def test_model_path_without_config_json(tmp_path):
+    message = config_error(f"model.path={tmp_path}")
+    assert "model.path=" in message and "config.json" in message and "Hugging Face" in message
+
+
+def test_model_path_with_broken_config_json(tmp_path):
+    write(tmp_path, "config.json", "{not json")
+    message = config_error(f"model.path={tmp_path}")
+    assert "model.path=" in message and "config.json" in message and "JSON" in message
+
+
+def test_model_config_json_lacking_a_required_field(tmp_path):
+    write(tmp_path, "config.json", json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 8}))
+    message = config_error(f"model.path={tmp_path}")
+    assert "'hidden_size'" in message and "model.path" in message
+
+
+# ------------------------------------------------------------------------------------ parallelism layout
+
+
+@pytest.mark.parametrize("overrides", [
+    ["actor.tensor_model_parallel_size=3"],  # 2 devices, TP 3
+    ["actor.tensor_model_parallel_size=1", "actor.pipeline_model_parallel_size=4"],  # 2 devices, PP 4
+    ["trainer.n_gpus_per_node=3"],  # 3 devices, TP 2
+    ["trainer.nnodes=3", "trainer.n_gpus_per_node=1"],  # 3 devices, TP 2
+])
+def test_tp_pp_cp_must_divide_the_devices(overrides):
+    message = config_error(*overrides)
+    assert "actor.tensor_model_parallel_size" in message and "actor.pipeline_model_parallel_size" in message
+    assert "trainer.nnodes" in message and "trainer.n_gpus_per_node" in message
+    assert "divide" in message
+
+
+def test_context_parallel_other_than_one_is_not_supported():
+    message = config_error("actor.context_parallel_size=2")
+    assert "actor.context_parallel_size=2" in message and "actor.context_parallel_size=1" in message
+
+
+def test_tp_must_divide_the_attention_heads(tmp_path):
+    model = model_folder(tmp_path / "m", num_attention_heads=3, num_key_value_heads=3)
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=2")
+    assert "actor.tensor_model_parallel_size=2" in message and "attention heads (3)" in message
+
+
+def test_tp_must_divide_the_key_value_heads(tmp_path):
+    model = model_folder(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3)
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=2")
+    assert "actor.tensor_model_parallel_size=2" in message and "key/value heads (3)" in message
+
+
+def test_tp_dividing_both_head_counts_is_fine(tmp_path):
+    model = model_folder(tmp_path / "m", num_attention_heads=6, num_key_value_heads=2)
+    assert load_demo(f"model.path={model}").actor.tensor_model_parallel_size == 2
+
+
+def test_missing_key_value_heads_means_as_many_as_attention_heads(tmp_path):
+    model = model_folder(tmp_path / "m", num_attention_heads=3, num_key_value_heads=None)
+    message = config_error(f"model.path={model}")
+    assert "attention heads (3) and key/value heads (3)" in message
+
+
+def test_rollout_tp_must_divide_the_heads_too(tmp_path):
+    model = model_folder(tmp_path / "m", num_attention_heads=6, num_key_value_heads=3)
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                           "rollout.tensor_parallel_size=2")
+    assert "rollout.tensor_parallel_size=2" in message and "key/value heads (3)" in message
+
+
+def test_rollout_tp_must_divide_the_devices():
+    message = config_error("rollout.tensor_parallel_size=4")
+    assert "rollout.tensor_parallel_size=4" in message and "devices" in message
+
+
+def test_pp_must_divide_the_layers(tmp_path):
+    model = model_folder(tmp_path / "m", num_hidden_layers=3)
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                           "actor.pipeline_model_parallel_size=2")
+    assert "actor.pipeline_model_parallel_size=2" in message and "3 layers" in message
+
+
+# ------------------------------------------------------------------------------------------- batch sizes
+
+
+def test_train_batch_must_be_a_multiple_of_the_mini_batch():
+    message = config_error("data.train_batch_size=24")
+    assert "data.train_batch_size=24" in message and "actor.ppo_mini_batch_size=16" in message
+    assert "multiple" in message
+
+
+def test_mini_batch_samples_must_split_into_dp_micro_batches():
+    # 2 devices at TP 1 -> DP 2; a mini-batch of 16 x 8 = 128 samples does not split into 2 x 48.
+    message = config_error("actor.tensor_model_parallel_size=1", "actor.micro_batch_size=48")
+    assert "actor.ppo_mini_batch_size" in message and "rollout.n" in message
+    assert "actor.micro_batch_size=48" in message and "data-parallel size 2" in message
+
+
+def test_batch_that_does_not_split_over_the_rollout_engines():
+    # 2 engines, train batch 3 x 1 sample: 3 samples do not split over 2 engines.
+    message = config_error("data.train_batch_size=3", "actor.ppo_mini_batch_size=1", "rollout.n=1",
+                           "actor.micro_batch_size=1")
+    assert "data.train_batch_size" in message and "rollout.n" in message and "rollout engines" in message
+
+
+def test_prompt_plus_response_must_fit_the_model_length():
+    message = config_error("rollout.max_tokens=100")
+    assert "rollout.max_tokens" in message and "rollout.max_model_len=32" in message
+
+
+# ------------------------------------------------------------------------------------- values and names
+
+
+@pytest.mark.parametrize("key", [
+    "trainer.total_steps", "trainer.nnodes", "trainer.n_gpus_per_node", "actor.tensor_model_parallel_size",
+    "actor.pipeline_model_parallel_size", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+    "actor.micro_batch_size", "rollout.n", "rollout.max_tokens", "rollout.tensor_parallel_size",
+    "data.train_batch_size", "data.max_prompt_length", "model.make_vocab_size_divisible_by", "ray.num_cpus",
+])
+@pytest.mark.parametrize("value", [0, -1])
+def test_values_below_one_are_rejected(key, value):
+    message = config_error(f"{key}={value}")
+    assert f"{key}={value}" in message and "at least 1" in message
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("rollout.top_k=0", "rollout.top_k"),
+    ("rollout.gpu_memory_utilization=2", "rollout.gpu_memory_utilization"),
+    ("actor.optim.lr=-0.1", "actor.optim.lr"),
+    ("actor.clip_ratio_low=-0.2", "actor.clip_ratio_low"),
+])
+def test_out_of_range_values_are_rejected(override, key):
+    assert f"{key}=" in config_error(override)
+
+
+@pytest.mark.parametrize("override, key, fix", [
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator", "grpo"),
+    ("algorithm.loss_agg_mode=seq-mean", "algorithm.loss_agg_mode", "token-mean"),
+    ("model.dtype=float16", "model.dtype", "bfloat16"),
+    ("actor.optim.lr_decay_style=step", "actor.optim.lr_decay_style", "cosine"),
+    ("data.task=gsm8k", "data.task", "arithmetic"),
+])
+def test_unknown_names_are_rejected_with_the_choices(override, key, fix):
+    message = config_error(override)
+    assert f"{key}=" in message and "'" + override.split("=")[1] + "'" in message and fix in message
