@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rl_megatron.config.schema import Config
+from rl_megatron.data import TASKS
 
 
 class ConfigError(ValueError):
@@ -30,7 +31,6 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
     return keys
 
 
-_TASKS = ("arithmetic",)  # the built-in data.task names (rl_megatron/trainer/loop.py maps them to datasets)
 _SECTIONS: set[str] = set()  # dotted keys that hold a section (trainer, actor.optim, ...), filled by _schema_keys
 _KEYS = _schema_keys(Config)
 
@@ -191,8 +191,8 @@ def validate(cfg: Config) -> None:
                        ("actor.clip_ratio_low", a.clip_ratio_low), ("actor.clip_ratio_high", a.clip_ratio_high)):
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative.")
-    if cfg.data.task not in _TASKS:
-        raise ConfigError(f"data.task='{cfg.data.task}' is unknown: use one of {', '.join(_TASKS)}.")
+    if cfg.data.task not in TASKS:
+        raise ConfigError(f"data.task='{cfg.data.task}' is unknown: use one of {', '.join(TASKS)}.")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype='{cfg.model.dtype}' is not supported: use float32 or bfloat16.")
     if a.optim.lr_decay_style not in ("constant", "linear", "cosine"):

@@ -6,6 +6,9 @@ Log-probs are `processed_logprobs`: after temperature, which is what the trainer
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import glob
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -28,6 +31,24 @@ CPU_ENGINE_ENV = {
 }
 
 
+def remove_stale_cpu_shm() -> None:
+    """A sharded CPU engine all-reduces through /dev/shm segments whose names are the same in every run
+    ('-tp:0-[0-1]-cpushm_0', ...). A run that was killed leaves them behind, and the next engine then
+    fails with 'create shm in SHMManager failed. errno: 17'. Remove those that no live process maps."""
+    leftovers = set(glob.glob("/dev/shm/*-cpushm_*"))
+    if not leftovers:
+        return
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                leftovers -= {line.split(maxsplit=5)[-1].strip() for line in f if "cpushm_" in line}
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    for path in leftovers:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -42,6 +63,8 @@ class VLLMEngine:
             os.environ.setdefault(key, value)
         from vllm import LLM
 
+        if cfg.tensor_parallel_size > 1 and not platform.has_cuda():
+            remove_stale_cpu_shm()
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
                   else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
         self.cfg, self.eos_token_id = cfg, eos_token_id
@@ -53,8 +76,10 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             enforce_eager=not platform.has_cuda(),
             seed=seed,
-            tensor_parallel_size=1,
-            distributed_executor_backend="uni",
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            # TP=1: a whole engine per worker. TP>1: the engine's shards live in the workers that already
+            # form the trainer's process group (vLLM's SPMD mode); every shard is given the same prompts.
+            distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "external_launcher",
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             **memory,
@@ -98,3 +123,12 @@ class VLLMEngine:
         """The engine's parameters by vLLM name, except those vLLM repacked for the CPU kernels (size 0)."""
         model = self._model_runner().get_model()
         return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.numel() > 0}
+
+    def close(self) -> None:
+        """Free the engine and its process groups; a sharded engine's groups own /dev/shm segments that are
+        only unlinked here (a killed process leaves them behind)."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        del self.llm
+        destroy_model_parallel()
+        gc.collect()

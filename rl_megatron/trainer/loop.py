@@ -17,14 +17,13 @@ from tqdm import tqdm
 from rl_megatron import rewards
 from rl_megatron.algorithms import grpo_advantages, masked_mean
 from rl_megatron.config import Config, ConfigError, read_hf_config, to_yaml
-from rl_megatron.data.arithmetic import arithmetic_rows
+from rl_megatron.data import TASKS
 from rl_megatron.data.loader import PromptLoader
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.sequences import pack_generations
 from rl_megatron.workers.actor_rollout import ActorRolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
 
-TASKS = {"arithmetic": arithmetic_rows}
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
 
 

@@ -31,16 +31,21 @@ class ActorRolloutWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port,
                          cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed)
         self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.rank,
+        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.rank // cfg.rollout.tensor_parallel_size,
                                  eos_token_id=self.hf_config["eos_token_id"])
+
+    def close(self) -> None:
+        self.engine.close()
 
     def mesh(self) -> dict:
         from megatron.core import parallel_state
 
+        engine_tp = self.cfg.rollout.tensor_parallel_size
         return {
             "dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                    owns_dp_output()),
-            "rollout": (self.rank, self.world_size, True),  # one engine per device (engine TP = 1)
+            # Engine e spans ranks e*TP .. e*TP+TP-1; its first rank returns the samples.
+            "rollout": (self.rank // engine_tp, self.world_size // engine_tp, self.rank % engine_tp == 0),
         }
 
     @dispatch(axis="rollout")

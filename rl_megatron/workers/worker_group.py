@@ -73,7 +73,10 @@ class ResourcePool:
 
 
 class WorkerGroup:
-    """N actors of `worker_cls`; each method marked with @dispatch becomes a method of the group."""
+    """N actors of `worker_cls`; each method marked with @dispatch becomes a method of the group.
+
+    A worker class takes (rank, world_size, *args) and provides `rendezvous()` (rank 0's address and a free
+    port), `init(addr, port)`, `mesh()` (its place on each dispatch axis) and `close()`."""
 
     def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None):
         remote_cls = ray.remote(worker_cls)
@@ -101,7 +104,8 @@ class WorkerGroup:
         return concat_batches([out for _, out in owned])
 
     def shutdown(self) -> None:
-        """Stop the actors and give their devices back to the cluster."""
+        """Let the workers release what outlives a process (shared memory), stop them, free their devices."""
+        ray.get([worker.close.remote() for worker in self.workers], timeout=120)
         for worker in self.workers:
             ray.kill(worker)
         remove_placement_group(self.pool.placement_group)

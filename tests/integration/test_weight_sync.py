@@ -1,5 +1,6 @@
 """Ray workers hosting Megatron TP=2 shards and vLLM engines: the engines get exactly the trainer's weights,
 and generate what `transformers` generates with those weights, before and after an update."""
+import pytest
 import torch
 
 PROMPTS = ["3+4=", "1+1=", "0+9=", "5+2="]
@@ -31,7 +32,9 @@ def assert_engines_hold(state: dict, engine_weights: list[dict]):
             assert tensor.shape[1:] == expected.shape[1:] and torch.equal(tensor[: len(expected)], expected), name
 
 
-def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir):
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, engine_tp):
+    """Engine TP=1: one engine per worker; engine TP=2: one engine sharded over both workers."""
     from transformers import AutoTokenizer
 
     from rl_megatron.config import load_config, read_hf_config
@@ -39,14 +42,16 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir):
     from rl_megatron.trainer.sequences import pack_generations
 
     cfg = load_config("configs/demo_cpu.yaml", [f"model.path={tiny_model_dir}", "model.random_init=false",
-                                                f"rollout.max_tokens={NEW_TOKENS}", "actor.optim.lr=0.05"])
+                                                f"rollout.max_tokens={NEW_TOKENS}", "actor.optim.lr=0.05",
+                                                f"rollout.tensor_parallel_size={engine_tp}"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     actor = build_actor(cfg, read_hf_config(tiny_model_dir), cpus=2)
     try:
         actor.sync_weights()
         state = actor.hf_state_dict()[0]
-        assert_engines_hold(state, actor.engine_weights())
+        if engine_tp == 1:  # a sharded engine holds slices; its outputs below check it instead
+            assert_engines_hold(state, actor.engine_weights())
         before = [g.response_ids for g in actor.generate_greedy(prompt_ids)]
         assert before == hf_greedy(state, tiny_model_dir, prompt_ids)
 
@@ -54,12 +59,16 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir):
         generations = actor.generate(prompt_ids * 4)
         batch = pack_generations(generations, pad_id=0)
         batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
+        # The engine sampled from the distribution the trainer computes.
+        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * batch["response_mask"]
+        assert gap.max() < 1e-5
         batch["advantages"] = torch.ones(len(generations))
         actor.update(batch)
         actor.sync_weights()
         new_state = actor.hf_state_dict()[0]
         assert any(not torch.equal(state[n], new_state[n]) for n in state)
-        assert_engines_hold(new_state, actor.engine_weights())
+        if engine_tp == 1:
+            assert_engines_hold(new_state, actor.engine_weights())
         after = [g.response_ids for g in actor.generate_greedy(prompt_ids)]
         assert after == hf_greedy(new_state, tiny_model_dir, prompt_ids)
         assert after != before

@@ -1,0 +1,143 @@
+"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,sync} [--json]`.
+
+Each prints its figure and the ratio to a limit measured in the same run on the same machine:
+- generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
+  largest GEMM shape (an MFU measured against what this machine really does, not a datasheet);
+- sync (Megatron -> vLLM weights): bytes/s against a plain memory copy of the same bytes.
+Runs in one process (world size 1, the colocated layout of a worker) on a ~15M-parameter Qwen2 built
+from a config, with random weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+BENCHES = ("generate", "log_probs", "update", "sync")
+
+
+def bench_model_config(hidden: int, layers: int, vocab: int) -> dict:
+    heads = hidden // 64
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+            "intermediate_size": hidden * 11 // 4, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 4), "head_dim": 64, "vocab_size": vocab,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": "float32"}
+
+
+def matmul_flops_per_s(m: int, k: int, n: int, seconds: float = 1.0) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * m * k * n * runs / (time.perf_counter() - start)
+
+
+def copy_bytes_per_s(nbytes: int, seconds: float = 1.0) -> float:
+    src = torch.empty(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        dst.copy_(src)
+        runs += 1
+    return nbytes * runs / (time.perf_counter() - start)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rl_megatron.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=BENCHES)
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of text")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=32, help="sequences per call")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (prompt + response)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)  # before vLLM starts: it freezes the thread count
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['bench']}: {result['value']:.4g} {result['unit']}  "
+              f"({result['ratio']:.3f} of {result['limit_name']} {result['limit']:.4g})")
+
+
+def run(args) -> dict:
+    from rl_megatron.config import load_config, read_hf_config
+    from rl_megatron.workers.distributed import free_port, init_distributed
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    model_dir = tempfile.mkdtemp(prefix="rl_megatron_bench_")
+    hf = bench_model_config(args.hidden, args.layers, args.vocab)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    response = args.seq // 2
+    cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", "trainer.n_gpus_per_node=1",
+                             f"rollout.max_tokens={response}", f"rollout.max_model_len={args.seq + 8}",
+                             f"data.max_prompt_length={args.seq - response}", "rollout.n=1",
+                             f"data.train_batch_size={args.batch}", f"actor.ppo_mini_batch_size={args.batch}",
+                             f"actor.micro_batch_size={min(args.batch, 8)}", "actor.optim.lr=1e-5",
+                             "model.make_vocab_size_divisible_by=1"])
+    init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
+    actor = MegatronActor(cfg, read_hf_config(model_dir), optimizer_steps=100)
+    params = sum(p.numel() for name, p in actor.module.named_parameters() if "embedding" not in name)
+    tokens = args.batch * args.seq
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(3, args.vocab, (args.batch, args.seq), generator=g),
+             "response_mask": torch.zeros(args.batch, args.seq), "advantages": torch.randn(args.batch, generator=g)}
+    batch["response_mask"][:, args.seq - response - 1:-1] = 1.0
+    peak = matmul_flops_per_s(min(tokens, 2048), args.hidden, args.hidden * 11 // 4)
+    compute = {"limit_name": "matmul FLOP/s", "limit": peak, "unit": "FLOP/s"}
+
+    if args.name == "log_probs":
+        seconds = timed(lambda: actor.log_probs({"input_ids": batch["input_ids"]}), repeats=3)
+        value = 2 * params * tokens / seconds
+        return {"bench": "log_probs", "value": value, "ratio": value / peak, "seconds": seconds,
+                "tokens_per_s": tokens / seconds, **compute}
+    if args.name == "update":
+        batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
+        seconds = timed(lambda: actor.update(batch), repeats=3)
+        value = 6 * params * tokens / seconds
+        return {"bench": "update", "value": value, "ratio": value / peak, "seconds": seconds,
+                "tokens_per_s": tokens / seconds, **compute}
+
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0, eos_token_id=hf["eos_token_id"])
+    if args.name == "sync":
+        state = actor.hf_state_dict()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        seconds = timed(lambda: engine.load_weights(actor.hf_state_dict().items()), repeats=5)
+        limit = copy_bytes_per_s(nbytes)
+        return {"bench": "sync", "value": nbytes / seconds, "unit": "B/s", "limit_name": "memcpy B/s",
+                "limit": limit, "ratio": nbytes / seconds / limit, "bytes": nbytes, "seconds": seconds}
+    prompts = batch["input_ids"][:, : args.seq - response].tolist()
+    counts = []
+    seconds = timed(lambda: counts.append(sum(len(g.response_ids) for g in engine.generate(prompts, n=1))), repeats=2)
+    generated = sum(counts[1:]) / len(counts[1:])  # random weights rarely sample EOS: count what was made
+    value = 2 * params * generated / seconds
+    return {"bench": "generate", "value": value, "ratio": value / peak, "seconds": seconds,
+            "tokens_per_s": generated / seconds, **compute}
+
+
+if __name__ == "__main__":
+    main()
