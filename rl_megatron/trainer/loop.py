@@ -43,15 +43,17 @@ def build_actor(cfg: Config, hf_config: dict, cpus: int) -> WorkerGroup:
     steps_per_rl_step = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
     threads = max(1, cpus // pool.world_size)
     return WorkerGroup(ActorRolloutWorker, pool, cfg, hf_config, cfg.trainer.total_steps * steps_per_rl_step,
-                       threads, env=worker_env(threads))
+                       threads, env=worker_env(threads, local_cluster=cfg.ray.address is None))
 
 
-def worker_env(threads: int) -> dict:
+def worker_env(threads: int, local_cluster: bool) -> dict:
     from rl_megatron.rollout.vllm_engine import CPU_ENGINE_ENV, ENGINE_ENV
 
     env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads)}
     if not torch.cuda.is_available():
-        env.update(CPU_ENGINE_ENV, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+        env.update(CPU_ENGINE_ENV)
+        if local_cluster:  # everything on this machine: keep gloo on the loopback interface
+            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 
