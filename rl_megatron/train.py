@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,35 +26,8 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def start_ray(cfg) -> int:
-    """Join the configured cluster or start a local one; returns the CPUs Ray may use."""
-    import ray
-
-    if cfg.ray.address is None:
-        # A local, private Ray: no usage stats, no auth token written to the home folder.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if not ray.is_initialized():
-        try:
-            if cfg.ray.address is None:
-                ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1",
-                         log_to_driver=True)
-            else:
-                ray.init(address=cfg.ray.address)
-        except Exception as err:
-            raise SystemExit(f"error: Ray failed to start ({err}). Check that no stale Ray runs "
-                             "(`ray stop`), that /dev/shm has room, or set ray.address to a running cluster.")
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if cfg.ray.address is None and cpus < devices:
-        raise SystemExit(f"error: the actor needs {devices} CPU slots (trainer.nnodes x trainer.n_gpus_per_node) "
-                         f"but Ray has {cpus}. Lower trainer.n_gpus_per_node or raise ray.num_cpus.")
-    return cpus
-
-
-def config_error(err: ConfigError) -> int:
-    """Report a configuration problem as one `error: ...` line on stderr (no traceback); exit code 2."""
+def report_error(err: Exception) -> int:
+    """Report a problem with the input or the cluster as one `error: ...` line on stderr (no traceback)."""
     message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -66,14 +38,15 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        return config_error(err)
+        return report_error(err)
     from rl_megatron.trainer.loop import train
+    from rl_megatron.workers.cluster import ClusterError
 
     start = time.time()
     try:
-        summary = train(cfg, start_ray(cfg))
-    except ConfigError as err:  # found once the model or data is opened (e.g. a task that rejects the tokenizer)
-        return config_error(err)
+        summary = train(cfg)
+    except (ConfigError, ClusterError) as err:  # found once the data is built, or when Ray starts
+        return report_error(err)
     print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "
           f"{summary['reward_first']:.3f} (first 5 steps) -> {summary['reward_last']:.3f} (last 5 steps).")
     target = cfg.trainer.target_reward

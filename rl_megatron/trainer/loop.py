@@ -22,6 +22,7 @@ from rl_megatron.data.loader import PromptLoader
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.sequences import pack_generations
 from rl_megatron.workers.actor_rollout import ActorRolloutWorker
+from rl_megatron.workers.cluster import start_ray
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
@@ -57,7 +58,7 @@ def worker_env(threads: int, local_cluster: bool) -> dict:
     return env
 
 
-def train(cfg: Config, cpus: int) -> dict:
+def train(cfg: Config) -> dict:
     """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
     from transformers import AutoTokenizer
 
@@ -74,7 +75,7 @@ def train(cfg: Config, cpus: int) -> dict:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
 
-    actor = build_actor(cfg, hf_config, cpus)
+    actor = build_actor(cfg, hf_config, start_ray(cfg))
     actor.sync_weights()  # the engines start from dummy weights: give them the policy's
     reward_history: list[float] = []
     timer = Timer()

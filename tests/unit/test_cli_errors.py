@@ -73,3 +73,16 @@ def test_type_error_names_the_key():
 def test_missing_config_file():
     proc, seconds = run_train("--config", "configs/no_such_config.yaml")
     assert_config_error(proc, seconds, "configs/no_such_config.yaml", "does not exist")
+
+
+def test_dataset_with_no_prompts_fails_before_ray():
+    proc, seconds = run_train("--config", DEMO, "data.max_prompt_length=2")
+    assert_config_error(proc, seconds, "data.task=arithmetic", "no prompts", "max_prompt_length=2")
+
+
+def test_ray_without_room_for_the_workers():
+    proc, seconds = run_train("--config", DEMO, "ray.num_cpus=1")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: The actor needs 2 CPU slots") and "ray.num_cpus" in last, proc.stderr
