@@ -58,6 +58,30 @@ def worker_env(threads: int, local_cluster: bool) -> dict:
     return env
 
 
+def score(generations: list, prompts: dict, tokenizer, n: int) -> torch.Tensor:
+    """Rule-based reward of each sample; sample i answers prompt i // n."""
+    return torch.tensor([
+        rewards.score(prompts["data_source"][i // n], tokenizer.decode(g.response_ids, skip_special_tokens=True),
+                      prompts["ground_truth"][i // n])
+        for i, g in enumerate(generations)])
+
+
+def step_metrics(scores: torch.Tensor, batch: dict, entropy: torch.Tensor, pad_id: int,
+                 seconds: dict[str, float]) -> dict[str, float]:
+    mask = batch["response_mask"]
+    return {
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item(),
+        "response_length/mean": mask.sum(1).mean().item(),
+        "actor/entropy": masked_mean(entropy, mask).item(),
+        # vLLM's sampling log-probs against Megatron's for the same tokens: ~1e-7 when both agree.
+        "rollout/logprob_diff_mean": masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
+                                                 mask).item(),
+        **{f"timing_s/{phase}": s for phase, s in seconds.items()},
+        "perf/tokens_per_s": (batch["input_ids"] != pad_id).sum().item() / seconds["step"],
+    }
+
+
 def train(cfg: Config) -> dict:
     """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
     from transformers import AutoTokenizer
@@ -75,11 +99,10 @@ def train(cfg: Config) -> dict:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
 
-    actor = build_actor(cfg, hf_config, start_ray(cfg))
-    actor.sync_weights()  # the engines start from dummy weights: give them the policy's
     reward_history: list[float] = []
     timer = Timer()
-    with Tracker(run_dir) as tracker:
+    with build_actor(cfg, hf_config, start_ray(cfg)) as actor, Tracker(run_dir) as tracker:
+        actor.sync_weights()  # the engines start from dummy weights: give them the policy's
         bar = tqdm(range(1, cfg.trainer.total_steps + 1), desc="GRPO", unit="step",
                    disable=not cfg.trainer.progress_bar)
         for step in bar:
@@ -87,32 +110,18 @@ def train(cfg: Config) -> dict:
                 prompts = loader.next_batch()
                 with timer("gen"):
                     generations = actor.generate(prompts["prompt_ids"])
-                n = cfg.rollout.n
-                scores = torch.tensor([
-                    rewards.score(prompts["data_source"][i // n], tokenizer.decode(g.response_ids, skip_special_tokens=True),
-                                  prompts["ground_truth"][i // n])
-                    for i, g in enumerate(generations)])
+                scores = score(generations, prompts, tokenizer, cfg.rollout.n)
                 batch = pack_generations(generations, pad_id)
                 with timer("old_log_prob"):
                     old = actor.log_probs({"input_ids": batch["input_ids"]})
                 batch["old_log_probs"] = old["log_probs"]
-                group_ids = torch.arange(len(generations)) // n
+                group_ids = torch.arange(len(generations)) // cfg.rollout.n  # samples of a prompt are adjacent
                 batch["advantages"] = grpo_advantages(scores, group_ids, cfg.algorithm.norm_adv_by_std)
                 with timer("update_actor"):
                     update_metrics = actor.update(batch)[0]
                 with timer("sync_weights"):
                     actor.sync_weights()
-            mask = batch["response_mask"]
-            metrics = {
-                "reward/mean": scores.mean().item(),
-                "reward/std": scores.std().item(),
-                "response_length/mean": mask.sum(1).mean().item(),
-                "actor/entropy": masked_mean(old["entropy"], mask).item(),
-                "rollout/logprob_diff_mean": masked_mean((old["log_probs"] - batch["rollout_log_probs"]).abs(), mask).item(),
-                **update_metrics,
-                **{f"timing_s/{phase}": seconds for phase, seconds in timer.seconds.items()},
-                "perf/tokens_per_s": (batch["input_ids"] != pad_id).sum().item() / timer.seconds["step"],
-            }
+            metrics = {**step_metrics(scores, batch, old["entropy"], pad_id, timer.seconds), **update_metrics}
             tracker.log(metrics, step)
             reward_history.append(metrics["reward/mean"])
             recent = sum(reward_history[-REWARD_WINDOW:]) / len(reward_history[-REWARD_WINDOW:])
@@ -121,7 +130,6 @@ def train(cfg: Config) -> dict:
             if cfg.trainer.target_reward is not None and len(reward_history) >= REWARD_WINDOW \
                     and recent >= cfg.trainer.target_reward:
                 break
-    actor.shutdown()
     first = reward_history[:REWARD_WINDOW]
     return {"steps": len(reward_history), "reward_first": sum(first) / len(first), "reward_last": recent,
             "run_dir": run_dir}

@@ -103,6 +103,12 @@ class WorkerGroup:
         owned = sorted((mesh[axis][0], out) for mesh, out in zip(self.meshes, results) if mesh[axis][2])
         return concat_batches([out for _, out in owned])
 
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Let the workers release what outlives a process (shared memory), stop them, free their devices."""
         ray.get([worker.close.remote() for worker in self.workers], timeout=120)

@@ -46,8 +46,7 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, engin
                                                 f"rollout.tensor_parallel_size={engine_tp}"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    actor = build_actor(cfg, read_hf_config(tiny_model_dir), cpus=2)
-    try:
+    with build_actor(cfg, read_hf_config(tiny_model_dir), cpus=2) as actor:
         actor.sync_weights()
         state = actor.hf_state_dict()[0]
         if engine_tp == 1:  # a sharded engine holds slices; its outputs below check it instead
@@ -72,5 +71,3 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, engin
         after = [g.response_ids for g in actor.generate_greedy(prompt_ids)]
         assert after == hf_greedy(new_state, tiny_model_dir, prompt_ids)
         assert after != before
-    finally:
-        actor.shutdown()
