@@ -47,8 +47,9 @@ def main(argv=None) -> int:
         summary = train(cfg)
     except (ConfigError, ClusterError) as err:  # found once the data is built, or when Ray starts
         return report_error(err)
+    window = summary["reward_window"]
     print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "
-          f"{summary['reward_first']:.3f} (first 5 steps) -> {summary['reward_last']:.3f} (last 5 steps).")
+          f"{summary['reward_first']:.3f} (first {window} steps) -> {summary['reward_last']:.3f} (last {window} steps).")
     target = cfg.trainer.target_reward
     if target is not None:
         verdict = "reached" if summary["reward_last"] >= target else "NOT reached"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -22,13 +23,25 @@ from rl_megatron.config.schema import RolloutConfig
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "WARNING",  # per-sync INFO lines would drown the progress bar
+    # vLLM's start-up notices (and per-sync INFO lines) would drown the progress bar; set
+    # VLLM_LOGGING_LEVEL in the environment to see them.
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
 }
 CPU_ENGINE_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
+    # Megatron and vLLM say these on any CPU machine; expected there (CUDA advice, TE/apex absent), so not shown.
+    "PYTHONWARNINGS": "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed,"
+                      "ignore:full scope is deprecated,ignore:When using async grad allreduce,"
+                      "ignore:`torch.distributed.reduce_op` is deprecated",
     # The worker pins its own threads; vLLM's automatic OpenMP binding would put every engine on one core.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
+
+
+def _is_rotary_reload_notice(record: logging.LogRecord) -> bool:
+    # reload_weights finds no checkpoint tensor for the rotary embedding's computed buffers and keeps them,
+    # as it should, but warns on every sync.
+    return record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 def remove_stale_cpu_shm() -> None:
@@ -62,6 +75,9 @@ class VLLMEngine:
         for key, value in {**ENGINE_ENV, **({} if platform.has_cuda() else CPU_ENGINE_ENV)}.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: not _is_rotary_reload_notice(record))
 
         if cfg.tensor_parallel_size > 1 and not platform.has_cuda():
             remove_stale_cpu_shm()

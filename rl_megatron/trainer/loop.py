@@ -132,4 +132,4 @@ def train(cfg: Config) -> dict:
                 break
     first = reward_history[:REWARD_WINDOW]
     return {"steps": len(reward_history), "reward_first": sum(first) / len(first), "reward_last": recent,
-            "run_dir": run_dir}
+            "reward_window": len(first), "run_dir": run_dir}
