@@ -164,6 +164,10 @@ def read_hf_config(model_path: str) -> dict:
 def validate(cfg: Config) -> None:
     """Check everything that can be checked before a process starts; raise ConfigError on the first problem."""
     t, a, r, d = cfg.trainer, cfg.actor, cfg.rollout, cfg.data
+    length_key = "rollout.max_model_len"
+    if r.max_model_len is None:  # derived: the longest sequence the data and sampling settings allow
+        r.max_model_len = d.max_prompt_length + r.max_tokens
+        length_key = "data.max_prompt_length + rollout.max_tokens"
     _positive(("trainer.total_steps", t.total_steps), ("trainer.nnodes", t.nnodes),
               ("trainer.n_gpus_per_node", t.n_gpus_per_node),
               ("actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
@@ -237,10 +241,12 @@ def validate(cfg: Config) -> None:
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
 
     hf = read_hf_config(cfg.model.path)
-    _validate_model(hf, tp, pp, r.tensor_parallel_size)
+    _validate_model(hf, tp, pp, r.tensor_parallel_size, r.max_model_len, length_key)
 
 
-def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int) -> None:
+def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int, max_model_len: int, length_key: str) -> None:
+    from rl_megatron.models.weight_tables import SUPPORTED_FAMILIES
+
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in hf:
             raise ConfigError(f"The model's config.json (model.path) lacks '{key}'; is it a decoder-only causal LM?")
@@ -249,6 +255,9 @@ def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int) -> None:
         if key in hf and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; it must be a positive "
                               "integer.")
+    if hf.get("model_type") not in SUPPORTED_FAMILIES:
+        raise ConfigError(f"The model's config.json (model.path) has model_type={hf.get('model_type')!r}, which is not "
+                          f"supported yet; supported: {', '.join(SUPPORTED_FAMILIES)}.")
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     for name, size in (("actor.tensor_model_parallel_size", tp), ("rollout.tensor_parallel_size", rollout_tp)):
@@ -256,6 +265,10 @@ def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int) -> None:
             raise ConfigError(
                 f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads ({groups}) "
                 "(model.path's config.json). Choose a size that divides both.")
+    positions = hf.get("max_position_embeddings")
+    if isinstance(positions, int) and max_model_len > positions:
+        raise ConfigError(f"{length_key} = {max_model_len} exceeds the model's max_position_embeddings="
+                          f"{positions} (model.path's config.json); lower {length_key}.")
     if hf["num_hidden_layers"] % pp:
         raise ConfigError(f"actor.pipeline_model_parallel_size={pp} must divide the model's "
                           f"{hf['num_hidden_layers']} layers (model.path's config.json). Choose a divisor.")

@@ -62,7 +62,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # top-k sampling (-1 disables)
     max_tokens: int = 16  # maximum new tokens per sample
-    max_model_len: int = 256  # longest prompt + response the engine accepts
+    max_model_len: Optional[int] = None  # longest prompt + response (default: data.max_prompt_length + max_tokens)
     kv_cache_bytes: int = 32 * 1024 * 1024  # KV-cache memory per engine on CPU
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may take
 

@@ -45,7 +45,7 @@ def build_config() -> Qwen2Config:
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=64,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,

@@ -37,7 +37,7 @@ def write(folder, name, text) -> str:
 
 def model_folder(folder, **hf) -> str:
     """A model folder whose config.json has the demo model's shape, changed by `hf` (None drops a field)."""
-    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64,
+    config = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64,
               "vocab_size": 18, **hf}
     config = {key: value for key, value in config.items() if value is not None}
     os.makedirs(folder, exist_ok=True)
@@ -329,8 +329,13 @@ def test_batch_that_does_not_split_over_the_rollout_engines():
 
 
 def test_prompt_plus_response_must_fit_the_model_length():
-    message = config_error("rollout.max_tokens=100")
+    message = config_error("rollout.max_tokens=100", "rollout.max_model_len=32")
     assert "rollout.max_tokens" in message and "rollout.max_model_len=32" in message
+
+
+def test_derived_model_length_beyond_the_model_positions():
+    message = config_error("rollout.max_tokens=600")
+    assert "data.max_prompt_length + rollout.max_tokens = 608" in message and "max_position_embeddings" in message
 
 
 # ------------------------------------------------------------------------------------- values and names
@@ -371,3 +376,17 @@ def test_out_of_range_values_are_rejected(override, key):
 def test_unknown_names_are_rejected_with_the_choices(override, key, fix):
     message = config_error(override)
     assert f"{key}=" in message and "'" + override.split("=")[1] + "'" in message and fix in message
+
+
+def test_unsupported_model_family_is_named(tmp_path):
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2", "num_hidden_layers": 2, "num_attention_heads": 2, '
+                                       '"hidden_size": 64, "vocab_size": 18}')
+    message = config_error(f"model.path={model}")
+    assert "model_type='gpt2'" in message and "qwen2" in message
+
+
+def test_max_model_len_beyond_the_model_positions():
+    message = config_error("rollout.max_model_len=513")
+    assert "rollout.max_model_len = 513" in message and "max_position_embeddings=512" in message
