@@ -1,7 +1,10 @@
 """Megatron shards on gloo against single-process references: HF transformers for log-probs and weights,
 TP=1 for the GRPO update."""
+import glob
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from launcher import run_distributed
 
@@ -50,14 +53,12 @@ def update_and_export(cfg, batch):
 
 
 def actor_log_probs_everywhere(actor, batch):
-    """Old log-probs for the update: computed on the last stage, broadcast so every rank has them."""
+    """Old log-probs for the update: computed on the owning ranks, shared so every rank has them."""
     import torch.distributed as dist
 
     out = actor.log_probs({"input_ids": batch["input_ids"]})
-    box = [out["log_probs"] if out is not None else None]
-    owners = [r for r in range(dist.get_world_size())]
-    gathered = [None] * len(owners)
-    dist.all_gather_object(gathered, box[0])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out["log_probs"] if out is not None else None)
     return next(x for x in gathered if x is not None)
 
 
@@ -99,9 +100,6 @@ def test_grpo_update_tp2_equals_tp1(tiny_model_dir):
     assert abs(metrics["actor/grad_norm"] - ref_metrics["actor/grad_norm"]) <= 1e-5
     changed = max((ref_state[n] - t).abs().max().item() for n, t in state.items())
     assert changed <= 1e-5
-    from safetensors.torch import load_file
-    import glob
-
     initial = {}
     for f in glob.glob(f"{tiny_model_dir}/*.safetensors"):
         initial.update(load_file(f))
