@@ -67,7 +67,6 @@ class Generation:
     prompt_ids: list[int]
     response_ids: list[int]
     response_log_probs: list[float]
-    finished_by_stop: bool
 
 
 class VLLMEngine:
@@ -104,8 +103,7 @@ class VLLMEngine:
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int | None = None,
-                 temperature: float | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None) -> list[Generation]:
         """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -115,7 +113,7 @@ class VLLMEngine:
             temperature=self.cfg.temperature if temperature is None else temperature,
             top_p=self.cfg.top_p,
             top_k=self.cfg.top_k,
-            max_tokens=max_tokens or self.cfg.max_tokens,
+            max_tokens=self.cfg.max_tokens,
             stop_token_ids=[self.eos_token_id],
             logprobs=0,
             detokenize=False,
@@ -126,7 +124,7 @@ class VLLMEngine:
             for sample in sorted(output.outputs, key=lambda s: s.index):
                 ids = list(sample.token_ids)
                 log_probs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                generations.append(Generation(prompt, ids, log_probs, sample.finish_reason == "stop"))
+                generations.append(Generation(prompt, ids, log_probs))
         return generations
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,7 +31,8 @@ class ActorRolloutWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port,
                          cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed)
         self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.rank // cfg.rollout.tensor_parallel_size,
+        engine_index = self.rank // cfg.rollout.tensor_parallel_size  # the shards of one engine sample alike
+        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + engine_index,
                                  eos_token_id=self.hf_config["eos_token_id"])
 
     def close(self) -> None:
@@ -66,11 +67,9 @@ class ActorRolloutWorker:
         return self.actor.update(batch)
 
     @dispatch(axis=None)
-    def sync_weights(self) -> int:
-        """Push the policy's current weights into this worker's engine; returns the bytes loaded."""
-        state = self.actor.hf_state_dict()
-        self.engine.load_weights(state.items())
-        return sum(t.numel() * t.element_size() for t in state.values())
+    def sync_weights(self) -> None:
+        """Push the policy's current weights into this worker's engine."""
+        self.engine.load_weights(self.actor.hf_state_dict().items())
 
     @dispatch(axis=None)
     def hf_state_dict(self):
