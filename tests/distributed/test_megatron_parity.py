@@ -74,17 +74,40 @@ def hf_reference(model_dir: str, batch: dict, temperature: float):
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, model.state_dict()
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_log_probs_and_export_match_transformers(tiny_model_dir, tp, pp):
-    cfg = config(tiny_model_dir, tp, pp)
+def family_model_dir(folder, family: str, tied: bool) -> str:
+    """A tiny HF model of `family` with every parameter random (norm weights and biases too, so that a wrong
+    mapping of any of them shows)."""
+    import transformers
+
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                    "qwen3": transformers.Qwen3Config}[family]
+    config = config_class(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                          tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("family,tp,pp,tied", [("qwen2", 2, 1, False), ("qwen2", 1, 2, False),
+                                               ("llama", 2, 1, False), ("qwen3", 1, 2, True)])
+def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, tied):
+    model_dir = family_model_dir(tmp_path / family, family, tied)
+    cfg = config(model_dir, tp, pp)
     batch = make_batch(18)
     results = run_distributed(log_probs_and_export, tp * pp, tp, pp, args=(cfg, batch))
-    ref_log_probs, ref_entropy, ref_state = hf_reference(tiny_model_dir, batch, cfg.rollout.temperature)
+    ref_log_probs, ref_entropy, ref_state = hf_reference(model_dir, batch, cfg.rollout.temperature)
     owner = results[-1][0] if pp > 1 else results[0][0]
     mask = batch["response_mask"].bool()
     assert (owner["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
     assert (owner["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
     exported = results[0][1]
+    if tied:  # one tensor, exported once under the embedding's name
+        ref_state.pop("lm_head.weight")
     assert set(exported) == set(ref_state)
     for name, tensor in ref_state.items():
         assert torch.equal(exported[name], tensor), name
