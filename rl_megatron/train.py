@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError, load_config, one_line
 
 EPILOG = """\
 examples:
@@ -28,8 +28,7 @@ def parse_args(argv):
 
 def report_error(err: Exception) -> int:
     """Report a problem with the input or the cluster as one `error: ...` line on stderr (no traceback)."""
-    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {one_line(err)}", file=sys.stderr)
     return 2
 
 

@@ -35,7 +35,8 @@ _SECTIONS: set[str] = set()  # dotted keys that hold a section (trainer, actor.o
 _KEYS = _schema_keys(Config)
 
 
-def _one_line(text: str) -> str:
+def one_line(text) -> str:
+    """Any (multi-line) message as one line."""
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
@@ -83,7 +84,7 @@ def _read_yaml(path: str) -> dict:
     except Exception as err:  # yaml.YAMLError and friends: report them all the same way
         problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        detail = f"{problem}{where}" if problem else _one_line(err)
+        detail = f"{problem}{where}" if problem else one_line(err)
         raise ConfigError(f"Config file '{path}' is not valid YAML: {detail}. Fix the YAML syntax there.") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"Config file '{path}' must hold a mapping of sections (trainer:, model:, ...), "
@@ -105,7 +106,7 @@ def _parse_override(item: str) -> list[tuple[str, Any, str]]:
         tree = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
     except Exception as err:
         raise ConfigError(f"Override '{item}': the value of '{key}' is not valid YAML "
-                          f"({getattr(err, 'problem', None) or _one_line(err)}). Quote it or fix its brackets.") from None
+                          f"({getattr(err, 'problem', None) or one_line(err)}). Quote it or fix its brackets.") from None
     return _leaves(tree, where)
 
 
@@ -153,7 +154,7 @@ def read_hf_config(model_path: str) -> dict:
         with open(config_file) as f:
             hf = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
-        raise ConfigError(f"model.path='{model_path}': config.json is not readable JSON ({_one_line(err)}). "
+        raise ConfigError(f"model.path='{model_path}': config.json is not readable JSON ({one_line(err)}). "
                           "Fix or replace the file.") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"model.path='{model_path}': config.json must hold a JSON object, "

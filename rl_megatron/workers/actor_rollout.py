@@ -17,6 +17,9 @@ class ActorRolloutWorker:
                  threads: int):
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_config, self.optimizer_steps = cfg, hf_config, optimizer_steps
+        # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).
+        self.engine_tp = cfg.rollout.tensor_parallel_size
+        self.engine_index = rank // self.engine_tp
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
 
@@ -31,8 +34,8 @@ class ActorRolloutWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port,
                          cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed)
         self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
-        engine_index = self.rank // cfg.rollout.tensor_parallel_size  # the shards of one engine sample alike
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + engine_index,
+        # The shards of one engine must sample alike: they share a seed.
+        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.engine_index,
                                  eos_token_id=self.hf_config["eos_token_id"])
 
     def close(self) -> None:
@@ -41,12 +44,11 @@ class ActorRolloutWorker:
     def mesh(self) -> dict:
         from megatron.core import parallel_state
 
-        engine_tp = self.cfg.rollout.tensor_parallel_size
         return {
             "dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                    owns_dp_output()),
-            # Engine e spans ranks e*TP .. e*TP+TP-1; its first rank returns the samples.
-            "rollout": (self.rank // engine_tp, self.world_size // engine_tp, self.rank % engine_tp == 0),
+            # An engine's first rank returns its samples.
+            "rollout": (self.engine_index, self.world_size // self.engine_tp, self.rank % self.engine_tp == 0),
         }
 
     @dispatch(axis="rollout")
