@@ -1,11 +1,11 @@
-"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,sync} [--json]`.
+"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard} [--json]`.
 
 Each prints its figure and the ratio to a limit measured in the same run on the same machine:
 - generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
-  largest GEMM shape (an MFU measured against what this machine really does, not a datasheet);
-- sync (Megatron -> vLLM weights): bytes/s against a plain memory copy of the same bytes.
-Runs in one process (world size 1, the colocated layout of a worker) on a ~15M-parameter Qwen2 built
-from a config, with random weights.
+  largest GEMM shape (an MFU measured against what this machine really does, not a datasheet); one process
+  (world size 1, the colocated layout of a worker), a ~15M-parameter Qwen2 with random weights;
+- reshard (Megatron -> vLLM weights, `--tp/--pp/--engine-tp`): bytes/s against a plain copy of the same bytes
+  by the same processes; one process per rank, a ~38M-parameter (150 MB fp32) Qwen2 with random weights.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import time
 
 import torch
 
-BENCHES = ("generate", "log_probs", "update", "sync")
+BENCHES = ("generate", "log_probs", "update", "reshard")
+# Resharding moves bytes: a model big enough (~150 MB fp32) that the figure is not per-call overhead.
+MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192}}
 
 
 def bench_model_config(hidden: int, layers: int, vocab: int) -> dict:
@@ -40,17 +42,6 @@ def matmul_flops_per_s(m: int, k: int, n: int, seconds: float = 1.0) -> float:
     return 2 * m * k * n * runs / (time.perf_counter() - start)
 
 
-def copy_bytes_per_s(nbytes: int, seconds: float = 1.0) -> float:
-    src = torch.empty(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        dst.copy_(src)
-        runs += 1
-    return nbytes * runs / (time.perf_counter() - start)
-
-
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up
     start = time.perf_counter()
@@ -64,16 +55,35 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHES)
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of text")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, help="model width (default 512; reshard 1024)")
+    parser.add_argument("--layers", type=int, help="model depth (default 4; reshard 2)")
+    parser.add_argument("--vocab", type=int, help="vocabulary (default 4096; reshard 8192)")
     parser.add_argument("--batch", type=int, default=32, help="sequences per call")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (prompt + response)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    reshard = parser.add_argument_group("reshard")
+    reshard.add_argument("--tp", type=int, default=2, help="trainer tensor-parallel size")
+    reshard.add_argument("--pp", type=int, default=2, help="trainer pipeline-parallel size")
+    reshard.add_argument("--engine-tp", type=int, help="vLLM engine tensor-parallel size (default: --tp)")
+    reshard.add_argument("--bucket-mb", type=int, default=64, help="transfer bucket size in MiB")
+    reshard.add_argument("--channel", default="auto", help="auto, process_group or shared_memory")
+    reshard.add_argument("--repeats", type=int, default=5, help="syncs timed (the median is reported)")
     args = parser.parse_args(argv)
+    defaults = {"hidden": 512, "layers": 4, "vocab": 4096, **MODEL_DEFAULTS.get(args.name, {})}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)  # before vLLM starts: it freezes the thread count
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    result = run(args)
+    model_dir = tempfile.mkdtemp(prefix="rl_megatron_bench_")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(bench_model_config(args.hidden, args.layers, args.vocab), f)
+    if args.name == "reshard":
+        from rl_megatron.bench import reshard
+
+        result = reshard.run(args, model_dir)
+    else:
+        result = run(args, model_dir)
     if args.json:
         print(json.dumps(result))
     else:
@@ -81,15 +91,12 @@ def main(argv=None) -> None:
               f"({result['ratio']:.3f} of {result['limit_name']} {result['limit']:.4g})")
 
 
-def run(args) -> dict:
+def run(args, model_dir: str) -> dict:
     from rl_megatron.config import load_config, read_hf_config
     from rl_megatron.workers.distributed import free_port, init_distributed
     from rl_megatron.workers.megatron_actor import MegatronActor
 
-    model_dir = tempfile.mkdtemp(prefix="rl_megatron_bench_")
-    hf = bench_model_config(args.hidden, args.layers, args.vocab)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(hf, f)
+    hf = read_hf_config(model_dir)
     response = args.seq // 2
     cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", "trainer.n_gpus_per_node=1",
                              f"rollout.max_tokens={response}", f"rollout.max_model_len={args.seq + 8}",
@@ -99,7 +106,8 @@ def run(args) -> dict:
                              "model.make_vocab_size_divisible_by=1"])
     init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
     actor = MegatronActor(cfg, read_hf_config(model_dir), optimizer_steps=100)
-    params = sum(p.numel() for name, p in actor.module.named_parameters() if "embedding" not in name)
+    params = sum(p.numel() for chunk in actor.chunks for name, p in chunk.named_parameters()
+                 if "embedding" not in name)
     tokens = args.batch * args.seq
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(3, args.vocab, (args.batch, args.seq), generator=g),
@@ -123,13 +131,6 @@ def run(args) -> dict:
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0, eos_token_id=hf["eos_token_id"])
-    if args.name == "sync":
-        state = actor.hf_state_dict()
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        seconds = timed(lambda: engine.load_weights(actor.hf_state_dict().items()), repeats=5)
-        limit = copy_bytes_per_s(nbytes)
-        return {"bench": "sync", "value": nbytes / seconds, "unit": "B/s", "limit_name": "memcpy B/s",
-                "limit": limit, "ratio": nbytes / seconds / limit, "bytes": nbytes, "seconds": seconds}
     prompts = batch["input_ids"][:, : args.seq - response].tolist()
     counts = []
     seconds = timed(lambda: counts.append(sum(len(g.response_ids) for g in engine.generate(prompts, n=1))), repeats=2)

@@ -173,7 +173,9 @@ def validate(cfg: Config) -> None:
               ("trainer.n_gpus_per_node", t.n_gpus_per_node),
               ("actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
               ("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size),
+              ("actor.virtual_pipeline_model_parallel_size", a.virtual_pipeline_model_parallel_size),
               ("actor.context_parallel_size", a.context_parallel_size),
+              ("actor.expert_model_parallel_size", a.expert_model_parallel_size),
               ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size), ("actor.ppo_epochs", a.ppo_epochs),
               ("actor.micro_batch_size", a.micro_batch_size), ("rollout.n", r.n),
               ("rollout.max_tokens", r.max_tokens), ("rollout.tensor_parallel_size", r.tensor_parallel_size),
@@ -211,9 +213,13 @@ def validate(cfg: Config) -> None:
 
     world = t.nnodes * t.n_gpus_per_node
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+    vpp = a.virtual_pipeline_model_parallel_size
     if cp != 1:
         raise ConfigError(f"actor.context_parallel_size={cp}: only 1 is supported yet; set "
                           "actor.context_parallel_size=1.")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"actor.virtual_pipeline_model_parallel_size={vpp} needs pipeline stages to interleave: set "
+                          "actor.pipeline_model_parallel_size > 1, or actor.virtual_pipeline_model_parallel_size=1.")
     if world % (tp * pp * cp):
         raise ConfigError(
             f"The actor has {world} devices (trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node="
@@ -221,6 +227,11 @@ def validate(cfg: Config) -> None:
             f"actor.pipeline_model_parallel_size={pp} x actor.context_parallel_size={cp} = {tp * pp * cp} does not "
             "divide. Choose sizes whose product divides the device count; the rest becomes data parallelism.")
     dp = world // (tp * pp * cp)
+    ep = a.expert_model_parallel_size
+    if dp % ep:
+        raise ConfigError(f"actor.expert_model_parallel_size={ep} must divide the data-parallel size {dp} (devices / "
+                          f"(tensor x pipeline x context parallel sizes)): experts are split over data-parallel ranks. "
+                          f"Choose a divisor of {dp}.")
     if world % r.tensor_parallel_size:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the actor's "
                           f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node); choose a divisor.")
@@ -232,21 +243,37 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"A mini-batch holds actor.ppo_mini_batch_size x rollout.n = {samples} samples, which is not a multiple "
             f"of data-parallel size {dp} x actor.micro_batch_size={a.micro_batch_size}. Change one of them.")
+    micro_per_mini = samples // (dp * a.micro_batch_size)
+    # Megatron-core 0.16.1's interleaved schedule runs micro-batches in groups of PP per model chunk and
+    # rejects a count that does not split into such groups.
+    if vpp > 1 and micro_per_mini % pp:
+        raise ConfigError(
+            f"actor.virtual_pipeline_model_parallel_size={vpp} needs the micro-batches of a mini-batch on one "
+            f"data-parallel rank (actor.ppo_mini_batch_size x rollout.n / (data-parallel size {dp} x "
+            f"actor.micro_batch_size={a.micro_batch_size}) = {micro_per_mini}) to be a multiple of "
+            f"actor.pipeline_model_parallel_size={pp}. Change actor.micro_batch_size or actor.ppo_mini_batch_size.")
     if (d.train_batch_size * r.n) % (world // r.tensor_parallel_size):
         raise ConfigError(
             f"data.train_batch_size x rollout.n = {d.train_batch_size * r.n} samples do not split evenly over "
             f"{world // r.tensor_parallel_size} rollout engines (devices / rollout.tensor_parallel_size). "
             "Change data.train_batch_size or rollout.n.")
+    from rl_megatron.resharding.channels import CHANNELS
+
+    if cfg.resharding.channel not in CHANNELS:
+        raise ConfigError(f"resharding.channel={cfg.resharding.channel} is not one of {', '.join(CHANNELS)}.")
+    if cfg.resharding.bucket_mb < 1:
+        raise ConfigError(f"resharding.bucket_mb={cfg.resharding.bucket_mb} must be at least 1 (MiB).")
     if d.max_prompt_length + r.max_tokens > r.max_model_len:
         raise ConfigError(f"data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens} "
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
 
     hf = read_hf_config(cfg.model.path)
-    _validate_model(hf, tp, pp, r.tensor_parallel_size, r.max_model_len, length_key)
+    _validate_model(hf, tp, pp, vpp, ep, r.tensor_parallel_size, r.max_model_len, length_key)
 
 
-def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int, max_model_len: int, length_key: str) -> None:
-    from rl_megatron.models.weight_tables import SUPPORTED_FAMILIES
+def _validate_model(hf: dict, tp: int, pp: int, vpp: int, ep: int, rollout_tp: int, max_model_len: int,
+                    length_key: str) -> None:
+    from rl_megatron.models.weight_tables import MOE_FAMILIES, SUPPORTED_FAMILIES, moe_experts
 
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in hf:
@@ -270,9 +297,27 @@ def _validate_model(hf: dict, tp: int, pp: int, rollout_tp: int, max_model_len: 
     if isinstance(positions, int) and max_model_len > positions:
         raise ConfigError(f"{length_key} = {max_model_len} exceeds the model's max_position_embeddings="
                           f"{positions} (model.path's config.json); lower {length_key}.")
-    if hf["num_hidden_layers"] % pp:
-        raise ConfigError(f"actor.pipeline_model_parallel_size={pp} must divide the model's "
-                          f"{hf['num_hidden_layers']} layers (model.path's config.json). Choose a divisor.")
+    if hf["num_hidden_layers"] % (pp * vpp):
+        raise ConfigError(f"actor.pipeline_model_parallel_size={pp} x actor.virtual_pipeline_model_parallel_size={vpp} "
+                          f"must divide the model's {hf['num_hidden_layers']} layers (model.path's config.json). "
+                          "Choose sizes whose product divides the layer count.")
+    if hf["model_type"] in MOE_FAMILIES:
+        experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
+        for key in (experts_key, "num_experts_per_tok", "moe_intermediate_size"):
+            value = hf.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; an MoE model needs a "
+                                  "positive integer there.")
+    try:
+        experts = moe_experts(hf)
+    except ValueError as err:
+        raise ConfigError(f"{err} Set model.path to such a model.") from None
+    if ep > 1 and not experts:
+        raise ConfigError(f"actor.expert_model_parallel_size={ep} needs an MoE model, but model.path's config.json has "
+                          f"model_type={hf['model_type']!r} (no experts); set actor.expert_model_parallel_size=1.")
+    if experts % ep:
+        raise ConfigError(f"actor.expert_model_parallel_size={ep} must divide the model's {experts} experts "
+                          "(model.path's config.json); choose a divisor.")
 
 
 def _positive(*pairs) -> None:

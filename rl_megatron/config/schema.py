@@ -45,7 +45,9 @@ class OptimConfig:
 class ActorConfig:
     tensor_model_parallel_size: int = 1  # Megatron TP size of the policy
     pipeline_model_parallel_size: int = 1  # Megatron PP size of the policy
+    virtual_pipeline_model_parallel_size: int = 1  # model chunks per PP stage (interleaved schedule; >1 needs PP>1)
     context_parallel_size: int = 1  # Megatron CP size of the policy (only 1 is supported yet)
+    expert_model_parallel_size: int = 1  # Megatron EP size: an MoE layer's experts split over this many DP ranks
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (each brings rollout.n samples)
     ppo_epochs: int = 1  # passes over each step's samples
     micro_batch_size: int = 4  # samples per forward/backward on one data-parallel rank
@@ -65,6 +67,13 @@ class RolloutConfig:
     max_model_len: Optional[int] = None  # longest prompt + response (default: data.max_prompt_length + max_tokens)
     kv_cache_bytes: int = 32 * 1024 * 1024  # KV-cache memory per engine on CPU
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may take
+
+
+@dataclass
+class ReshardingConfig:
+    bucket_mb: int = 256  # weights sent between ranks travel in buckets of at most this many MiB (the extra memory of a sync)
+    channel: str = "auto"  # how buckets travel: auto, process_group (gloo / NCCL), shared_memory (one node: shm / CUDA IPC)
+    verify: bool = False  # after every sync, compare checksums of every piece on both sides (slow; for debugging)
 
 
 @dataclass
@@ -94,6 +103,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    resharding: ReshardingConfig = field(default_factory=ReshardingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ray: RayConfig = field(default_factory=RayConfig)

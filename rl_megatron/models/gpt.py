@@ -11,7 +11,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from rl_megatron.models.weight_tables import DenseTable, table_for
+from rl_megatron import platform
+from rl_megatron.models.weight_tables import DenseTable, moe_experts, shard_from_hf, table_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,7 +32,31 @@ def rope_scaling(hf: dict):
     return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
 
 
-def transformer_config(hf: dict, tp: int, pp: int, dtype: str) -> TransformerConfig:
+def moe_settings(hf: dict) -> dict:
+    """Megatron's MoE fields for an MoE config.json (none for a dense model)."""
+    experts = moe_experts(hf)
+    if not experts:
+        return {}
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        # transformers (and vLLM) route with softmax over all experts, then top-k, then with norm_topk_prob divide
+        # the k weights by their sum. Megatron's pre-softmax router is softmax then top-k; its default router is
+        # softmax over the top-k logits, which is the renormalised form.
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        # No load-balancing loss: RL post-training keeps the pretrained router objective-free.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        # The all-to-all dispatcher runs on CUDA streams; all-gather works over gloo on the CPU.
+        moe_token_dispatcher_type="alltoall" if platform.has_cuda() else "allgather",
+        # One linear layer per expert (SequentialMLP): the weight table maps its per-expert names.
+        moe_grouped_gemm=False,
+    )
+
+
+def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1) -> TransformerConfig:
     if rope_scaling(hf):
         raise ValueError(f"config.json sets rope scaling {rope_scaling(hf)}, which is not supported yet.")
     heads = hf["num_attention_heads"]
@@ -49,11 +74,14 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str) -> TransformerCon
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf["model_type"] == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_layernorm=hf["model_type"] == "qwen3",
+        qk_layernorm=hf["model_type"] in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        # Megatron trains MoE layers at TP > 1 only with the sequence split over the TP ranks between layers.
+        sequence_parallel=tp > 1 and bool(moe_experts(hf)),
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16,
@@ -61,38 +89,56 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str) -> TransformerCon
         use_cpu_initialization=True,
         # The training step passes the loss itself to the schedule (no per-token reduction inside Megatron).
         calculate_per_token_loss=False,
+        **moe_settings(hf),
     )
 
 
-def layer_spec(qk_layernorm: bool):
-    """Transformer-Engine spec when TE imports, Megatron's local spec otherwise."""
+def layer_spec(qk_layernorm: bool, num_experts: int | None = None):
+    """Transformer-Engine spec when TE imports, Megatron's local spec otherwise (MoE MLPs with `num_experts`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                        normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                                      qk_layernorm=qk_layernorm)
 
 
-def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int) -> GPTModel:
-    """This rank's shard of the model (parallel_state must be initialised)."""
+def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage: int = 0) -> GPTModel:
+    """Model chunk `vp_stage` of this rank's shard of the model (parallel_state must be initialised)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(hf, tp, pp, dtype)
+    config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size())
+    # Megatron reads the chunk count from the config when it splits the layers (None: no interleaving).
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    config.virtual_pipeline_model_parallel_size = vpp
+    # The interleaved schedule's default batched exchange sends activations and gradients to the same peer at
+    # PP=2, where they pair up crosswise (Megatron-LM issue #1450). Separate forward and backward transfers (the
+    # setting Megatron-LM itself uses with interleaving) keep them apart; the plain 1F1B schedule rejects them.
+    config.overlap_p2p_comm = vpp is not None
+    config.batch_p2p_comm = vpp is None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config.qk_layernorm),
+        transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_moe_experts),
         vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, tp),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,  # logits stay split over the vocabulary; log-probs never gather them
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=int(rope_theta(hf)),
+        vp_stage=vp_stage,
     )
     return model.to(DTYPES[dtype])
+
+
+def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int) -> list[GPTModel]:
+    """This rank's model chunks in virtual-pipeline order (one without interleaving)."""
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage) for vp_stage in range(chunks)]
 
 
 def weight_table(model: GPTModel, hf: dict) -> DenseTable:
@@ -100,9 +146,15 @@ def weight_table(model: GPTModel, hf: dict) -> DenseTable:
 
 
 def layer_offset(model: GPTModel) -> int:
-    """Global index of this pipeline stage's first layer."""
+    """Global index of this model chunk's first layer (Megatron numbers a chunk's layers globally, from 1)."""
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def expert_offset(model: GPTModel) -> int:
+    """Global index of this rank's first routed expert (Megatron numbers a rank's experts from 0)."""
+    per_rank = (model.config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * per_rank
 
 
 class SafetensorsReader:
@@ -145,12 +197,12 @@ def load_hf_weights(model: GPTModel, hf: dict, folder: str) -> None:
     """Copy the HF weights into this rank's TP/PP shard of `model`, checking every shape."""
     reader = SafetensorsReader(folder)
     table = weight_table(model, hf)
-    offset = layer_offset(model)
+    offset, experts = layer_offset(model), expert_offset(model)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in model.named_parameters():
-        entry = table.lookup(name, offset)
-        shard = entry.layout.shard([reader.get(n) for n in entry.hf_names], tp_rank, tp_size)
+        entry = table.lookup(name, offset, experts)
+        shard = shard_from_hf(entry, [reader.get(n) for n in entry.hf_names], tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(f"Parameter '{name}' (from {', '.join(entry.hf_names)}) has shape "
                              f"{tuple(shard.shape)} in the checkpoint but {tuple(param.shape)} in the model.")

@@ -1,36 +1,82 @@
-"""Megatron <-> Hugging Face weight names and layouts: the one table that loading, export, resharding and
-checkpoint conversion all use.
+"""Megatron <-> Hugging Face weight names and layouts: the one table that loading, resharding into the rollout
+engine and checkpoint conversion all use.
 
-A `Layout` says how the HF tensor(s) of one Megatron parameter become that parameter's tensor-parallel
-shard (`shard`) and how the TP shards become the HF tensor(s) again (`merge`). A family table lists,
-for each Megatron parameter name, its HF name(s) and layout. Adding a family = adding a table.
+A `Layout` says which parts of the HF tensor(s) one tensor-parallel shard of a Megatron parameter holds, and
+where: a list of `Region`s. Everything that moves weights (HF -> shards at load, shards -> vLLM at every
+sync, shards -> HF files) copies regions; no code path has its own notion of a fused layout. A family table
+lists, for each Megatron parameter name, its HF name(s) and layout. Adding a family = adding a table.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """HF tensor `hf_name` (full shape `hf_shape`), box `start..stop` (per dim), is held by a local tensor at
+    `local[index][origin .. origin + (stop - start)]`. `index` selects a sub-tensor first (one expert of a
+    tensor that stacks experts)."""
+
+    hf_name: str
+    hf_shape: Shape
+    start: Shape
+    stop: Shape
+    origin: Shape
+    index: tuple[int, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in zip(self.start, self.stop))
+
+
+def along(hf_name: str, hf_shape: Shape, dim: int, start: int, stop: int, at: int, index=()) -> Region:
+    """Rows start..stop of `hf_shape` along `dim` (everything along the other dims), at `at` in the local tensor."""
+    begin = [0] * len(hf_shape)
+    end = list(hf_shape)
+    origin = [0] * len(hf_shape)
+    begin[dim], end[dim], origin[dim] = start, stop, at
+    return Region(hf_name, tuple(hf_shape), tuple(begin), tuple(end), tuple(origin), tuple(index))
+
+
+def whole(hf_name: str, hf_shape: Shape) -> Region:
+    return along(hf_name, hf_shape, 0, 0, hf_shape[0], 0)
+
+
+def local_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
+    """The part of a local tensor that holds `region`."""
+    t = tensor[region.index] if region.index else tensor
+    return t[tuple(slice(o, o + b - a) for o, a, b in zip(region.origin, region.start, region.stop))]
+
+
+def hf_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
+    """The part of the full HF tensor that `region` covers."""
+    return tensor[tuple(slice(a, b) for a, b in zip(region.start, region.stop))]
+
 
 class Layout:
-    """Full HF tensors <-> one TP shard of a Megatron parameter."""
+    """Which parts of the HF tensors (shapes `hf_shapes`, in the entry's name order) TP rank `rank` of `size` holds."""
 
-    def shard(self, hf: list[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+    def local_shape(self, hf_shapes: list[Shape], size: int) -> Shape:
         raise NotImplementedError
 
-    def merge(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    def regions(self, hf_names: list[str], hf_shapes: list[Shape], rank: int, size: int) -> list[Region]:
         raise NotImplementedError
 
 
 class Replicated(Layout):
     """Same tensor on every TP rank (norms)."""
 
-    def shard(self, hf, rank, size):
-        return hf[0]
+    def local_shape(self, hf_shapes, size):
+        return hf_shapes[0]
 
-    def merge(self, shards):
-        return [shards[0]]
+    def regions(self, hf_names, hf_shapes, rank, size):
+        return [whole(hf_names[0], hf_shapes[0])]
 
 
 @dataclass
@@ -39,28 +85,29 @@ class Split(Layout):
 
     dim: int
 
-    def shard(self, hf, rank, size):
-        return hf[0].chunk(size, dim=self.dim)[rank]
+    def local_shape(self, hf_shapes, size):
+        shape = list(hf_shapes[0])
+        shape[self.dim] //= size
+        return tuple(shape)
 
-    def merge(self, shards):
-        return [torch.cat(shards, dim=self.dim)]
+    def regions(self, hf_names, hf_shapes, rank, size):
+        n = hf_shapes[0][self.dim] // size
+        return [along(hf_names[0], hf_shapes[0], self.dim, rank * n, (rank + 1) * n, 0)]
 
 
 @dataclass
 class PaddedVocab(Layout):
-    """Embedding / output rows: Megatron pads the vocabulary to `padded`; the padding rows are dropped on export."""
+    """Embedding / output rows: Megatron pads the vocabulary to `padded` rows; the padding belongs to no HF row."""
 
-    vocab: int
     padded: int
 
-    def shard(self, hf, rank, size):
-        full = hf[0]
-        if self.padded > self.vocab:
-            full = torch.cat([full, full.new_zeros(self.padded - self.vocab, *full.shape[1:])])
-        return full.chunk(size, dim=0)[rank]
+    def local_shape(self, hf_shapes, size):
+        return (self.padded // size, *hf_shapes[0][1:])
 
-    def merge(self, shards):
-        return [torch.cat(shards, dim=0)[: self.vocab]]
+    def regions(self, hf_names, hf_shapes, rank, size):
+        per, vocab = self.padded // size, hf_shapes[0][0]
+        start, stop = rank * per, min((rank + 1) * per, vocab)
+        return [along(hf_names[0], hf_shapes[0], 0, start, stop, 0)] if start < stop else []
 
 
 @dataclass
@@ -72,41 +119,60 @@ class FusedQKV(Layout):
     heads: int
     head_dim: int
 
-    def _group_rows(self):
-        return self.heads // self.groups * self.head_dim, self.head_dim
+    def local_shape(self, hf_shapes, size):
+        rows = (self.heads + 2 * self.groups) * self.head_dim // size
+        return (rows, *hf_shapes[0][1:])
 
-    def shard(self, hf, rank, size):
-        q, k, v = hf
-        q_rows, kv_rows = self._group_rows()
-        tail = q.shape[1:]
-        grouped = torch.cat([q.reshape(self.groups, q_rows, *tail), k.reshape(self.groups, kv_rows, *tail),
-                             v.reshape(self.groups, kv_rows, *tail)], dim=1)
-        return grouped.chunk(size, dim=0)[rank].reshape(-1, *tail)
-
-    def merge(self, shards):
-        q_rows, kv_rows = self._group_rows()
-        full = torch.cat(shards, dim=0)
-        tail = full.shape[1:]
-        q, k, v = full.reshape(self.groups, q_rows + 2 * kv_rows, *tail).split([q_rows, kv_rows, kv_rows], dim=1)
-        return [t.reshape(-1, *tail) for t in (q, k, v)]
+    def regions(self, hf_names, hf_shapes, rank, size):
+        q_rows = self.heads // self.groups * self.head_dim
+        kv_rows = self.head_dim
+        per_rank = self.groups // size
+        out = []
+        for j in range(per_rank):
+            group, base = rank * per_rank + j, j * (q_rows + 2 * kv_rows)
+            out += [along(hf_names[0], hf_shapes[0], 0, group * q_rows, (group + 1) * q_rows, base),
+                    along(hf_names[1], hf_shapes[1], 0, group * kv_rows, (group + 1) * kv_rows, base + q_rows),
+                    along(hf_names[2], hf_shapes[2], 0, group * kv_rows, (group + 1) * kv_rows,
+                          base + q_rows + kv_rows)]
+        return out
 
 
 class FusedGateUp(Layout):
     """Megatron's linear_fc1 of a gated MLP holds [gate shard; up shard] on each TP rank."""
 
-    def shard(self, hf, rank, size):
-        gate, up = hf
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    def local_shape(self, hf_shapes, size):
+        return (2 * hf_shapes[0][0] // size, *hf_shapes[0][1:])
 
-    def merge(self, shards):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    def regions(self, hf_names, hf_shapes, rank, size):
+        n = hf_shapes[0][0] // size
+        return [along(hf_names[0], hf_shapes[0], 0, rank * n, (rank + 1) * n, 0),
+                along(hf_names[1], hf_shapes[1], 0, rank * n, (rank + 1) * n, n)]
 
 
 @dataclass
 class Entry:
     hf_names: tuple[str, ...]
     layout: Layout
+    hf_shapes: tuple[Shape, ...]
+
+    def local_shape(self, size: int) -> Shape:
+        return tuple(self.layout.local_shape(list(self.hf_shapes), size))
+
+    def regions(self, rank: int, size: int) -> list[Region]:
+        return self.layout.regions(list(self.hf_names), list(self.hf_shapes), rank, size)
+
+
+def shard_from_hf(entry: Entry, hf_tensors: list[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+    """TP shard `rank` of a Megatron parameter built from its full HF tensors (vocabulary padding is zero)."""
+    for name, tensor, shape in zip(entry.hf_names, hf_tensors, entry.hf_shapes):
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"Tensor '{name}' has shape {tuple(tensor.shape)} in the checkpoint but the model's "
+                             f"config.json implies {tuple(shape)}.")
+    by_name = dict(zip(entry.hf_names, hf_tensors))
+    shard = hf_tensors[0].new_zeros(entry.local_shape(size))
+    for region in entry.regions(rank, size):
+        local_view(shard, region).copy_(hf_view(by_name[region.hf_name], region))
+    return shard
 
 
 # Transformer-Engine layer specs fuse the pre-attention and pre-MLP norms into the following linear layer;
@@ -116,58 +182,110 @@ _TE_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Megatron numbers the routed experts of a layer per expert-parallel rank; HF numbers them globally.
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 class DenseTable:
     """Llama, Qwen2 (QKV bias) and Qwen3 (QK-norm): they share names, differing only in optional parameters."""
 
     def __init__(self, hf_config: dict, padded_vocab: int):
-        heads = hf_config["num_attention_heads"]
+        hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
         groups = hf_config.get("num_key_value_heads") or heads
-        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+        head_dim = hf_config.get("head_dim") or hidden // heads
+        ffn, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
+        q, kv = heads * head_dim, groups * head_dim
         qkv = FusedQKV(groups=groups, heads=heads, head_dim=head_dim)
-        vocab = PaddedVocab(hf_config["vocab_size"], padded_vocab)
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
         attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+
+        def entry(names, layout, shapes):
+            return Entry(tuple(names), layout, tuple(shapes))
+
         self.layer = {
-            "input_layernorm.weight": Entry(("model.layers.{i}.input_layernorm.weight",), Replicated()),
-            "self_attention.linear_qkv.weight": Entry(tuple(attn + p + "_proj.weight" for p in "qkv"), qkv),
-            "self_attention.linear_qkv.bias": Entry(tuple(attn + p + "_proj.bias" for p in "qkv"), qkv),
-            "self_attention.q_layernorm.weight": Entry((attn + "q_norm.weight",), Replicated()),
-            "self_attention.k_layernorm.weight": Entry((attn + "k_norm.weight",), Replicated()),
-            "self_attention.linear_proj.weight": Entry((attn + "o_proj.weight",), Split(dim=1)),
-            "pre_mlp_layernorm.weight": Entry(("model.layers.{i}.post_attention_layernorm.weight",), Replicated()),
-            "mlp.linear_fc1.weight": Entry((mlp + "gate_proj.weight", mlp + "up_proj.weight"), FusedGateUp()),
-            "mlp.linear_fc2.weight": Entry((mlp + "down_proj.weight",), Split(dim=1)),
+            "input_layernorm.weight": entry(["model.layers.{i}.input_layernorm.weight"], Replicated(), [(hidden,)]),
+            "self_attention.linear_qkv.weight": entry([attn + p + "_proj.weight" for p in "qkv"], qkv,
+                                                      [(q, hidden), (kv, hidden), (kv, hidden)]),
+            "self_attention.linear_qkv.bias": entry([attn + p + "_proj.bias" for p in "qkv"], qkv, [(q,), (kv,), (kv,)]),
+            "self_attention.q_layernorm.weight": entry([attn + "q_norm.weight"], Replicated(), [(head_dim,)]),
+            "self_attention.k_layernorm.weight": entry([attn + "k_norm.weight"], Replicated(), [(head_dim,)]),
+            "self_attention.linear_proj.weight": entry([attn + "o_proj.weight"], Split(dim=1), [(hidden, q)]),
+            "pre_mlp_layernorm.weight": entry(["model.layers.{i}.post_attention_layernorm.weight"], Replicated(),
+                                              [(hidden,)]),
+            "mlp.linear_fc1.weight": entry([mlp + "gate_proj.weight", mlp + "up_proj.weight"], FusedGateUp(),
+                                           [(ffn, hidden), (ffn, hidden)]),
+            "mlp.linear_fc2.weight": entry([mlp + "down_proj.weight"], Split(dim=1), [(hidden, ffn)]),
         }
         # With tied embeddings the last pipeline stage keeps its own copy of the embedding as output layer.
         output_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        vocab_layout = PaddedVocab(padded_vocab)
         self.other = {
-            "embedding.word_embeddings.weight": Entry(("model.embed_tokens.weight",), vocab),
-            "decoder.final_layernorm.weight": Entry(("model.norm.weight",), Replicated()),
-            "output_layer.weight": Entry((output_name,), vocab),
+            "embedding.word_embeddings.weight": entry(["model.embed_tokens.weight"], vocab_layout, [(vocab, hidden)]),
+            "decoder.final_layernorm.weight": entry(["model.norm.weight"], Replicated(), [(hidden,)]),
+            "output_layer.weight": entry([output_name], vocab_layout, [(vocab, hidden)]),
         }
 
-    def lookup(self, megatron_name: str, layer_offset: int) -> Entry:
-        """The HF names (layer index resolved to the global layer) and layout of a local Megatron parameter."""
+    def lookup(self, megatron_name: str, layer_offset: int, expert_offset: int = 0) -> Entry:
+        """The HF names (layer and expert indices resolved to global ones: this chunk's first layer is
+        `layer_offset`, this rank's first routed expert `expert_offset`), shapes and layout of a local Megatron
+        parameter."""
         match = _LAYER.match(megatron_name)
         if match is None:
             if megatron_name not in self.other:
                 raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")
             return self.other[megatron_name]
         local, suffix = int(match.group(1)), _TE_ALIASES.get(match.group(2), match.group(2))
+        expert = _LOCAL_EXPERT.match(suffix)
+        if expert is not None:
+            suffix = "mlp.experts." + expert.group(2)
         if suffix not in self.layer:
             raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")
         entry = self.layer[suffix]
-        names = tuple(n.format(i=local + layer_offset) for n in entry.hf_names)
-        return Entry(names, entry.layout)
-
-    def exported(self, megatron_name: str) -> bool:
-        """Whether export writes this parameter (a tied output layer is the embedding, written once)."""
-        return not (self.tied and megatron_name == "output_layer.weight")
+        global_expert = expert_offset + int(expert.group(1)) if expert is not None else None
+        names = tuple(n.format(i=local + layer_offset, e=global_expert) for n in entry.hf_names)
+        return Entry(names, entry.layout, entry.hf_shapes)
 
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe",)
+
+
+def moe_experts(hf_config: dict) -> int:
+    """Routed experts per layer of an MoE family, 0 for a dense one. The MoE tables map every layer's MLP as
+    experts, so a model with dense MLP layers in between is rejected."""
+    if hf_config.get("model_type") not in MOE_FAMILIES:
+        return 0
+    dense, step = hf_config.get("mlp_only_layers") or [], hf_config.get("decoder_sparse_step", 1)
+    if dense or step != 1:
+        raise ValueError(f"The model's config.json has mlp_only_layers={dense} and decoder_sparse_step={step}: MoE "
+                         "models with dense MLP layers are not supported yet (every layer must be MoE: "
+                         "mlp_only_layers=[] and decoder_sparse_step=1).")
+    # Qwen's configs say num_experts; transformers >= 5 writes the same number as num_local_experts.
+    return hf_config.get("num_experts", hf_config.get("num_local_experts"))
+
+
+class Qwen3MoeTable(DenseTable):
+    """Qwen3-MoE: Qwen3's attention and norms; every layer's MLP is a router and routed experts, no shared expert.
+    Experts are stored per expert under HF names (what transformers' save_pretrained writes and vLLM loads). They
+    split over tensor-parallel ranks like a dense MLP: Megatron's expert-TP size defaults to the TP size, and
+    nothing here sets it."""
+
+    def __init__(self, hf_config: dict, padded_vocab: int):
+        super().__init__(hf_config, padded_vocab)
+        hidden, ffn, experts = hf_config["hidden_size"], hf_config["moe_intermediate_size"], moe_experts(hf_config)
+        mlp = "model.layers.{i}.mlp."
+        del self.layer["mlp.linear_fc1.weight"], self.layer["mlp.linear_fc2.weight"]
+        self.layer.update({
+            "mlp.router.weight": Entry((mlp + "gate.weight",), Replicated(), ((experts, hidden),)),
+            "mlp.experts.linear_fc1.weight": Entry(
+                (mlp + "experts.{e}.gate_proj.weight", mlp + "experts.{e}.up_proj.weight"), FusedGateUp(),
+                ((ffn, hidden), (ffn, hidden))),
+            "mlp.experts.linear_fc2.weight": Entry((mlp + "experts.{e}.down_proj.weight",), Split(dim=1),
+                                                   ((hidden, ffn),)),
+        })
+
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", *MOE_FAMILIES)
+_TABLES = {"qwen3_moe": Qwen3MoeTable}
 
 
 def table_for(hf_config: dict, padded_vocab: int) -> DenseTable:
@@ -175,4 +293,4 @@ def table_for(hf_config: dict, padded_vocab: int) -> DenseTable:
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"Model family '{family}' (config.json model_type) is not supported yet; "
                          f"supported: {', '.join(SUPPORTED_FAMILIES)}.")
-    return DenseTable(hf_config, padded_vocab)
+    return _TABLES.get(family, DenseTable)(hf_config, padded_vocab)

@@ -14,6 +14,10 @@ them (measured on megatron-core 0.16.1, see docs/architecture.md, "CPU compatibi
    `param.type() == "torch.cuda.FloatTensor"` checks: a TorchFunctionMode maps them to the CPU.
    Torch function modes are thread-local, so `apply()` must run on the thread that runs Megatron
    (Ray actors run `__init__` and their methods on one thread).
+6. Without apex or Transformer Engine, norms are torch's, which Megatron's wrapper refuses under sequence
+   parallelism (which MoE layers need at TP > 1). The torch norm computes the same per token on a sequence
+   shard; only its weight's gradient must then be summed over TP ranks, which Megatron's finalize_model_grads
+   does for parameters marked `sequence_parallel` (as apex and TE norms mark theirs).
 
 Nothing here changes numerics: the same code computes the same values, on the CPU.
 """
@@ -57,6 +61,25 @@ def _causal_mask(seq_len: int) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
 
 
+def _sequence_parallel_torch_norm() -> None:
+    """Patch 6 above."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, **kwargs)
+        norm = build(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__
+
+
 def apply() -> None:
     global _device_mode
     if _device_mode is not None:
@@ -85,3 +108,5 @@ def apply() -> None:
     # 5.
     _device_mode = CudaToCpuMode()
     _device_mode.__enter__()
+    # 6.
+    _sequence_parallel_torch_norm()

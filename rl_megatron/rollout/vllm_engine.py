@@ -1,7 +1,8 @@
 """The rollout engine: vLLM, in-process inside the worker that also holds the Megatron shards.
 
-The engine starts with dummy weights; the trainer pushes its own weights before the first generation
-(`load_weights`), so that the engine always samples from exactly the policy being trained.
+The engine starts with dummy weights; the trainer writes its own weights into the engine's parameters (in
+place, see `rl_megatron.resharding`) before the first generation, so that the engine always samples from
+exactly the policy being trained.
 Log-probs are `processed_logprobs`: after temperature, which is what the trainer computes.
 """
 from __future__ import annotations
@@ -9,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
-import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -38,10 +37,50 @@ CPU_ENGINE_ENV = {
 }
 
 
-def _is_rotary_reload_notice(record: logging.LogRecord) -> bool:
-    # reload_weights finds no checkpoint tensor for the rotary embedding's computed buffers and keeps them,
-    # as it should, but warns on every sync.
-    return record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+def keep_cpu_weights_in_place() -> None:
+    """vLLM's CPU backend repacks linear weights into oneDNN / AMX kernel formats after loading and leaves the
+    parameters empty, so they could only be updated through a full reload. Plain `F.linear` over the parameters
+    costs ~5% of decode speed on CPU and lets every sync write the weights in place. (GPU kernels read the
+    parameters as they are.)"""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    ops._supports_onednn = False
+    utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    _pack_cpu_experts_from_parameters()
+
+
+def _pack_cpu_experts_from_parameters() -> None:
+    """vLLM's CPU MoE kernel has no path over plain weights: after loading it overwrites the expert parameters
+    with a blocked, transposed copy. Instead, the parameters keep the checkpoint layout (so a sync writes them in
+    place, and what the engine holds can be compared with the trainer's weights), and the kernel packs them into a
+    private copy whenever they changed since it last did (torch counts in-place writes in `_version`). Costs one
+    packed copy of the experts' weights."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    if getattr(CPUUnquantizedExperts, "packs_from_parameters", False):  # patched once per process
+        return
+    apply = CPUUnquantizedExperts.apply
+
+    def keep_parameters(self, layer) -> None:
+        self._use_zentorch = False  # zentorch (AMD's kernels) reads the parameters as they are; not installed here
+        width = self.moe_config.intermediate_size_per_partition
+        if self._padded_intermediate_size(self.moe_config) != width:
+            raise ValueError(f"vLLM's CPU MoE kernel needs the experts' width per rollout TP rank ({width}: "
+                             f"moe_intermediate_size / rollout.tensor_parallel_size) to be a multiple of "
+                             f"{self._intermediate_alignment()}; choose another rollout.tensor_parallel_size.")
+
+    def apply_packed(self, *, w1, w2, **kwargs):
+        import vllm._custom_ops as ops
+
+        if getattr(self, "packed_versions", None) != (w1._version, w2._version):
+            self.packed = ops.cpu_prepack_moe_weight(w1, self.isa), ops.cpu_prepack_moe_weight(w2, self.isa)
+            self.packed_versions = (w1._version, w2._version)
+        return apply(self, w1=self.packed[0], w2=self.packed[1], **kwargs)
+
+    CPUUnquantizedExperts.process_weights_after_loading = keep_parameters
+    CPUUnquantizedExperts.apply = apply_packed
+    CPUUnquantizedExperts.packs_from_parameters = True
 
 
 def remove_stale_cpu_shm() -> None:
@@ -75,11 +114,10 @@ class VLLMEngine:
             os.environ.setdefault(key, value)
         from vllm import LLM
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: not _is_rotary_reload_notice(record))
-
-        if cfg.tensor_parallel_size > 1 and not platform.has_cuda():
-            remove_stale_cpu_shm()
+        if not platform.has_cuda():
+            keep_cpu_weights_in_place()
+            if cfg.tensor_parallel_size > 1:
+                remove_stale_cpu_shm()
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
                   else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
         self.cfg, self.eos_token_id = cfg, eos_token_id
@@ -127,16 +165,13 @@ class VLLMEngine:
                 generations.append(Generation(prompt, ids, log_probs))
         return generations
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (HF names and layouts) and drop cached KV of the old ones."""
-        # Not `model.load_weights`: on CPU vLLM repacks linear weights at load, and reload redoes that.
-        self._model_runner().reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+    def model(self) -> torch.nn.Module:
+        """The engine's model on this rank (its parameters are what a weight sync writes)."""
+        return self._model_runner().get_model()
 
-    def readable_weights(self) -> dict[str, torch.Tensor]:
-        """The engine's parameters by vLLM name, except those vLLM repacked for the CPU kernels (size 0)."""
-        model = self._model_runner().get_model()
-        return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.numel() > 0}
+    def weights_updated(self) -> None:
+        """Drop cached KV computed with the previous weights."""
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Free the engine and its process groups; a sharded engine's groups own /dev/shm segments that are

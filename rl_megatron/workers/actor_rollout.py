@@ -1,6 +1,6 @@
 """The hybrid actor+rollout worker: one Ray actor per device holding one Megatron shard of the policy and one
 vLLM engine. Train and generate share the device in turn; after each update the new weights go from the
-Megatron shards into the engine (`sync_weights`).
+Megatron shards into the engine (`sync_weights`, through the resharding module).
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ray
 import torch
 
 from rl_megatron.config.schema import Config
+from rl_megatron.resharding import Resharder, SyncStats, engine_mismatches, vllm_targets
 from rl_megatron.workers.distributed import free_port, init_distributed, owns_dp_output
 from rl_megatron.workers.worker_group import dispatch
 
@@ -32,11 +33,16 @@ class ActorRolloutWorker:
 
         cfg = self.cfg
         init_distributed(self.rank, self.world_size, master_addr, master_port,
-                         cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed)
+                         cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed,
+                         vpp=cfg.actor.virtual_pipeline_model_parallel_size)
         self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
         # The shards of one engine must sample alike: they share a seed.
         self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.engine_index,
                                  eos_token_id=self.hf_config["eos_token_id"])
+        # The plan from the trainer's layout to the engines' is made (and checked) once, here.
+        self.resharder = Resharder(*self.actor.weight_sources(), vllm_targets(self.engine.model()),
+                                   bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
+                                   verify=cfg.resharding.verify)
 
     def close(self) -> None:
         self.engine.close()
@@ -69,9 +75,11 @@ class ActorRolloutWorker:
         return self.actor.update(batch)
 
     @dispatch(axis=None)
-    def sync_weights(self) -> None:
-        """Push the policy's current weights into this worker's engine."""
-        self.engine.load_weights(self.actor.hf_state_dict().items())
+    def sync_weights(self) -> SyncStats:
+        """Write the policy's current weights into the engines (every worker sends and receives its part)."""
+        stats = self.resharder.sync()
+        self.engine.weights_updated()
+        return stats
 
     @dispatch(axis=None)
     def hf_state_dict(self):
@@ -80,6 +88,6 @@ class ActorRolloutWorker:
         return state if self.rank == 0 else None
 
     @dispatch(axis=None)
-    def engine_weights(self) -> dict:
-        """The engine's weights as it holds them (those vLLM keeps readable on this device)."""
-        return self.engine.readable_weights()
+    def engine_mismatches(self, hf_state: dict) -> list[str]:
+        """The HF tensors whose part in this worker's engine differs from `hf_state` (bit for bit)."""
+        return engine_mismatches(self.engine.model(), hf_state)

@@ -17,8 +17,9 @@ def free_port() -> int:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     tp: int, pp: int, seed: int) -> None:
-    """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state + Megatron's RNG seeds."""
+                     tp: int, pp: int, seed: int, vpp: int = 1, ep: int = 1) -> None:
+    """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state (`vpp` model chunks per pipeline
+    stage, routed experts split over `ep` data-parallel ranks) + Megatron's RNG seeds."""
     from megatron.core import parallel_state, tensor_parallel
 
     platform.setup()
@@ -27,7 +28,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if platform.has_cuda():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # None, not 1, selects Megatron's non-interleaved schedules.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                             expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

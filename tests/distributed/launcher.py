@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world_size, port, tp, pp, fn, args, results):
+def _entry(rank, world_size, port, tp, pp, vpp, ep, fn, args, results):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
 
@@ -15,7 +15,7 @@ def _entry(rank, world_size, port, tp, pp, fn, args, results):
     from rl_megatron.workers.distributed import init_distributed
 
     try:
-        init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, seed=0)
+        init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, seed=0, vpp=vpp, ep=ep)
         # As bytes: tensors put on a queue as-is live in shared memory that dies with this process.
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)
@@ -24,14 +24,14 @@ def _entry(rank, world_size, port, tp, pp, fn, args, results):
         results.put((rank, None, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, args=()) -> list:
+def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, args=()) -> list:
     """fn(*args) on every rank after init_distributed; returns the results in rank order."""
     from rl_megatron.workers.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, tp, pp, fn, args, results))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, tp, pp, vpp, ep, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

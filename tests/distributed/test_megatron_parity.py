@@ -1,5 +1,5 @@
 """Megatron shards on gloo against single-process references: HF transformers for log-probs and weights,
-TP=1 for the GRPO update."""
+TP=1 x PP=1 for the GRPO update."""
 import glob
 
 import pytest
@@ -23,11 +23,12 @@ def make_batch(vocab: int) -> dict:
     return {"input_ids": input_ids, "response_mask": response_mask, "advantages": advantages}
 
 
-def config(model_dir: str, tp: int, pp: int, **overrides):
+def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):
     from rl_megatron.config import load_config
 
     items = {"model.path": model_dir, "model.random_init": "false", "actor.tensor_model_parallel_size": tp,
-             "actor.pipeline_model_parallel_size": pp, "trainer.n_gpus_per_node": tp * pp,
+             "actor.pipeline_model_parallel_size": pp, "actor.virtual_pipeline_model_parallel_size": vpp,
+             "trainer.n_gpus_per_node": tp * pp,
              "actor.micro_batch_size": 2, "rollout.n": 2, "actor.ppo_mini_batch_size": 4,
              "data.train_batch_size": 4, "rollout.temperature": 0.7, **overrides}
     return load_config("configs/demo_cpu.yaml", [f"{k}={v}" for k, v in items.items()])
@@ -46,9 +47,13 @@ def log_probs_and_export(cfg, batch):
 
 
 def update_and_export(cfg, batch):
+    """One update in which each data-parallel rank takes its slice of `batch`."""
+    from megatron.core import parallel_state
+
     actor = _build(cfg)
     batch = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
-    metrics = actor.update(batch)
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    metrics = actor.update({key: value.chunk(dp)[rank] for key, value in batch.items()})
     return metrics, actor.hf_state_dict()
 
 
@@ -74,16 +79,19 @@ def hf_reference(model_dir: str, batch: dict, temperature: float):
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, model.state_dict()
 
 
-def family_model_dir(folder, family: str, tied: bool) -> str:
+def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) -> str:
     """A tiny HF model of `family` with every parameter random (norm weights and biases too, so that a wrong
-    mapping of any of them shows)."""
+    mapping of any of them shows); `extra` sets further config fields."""
     import transformers
 
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "qwen3": transformers.Qwen3Config}[family]
-    config = config_class(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    # Qwen3-MoE: 4 experts, top-2 with the weights renormalised (as Qwen's released models), half-width experts.
+    moe = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64)
+    config = config_class(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                          tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                          tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          **(dict(moe, **extra) if family == "qwen3_moe" else extra))
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -93,13 +101,15 @@ def family_model_dir(folder, family: str, tied: bool) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("family,tp,pp,tied", [("qwen2", 2, 1, False), ("qwen2", 1, 2, False),
-                                               ("llama", 2, 1, False), ("qwen3", 1, 2, True)])
-def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, tied):
-    model_dir = family_model_dir(tmp_path / family, family, tied)
-    cfg = config(model_dir, tp, pp)
+# Interleaving (vpp=2) needs a layer per model chunk: 2 stages x 2 chunks.
+@pytest.mark.parametrize("family,tp,pp,vpp,tied", [("qwen2", 2, 1, 1, False), ("qwen2", 1, 2, 1, False),
+                                                   ("llama", 2, 1, 1, False), ("qwen3", 1, 2, 1, True),
+                                                   ("qwen2", 1, 2, 2, False), ("qwen3", 1, 2, 2, True)])
+def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, vpp, tied):
+    model_dir = family_model_dir(tmp_path / family, family, tied, layers=2 * vpp)
+    cfg = config(model_dir, tp, pp, vpp)
     batch = make_batch(18)
-    results = run_distributed(log_probs_and_export, tp * pp, tp, pp, args=(cfg, batch))
+    results = run_distributed(log_probs_and_export, tp * pp, tp, pp, vpp, args=(cfg, batch))
     ref_log_probs, ref_entropy, ref_state = hf_reference(model_dir, batch, cfg.rollout.temperature)
     owner = results[-1][0] if pp > 1 else results[0][0]
     mask = batch["response_mask"].bool()
@@ -113,17 +123,22 @@ def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, tied)
         assert torch.equal(exported[name], tensor), name
 
 
-def test_grpo_update_tp2_equals_tp1(tiny_model_dir):
+# Tied embeddings at PP=2 x VPP=2: the embedding (first chunk, first stage) and the output layer (last chunk,
+# last stage) must receive the same summed gradient.
+@pytest.mark.parametrize("tp,pp,vpp,tied", [(2, 1, 1, False), (1, 2, 2, True)])
+def test_grpo_update_equals_tp1_pp1(tmp_path, tp, pp, vpp, tied):
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=tied, layers=2 * vpp)
     batch = make_batch(18)
     lr = {"actor.optim.lr": 1e-5}
-    ref_metrics, ref_state = run_distributed(update_and_export, 1, 1, 1, args=(config(tiny_model_dir, 1, 1, **lr), batch))[0]
-    tp2 = run_distributed(update_and_export, 2, 2, 1, args=(config(tiny_model_dir, 2, 1, **lr), batch))
-    metrics, state = tp2[0]
+    ref_metrics, ref_state = run_distributed(update_and_export, 1, args=(config(model_dir, 1, 1, **lr), batch))[0]
+    cfg = config(model_dir, tp, pp, vpp, **lr)
+    sharded = run_distributed(update_and_export, tp * pp, tp, pp, vpp, args=(cfg, batch))
+    metrics, state = sharded[-1][0], sharded[0][1]  # the last pipeline stage reports the loss, rank 0 the weights
     assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
     assert abs(metrics["actor/grad_norm"] - ref_metrics["actor/grad_norm"]) <= 1e-5
     changed = max((ref_state[n] - t).abs().max().item() for n, t in state.items())
     assert changed <= 1e-5
     initial = {}
-    for f in glob.glob(f"{tiny_model_dir}/*.safetensors"):
+    for f in glob.glob(f"{model_dir}/*.safetensors"):
         initial.update(load_file(f))
     assert any(not torch.equal(initial[n], t) for n, t in state.items()), "the update changed nothing"

@@ -2,8 +2,11 @@
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
@@ -37,9 +40,27 @@ def test_demo_learns_arithmetic_from_reward(tmp_path):
     assert os.path.isfile(os.path.join(run_dir, "config.yaml"))
 
 
-def test_pipeline_parallel_run(tmp_path):
-    """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards."""
+def demo_model_with_layers(folder, layers: int) -> str:
+    """The demo model's folder with `layers` layers (the demo initialises randomly, so it holds no weights)."""
+    shutil.copytree(os.path.join(REPO, "configs", "models", "tiny-qwen2-digits"), folder)
+    config_file = os.path.join(folder, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers, layer_types=["full_attention"] * layers)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_pipeline_parallel_run(tmp_path, vpp):
+    """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards; with
+    vpp=2 each stage holds two interleaved model chunks (one layer each)."""
+    model = demo_model_with_layers(tmp_path / "model", layers=2 * vpp)
     _, rows, _ = train(tmp_path, "trainer.total_steps=3", "actor.tensor_model_parallel_size=1",
-                       "actor.pipeline_model_parallel_size=2", "rollout.max_tokens=3")
+                       "actor.pipeline_model_parallel_size=2", f"actor.virtual_pipeline_model_parallel_size={vpp}",
+                       f"model.path={model}", "rollout.max_tokens=3")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["actor/grad_norm"] > 0 for r in rows)
+    # The engine samples from the weights the trainer exported from its stages and chunks.
+    assert max(r["rollout/logprob_diff_mean"] for r in rows) < 1e-5

@@ -305,6 +305,70 @@ def test_pp_must_divide_the_layers(tmp_path):
     assert "actor.pipeline_model_parallel_size=2" in message and "3 layers" in message
 
 
+def test_virtual_pipeline_needs_pipeline_stages():
+    message = config_error("actor.virtual_pipeline_model_parallel_size=2")
+    assert "actor.virtual_pipeline_model_parallel_size=2" in message and "actor.pipeline_model_parallel_size" in message
+
+
+def test_pp_times_vpp_must_divide_the_layers(tmp_path):
+    model = model_folder(tmp_path / "m", num_hidden_layers=6)  # PP 2 divides 6, PP 2 x VPP 2 does not
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                           "actor.pipeline_model_parallel_size=2", "actor.virtual_pipeline_model_parallel_size=2")
+    assert "actor.pipeline_model_parallel_size=2" in message and "6 layers" in message
+    assert "actor.virtual_pipeline_model_parallel_size=2" in message
+
+
+def test_interleaved_schedule_needs_micro_batches_in_multiples_of_pp(tmp_path):
+    # 2 devices at TP 1, PP 2 -> DP 1; a mini-batch of 16 x 8 = 128 samples is a single micro-batch of 128.
+    model = model_folder(tmp_path / "m", num_hidden_layers=4)
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                           "actor.pipeline_model_parallel_size=2", "actor.virtual_pipeline_model_parallel_size=2",
+                           "actor.micro_batch_size=128")
+    assert "actor.virtual_pipeline_model_parallel_size=2" in message and "actor.micro_batch_size=128" in message
+    assert "= 1)" in message and "multiple of actor.pipeline_model_parallel_size=2" in message
+
+
+def test_interleaved_pipeline_layout_loads(tmp_path):
+    model = model_folder(tmp_path / "m", num_hidden_layers=4)
+    cfg = load_demo(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                    "actor.pipeline_model_parallel_size=2", "actor.virtual_pipeline_model_parallel_size=2")
+    assert cfg.actor.virtual_pipeline_model_parallel_size == 2
+
+
+def moe_folder(folder, **hf) -> str:
+    return model_folder(folder, **{"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, **hf})
+
+
+def test_expert_parallelism_needs_an_moe_model():
+    message = config_error("actor.tensor_model_parallel_size=1", "actor.expert_model_parallel_size=2")
+    assert "actor.expert_model_parallel_size=2" in message and "MoE" in message and "model_type='qwen2'" in message
+
+
+def test_expert_parallelism_must_divide_the_data_parallel_size(tmp_path):
+    # The demo's 2 devices at TP 2 leave one data-parallel rank.
+    message = config_error(f"model.path={moe_folder(tmp_path / 'm')}", "actor.expert_model_parallel_size=2")
+    assert "actor.expert_model_parallel_size=2" in message and "data-parallel size 1" in message
+
+
+def test_expert_parallelism_must_divide_the_experts(tmp_path):
+    message = config_error(f"model.path={moe_folder(tmp_path / 'm', num_experts=3)}",
+                           "actor.tensor_model_parallel_size=1", "actor.expert_model_parallel_size=2")
+    assert "actor.expert_model_parallel_size=2" in message and "3 experts" in message
+
+
+def test_moe_models_with_dense_layers_are_rejected(tmp_path):
+    message = config_error(f"model.path={moe_folder(tmp_path / 'm', mlp_only_layers=[1])}")
+    assert "mlp_only_layers=[1]" in message and "model.path" in message
+
+
+def test_expert_parallel_layout_loads_with_either_experts_key(tmp_path):
+    # transformers >= 5 writes num_local_experts where Qwen's own configs say num_experts.
+    model = moe_folder(tmp_path / "m", num_experts=None, num_local_experts=4)
+    cfg = load_demo(f"model.path={model}", "actor.tensor_model_parallel_size=1", "actor.expert_model_parallel_size=2")
+    assert cfg.actor.expert_model_parallel_size == 2
+
+
 # ------------------------------------------------------------------------------------------- batch sizes
 
 
@@ -343,7 +407,9 @@ def test_derived_model_length_beyond_the_model_positions():
 
 @pytest.mark.parametrize("key", [
     "trainer.total_steps", "trainer.nnodes", "trainer.n_gpus_per_node", "actor.tensor_model_parallel_size",
-    "actor.pipeline_model_parallel_size", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+    "actor.pipeline_model_parallel_size", "actor.virtual_pipeline_model_parallel_size",
+    "actor.expert_model_parallel_size", "actor.ppo_mini_batch_size",
+    "actor.ppo_epochs",
     "actor.micro_batch_size", "rollout.n", "rollout.max_tokens", "rollout.tensor_parallel_size",
     "data.train_batch_size", "data.max_prompt_length", "model.make_vocab_size_divisible_by", "ray.num_cpus",
 ])
@@ -390,3 +456,8 @@ def test_unsupported_model_family_is_named(tmp_path):
 def test_max_model_len_beyond_the_model_positions():
     message = config_error("rollout.max_model_len=513")
     assert "rollout.max_model_len = 513" in message and "max_position_embeddings=512" in message
+
+
+@pytest.mark.parametrize("override", ["resharding.channel=carrier_pigeon", "resharding.bucket_mb=0"])
+def test_resharding_settings_are_checked(override):
+    assert override in config_error(override)

@@ -1,8 +1,20 @@
-"""Layouts: HF tensors -> TP shards -> HF tensors is the identity, and the shards are Megatron's layout."""
+"""Layouts: the regions of all TP shards tile the HF tensors exactly, and the shards are Megatron's layout."""
 import pytest
 import torch
 
-from rl_megatron.models.weight_tables import DenseTable, FusedGateUp, FusedQKV, PaddedVocab, Split, table_for
+from rl_megatron.models.weight_tables import (DenseTable, Entry, FusedGateUp, FusedQKV, PaddedVocab, Split,
+                                              hf_view, local_view, shard_from_hf, table_for)
+
+
+def rebuild_from_shards(entry: Entry, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF tensors put back together from every rank's shard, each element written exactly once."""
+    out = {name: torch.full(shape, float("nan")) for name, shape in zip(entry.hf_names, entry.hf_shapes)}
+    for rank, shard in enumerate(shards):
+        for region in entry.regions(rank, len(shards)):
+            target = hf_view(out[region.hf_name], region)
+            assert target.isnan().all(), "two ranks claim the same element"
+            target.copy_(local_view(shard, region))
+    return out
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -12,55 +24,87 @@ from rl_megatron.models.weight_tables import DenseTable, FusedGateUp, FusedQKV, 
     (FusedGateUp(), [(8, 6), (8, 6)]),
     (FusedQKV(groups=4, heads=8, head_dim=2), [(16, 6), (8, 6), (8, 6)]),  # weights
     (FusedQKV(groups=4, heads=8, head_dim=2), [(16,), (8,), (8,)]),  # biases
-    (PaddedVocab(vocab=10, padded=12), [(10, 6)]),
+    (PaddedVocab(padded=12), [(10, 6)]),
 ])
-def test_shard_then_merge_is_identity(layout, shapes, tp):
+def test_shards_tile_the_hf_tensors(layout, shapes, tp):
+    entry = Entry(tuple(f"t{i}" for i in range(len(shapes))), layout, tuple(shapes))
     hf = [torch.randn(shape) for shape in shapes]
-    shards = [layout.shard(hf, rank, tp) for rank in range(tp)]
-    assert all(s.shape == shards[0].shape for s in shards)
-    merged = layout.merge(shards)
-    assert all(torch.equal(m, h) for m, h in zip(merged, hf))
+    shards = [shard_from_hf(entry, hf, rank, tp) for rank in range(tp)]
+    assert all(tuple(s.shape) == entry.local_shape(tp) for s in shards)
+    rebuilt = rebuild_from_shards(entry, shards)
+    assert all(torch.equal(rebuilt[n], h) for n, h in zip(entry.hf_names, hf))
 
 
 def test_qkv_shard_holds_whole_groups_in_megatron_order():
     # 2 groups of 2 query heads, head_dim 1: rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
     q, k, v = torch.tensor([[0.], [1.], [2.], [3.]]), torch.tensor([[10.], [11.]]), torch.tensor([[20.], [21.]])
-    layout = FusedQKV(groups=2, heads=4, head_dim=1)
-    assert layout.shard([q, k, v], 0, 1).flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
-    assert layout.shard([q, k, v], 1, 2).flatten().tolist() == [2, 3, 11, 21]
+    entry = Entry(("q", "k", "v"), FusedQKV(groups=2, heads=4, head_dim=1), ((4, 1), (2, 1), (2, 1)))
+    assert shard_from_hf(entry, [q, k, v], 0, 1).flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    assert shard_from_hf(entry, [q, k, v], 1, 2).flatten().tolist() == [2, 3, 11, 21]
 
 
 def test_gate_up_shard_is_gate_slice_then_up_slice():
     gate, up = torch.arange(4.).reshape(4, 1), torch.arange(10., 14.).reshape(4, 1)
-    assert FusedGateUp().shard([gate, up], 1, 2).flatten().tolist() == [2, 3, 12, 13]
+    entry = Entry(("gate", "up"), FusedGateUp(), ((4, 1), (4, 1)))
+    assert shard_from_hf(entry, [gate, up], 1, 2).flatten().tolist() == [2, 3, 12, 13]
 
 
-def test_padded_vocab_pads_with_zeros_and_export_drops_them():
-    emb = torch.randn(5, 3)
-    shards = [PaddedVocab(5, 8).shard([emb], r, 2) for r in range(2)]
-    assert torch.equal(shards[1][1:], torch.zeros(3, 3))
+def test_padded_vocab_rows_are_zero_and_belong_to_no_hf_row():
+    entry = Entry(("emb",), PaddedVocab(padded=8), ((5, 3),))
+    shard = shard_from_hf(entry, [torch.randn(5, 3)], 1, 2)
+    assert torch.equal(shard[1:], torch.zeros(3, 3))
+    assert [(r.start, r.stop) for r in entry.regions(1, 2)] == [((4, 0), (5, 3))]
+
+
+def test_checkpoint_tensor_of_the_wrong_shape_is_named():
+    entry = Entry(("model.norm.weight",), Split(dim=0), ((8,),))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(6,\).*implies \(8,\)"):
+        shard_from_hf(entry, [torch.randn(6)], 0, 1)
 
 
 HF = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8,
-      "vocab_size": 10, "tie_word_embeddings": False}
+      "intermediate_size": 16, "vocab_size": 10, "tie_word_embeddings": False}
 
 
 def test_table_resolves_layers_with_pipeline_offset_and_te_names():
     table = DenseTable(HF, padded_vocab=16)
     entry = table.lookup("decoder.layers.1.self_attention.linear_qkv.weight", layer_offset=2)
     assert entry.hf_names == tuple(f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv")
+    assert entry.hf_shapes == ((8, 8), (4, 8), (4, 8))
     te = table.lookup("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", layer_offset=0)
     assert te.hf_names == ("model.layers.0.post_attention_layernorm.weight",)
     with pytest.raises(KeyError, match="decoder.layers.0.mystery.weight"):
         table.lookup("decoder.layers.0.mystery.weight", 0)
 
 
-def test_tied_embeddings_export_once():
+def test_tied_output_layer_is_the_embedding():
     table = DenseTable(dict(HF, tie_word_embeddings=True), padded_vocab=16)
     assert table.lookup("output_layer.weight", 0).hf_names == ("model.embed_tokens.weight",)
-    assert not table.exported("output_layer.weight")
 
 
 def test_unknown_family_is_rejected_by_name():
     with pytest.raises(ValueError, match="gpt_neox"):
         table_for(dict(HF, model_type="gpt_neox"), 16)
+
+
+MOE = dict(HF, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)
+
+
+def test_moe_table_names_experts_globally_from_the_expert_offset():
+    table = table_for(MOE, padded_vocab=16)
+    fc1 = table.lookup("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight", layer_offset=2,
+                       expert_offset=2)
+    assert fc1.hf_names == tuple(f"model.layers.3.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up"))
+    assert isinstance(fc1.layout, FusedGateUp) and fc1.hf_shapes == ((6, 8), (6, 8))
+    fc2 = table.lookup("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", 0, expert_offset=2)
+    assert fc2.hf_names == ("model.layers.0.mlp.experts.2.down_proj.weight",) and fc2.layout == Split(dim=1)
+    router = table.lookup("decoder.layers.0.mlp.router.weight", 0, expert_offset=2)
+    assert router.hf_names == ("model.layers.0.mlp.gate.weight",) and router.hf_shapes == ((4, 8),)
+    with pytest.raises(KeyError, match="mlp.linear_fc1.weight"):  # no dense MLP in an MoE layer
+        table.lookup("decoder.layers.0.mlp.linear_fc1.weight", 0)
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
+def test_moe_table_rejects_dense_layers_between_moe_layers(dense):
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        table_for(dict(MOE, **dense), 16)

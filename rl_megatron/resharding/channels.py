@@ -1,0 +1,168 @@
+"""How a bucket travels between two ranks of the same process group. One interface, two channels:
+
+- `ProcessGroupChannel`: torch.distributed point-to-point — gloo between CPU processes, NCCL between GPUs
+  (colocated ranks, or the broadcast group of a disaggregated engine).
+- `SharedMemoryChannel`: the sender packs straight into a buffer the receiver has mapped — POSIX shared memory
+  on CPU, CUDA IPC on GPU (both through torch.multiprocessing's tensor handles, exchanged once when the plan
+  is made); only one-element ready/done signals go through the process group. One copy on each side.
+
+Pieces whose source and target are on the same rank never use a channel: they are copied in place.
+
+Every rank walks the plan's rounds in order; in a round it starts its send without blocking, then receives.
+Signals that only release a buffer are sent without blocking.
+"""
+from __future__ import annotations
+
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+import torch.distributed as dist
+
+
+class Channel:
+    def connect(self, sends_to: set[int], receives_from: set[int]) -> None:
+        """Called once on every rank (a collective) with the peers of this rank in the plan."""
+
+    def buffer_for(self, dst: int, nbytes: int) -> torch.Tensor:
+        """uint8 tensor of `nbytes` the sender packs the next bucket for `dst` into."""
+        raise NotImplementedError
+
+    def send(self, dst: int, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def receive(self, src: int, nbytes: int) -> torch.Tensor:
+        """The next bucket from `src`, valid until `release(src)`."""
+        raise NotImplementedError
+
+    def release(self, src: int) -> None:
+        pass
+
+    def end_round(self) -> None:
+        """After a round: this rank's outgoing bucket may still be in flight only if the channel keeps it."""
+
+    def finish(self) -> None:
+        """Wait for outstanding signals; after this no buffer is in use."""
+
+    # Plan buckets a rank may hold at once: the plan's buckets are `bucket_bytes / slots`, so that the channel
+    # never holds more than `bucket_bytes`.
+    slots = 1
+
+    @property
+    def owned_bytes(self) -> int:
+        """Buffer memory this channel keeps between syncs."""
+        return 0
+
+
+class ProcessGroupChannel(Channel):
+    """A round's outgoing bucket is sent without blocking while the incoming one is received: two buckets at most."""
+
+    slots = 2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.outgoing: torch.Tensor | None = None
+        self.incoming: torch.Tensor | None = None
+        self.sending = None
+
+    def buffer_for(self, dst, nbytes):
+        self.outgoing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.outgoing
+
+    def send(self, dst, nbytes):
+        self.sending = dist.isend(self.outgoing, dst)
+
+    def receive(self, src, nbytes):
+        self.incoming = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(self.incoming, src)
+        return self.incoming
+
+    def release(self, src):
+        self.incoming = None
+
+    def end_round(self):
+        if self.sending is not None:
+            self.sending.wait()
+        self.sending = self.outgoing = None
+
+
+DONE = 1  # tag of 'buffer free again' signals, which overtake the data messages between the same two ranks
+
+
+class SharedMemoryChannel(Channel):
+    """Each rank owns one shared send buffer of `capacity` bytes in two slots: it packs the next bucket into one
+    slot while a receiver still reads the other (a slot is reused once its receiver has said 'done')."""
+
+    slots = 2
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device, self.slot_bytes = device, capacity // self.slots
+        self.outbox: torch.Tensor | None = None
+        self.inboxes: dict[int, torch.Tensor] = {}  # peers' buffers mapped here
+        self.readers: list[int | None] = [None] * self.slots  # the peer reading each of our slots now
+        self.next_slot = 0
+        self.pending: list = []
+
+    def _signal(self, value: int = 0) -> torch.Tensor:
+        return torch.full((1,), value, dtype=torch.int64, device=self.device)
+
+    def _wait_done(self, slot: int) -> None:
+        if self.readers[slot] is not None:
+            dist.recv(self._signal(), self.readers[slot], tag=DONE)
+            self.readers[slot] = None
+
+    def connect(self, sends_to, receives_from):
+        handles = {}
+        if sends_to:
+            self.outbox = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            if self.outbox.device.type == "cpu":
+                self.outbox.share_memory_()
+            # torch registers its shared-memory / CUDA IPC tensor reductions with multiprocessing's pickler; a
+            # CPU handle passes a file descriptor that can be claimed once, so each receiver gets its own.
+            handles = {dst: bytes(ForkingPickler.dumps(self.outbox)) for dst in sends_to}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, handles)
+        rank = dist.get_rank()
+        self.inboxes = {src: pickle.loads(everyone[src][rank]) for src in receives_from}
+
+    def buffer_for(self, dst, nbytes):
+        slot = self.next_slot
+        self._wait_done(slot)
+        return self.outbox[slot * self.slot_bytes:][:nbytes]
+
+    def send(self, dst, nbytes):
+        slot = self.next_slot
+        self.pending.append(dist.isend(self._signal(slot), dst))
+        self.readers[slot] = dst
+        self.next_slot = (slot + 1) % self.slots
+
+    def receive(self, src, nbytes):
+        slot = self._signal()
+        dist.recv(slot, src)
+        return self.inboxes[src][int(slot) * self.slot_bytes:][:nbytes]
+
+    def release(self, src):
+        self.pending.append(dist.isend(self._signal(), src, tag=DONE))
+
+    def finish(self):
+        for slot in range(self.slots):
+            self._wait_done(slot)
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    @property
+    def owned_bytes(self) -> int:
+        return 0 if self.outbox is None else self.outbox.numel()
+
+
+CHANNELS = ("auto", "process_group", "shared_memory")  # auto: shared memory when every rank is on one machine
+
+
+def make_channel(name: str, device: torch.device, bucket_bytes: int) -> Channel:
+    if name == "process_group":
+        return ProcessGroupChannel(device)
+    if name == "shared_memory":
+        return SharedMemoryChannel(device, bucket_bytes)
+    raise ValueError(f"resharding.channel={name!r}: choose one of {', '.join(CHANNELS)}")

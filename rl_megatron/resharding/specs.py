@@ -1,0 +1,137 @@
+"""What each side holds, as HF regions: Megatron shards (sources), and vLLM parameters or full HF tensors (targets).
+
+The Megatron side comes from the family's weight table. The vLLM side is read off vLLM's own parallel layers
+(their TP rank, head counts, output sizes, vocabulary shard, expert map), with the HF names of fused layers taken
+from the model's `packed_modules_mapping` and its expert layers' checkpoint names: the engine itself says what it
+expects, so no second table can drift from it.
+"""
+from __future__ import annotations
+
+import torch
+
+from rl_megatron.models.weight_tables import DenseTable, Region, along, whole
+from rl_megatron.resharding.plan import TensorSpec
+
+Held = dict[str, tuple[torch.Tensor, TensorSpec]]  # key -> (the local tensor, what it holds)
+
+
+def megatron_sources(chunks: list, table: DenseTable, tp_rank: int, tp_size: int) -> tuple[Held, list[str]]:
+    """This rank's Megatron parameters (every virtual-pipeline chunk) and the shape errors found."""
+    from rl_megatron.models.gpt import expert_offset, layer_offset
+
+    held, errors = {}, []
+    for vp, chunk in enumerate(chunks):
+        offset, experts = layer_offset(chunk), expert_offset(chunk)
+        for name, param in chunk.named_parameters():
+            try:
+                entry = table.lookup(name, offset, experts)
+            except KeyError as error:
+                errors.append(str(error.args[0]))
+                continue
+            expected = entry.local_shape(tp_size)
+            if tuple(param.shape) != expected:
+                errors.append(f"Megatron parameter '{name}' has shape {tuple(param.shape)} but the weight table "
+                              f"expects {expected} (from {', '.join(entry.hf_names)})")
+                continue
+            key = f"chunk{vp}.{name}"
+            held[key] = (param.detach(), TensorSpec(key, expected, param.dtype, tuple(entry.regions(tp_rank, tp_size))))
+    return held, errors
+
+
+def _unpacked_names(name: str, packed: dict[str, list[str]]) -> list[str]:
+    module, _, leaf = name.rpartition(".")
+    prefix, _, last = module.rpartition(".")
+    if last in packed:
+        return [f"{prefix}.{part}.{leaf}" for part in packed[last]]
+    return [name]
+
+
+def _expert_regions(layer, leaf: str, param: torch.Tensor) -> list[Region]:
+    """vLLM's routed experts stack this rank's experts: `w13_weight[j]` = [gate shard; up shard] and `w2_weight[j]` =
+    the down projection's column shard of the global expert the layer's expert map puts in slot j. Shards are over
+    the layer's MoE TP ranks; the HF names are the layer's own checkpoint names."""
+    parallel, experts = layer.moe_config.moe_parallel_config, layer.expert_map_manager
+    rank, out = parallel.tp_rank, []
+    for expert in experts.get_local_expert_ids():
+        slot, prefix = (experts.map_global_to_local(expert),), f"{layer.layer_name}.{expert}."
+        if leaf == "w13_weight":
+            n, hidden = param.shape[1] // 2, param.shape[2]
+            shape = (n * parallel.tp_size, hidden)
+            out += [along(prefix + layer.ckpt_gate_proj_name + ".weight", shape, 0, rank * n, (rank + 1) * n, 0, slot),
+                    along(prefix + layer.ckpt_up_proj_name + ".weight", shape, 0, rank * n, (rank + 1) * n, n, slot)]
+        elif leaf == "w2_weight":
+            hidden, n = param.shape[1], param.shape[2]
+            out.append(along(prefix + layer.ckpt_down_proj_name + ".weight", (hidden, n * parallel.tp_size), 1,
+                             rank * n, (rank + 1) * n, 0, slot))
+        else:
+            raise NotImplementedError(f"vLLM expert parameter '{leaf}' of '{layer.layer_name}' has no HF mapping yet "
+                                      "(expert biases and quantised experts are not supported).")
+    return out
+
+
+def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str]) -> list[Region]:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if isinstance(module, RoutedExperts):
+        return _expert_regions(module, leaf, param)
+    tail = tuple(param.shape[1:])
+    if isinstance(module, QKVParallelLinear):
+        q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.v_head_size
+        q_total = module.total_num_heads * module.head_size
+        kv_total = module.total_num_kv_heads * module.v_head_size
+        kv_rank = module.tp_rank // module.num_kv_head_replicas  # vLLM repeats KV heads when TP > KV heads
+        return [along(names[0], (q_total, *tail), 0, module.tp_rank * q, (module.tp_rank + 1) * q, 0),
+                along(names[1], (kv_total, *tail), 0, kv_rank * kv, (kv_rank + 1) * kv, q),
+                along(names[2], (kv_total, *tail), 0, kv_rank * kv, (kv_rank + 1) * kv, q + kv)]
+    if isinstance(module, MergedColumnParallelLinear):
+        out, at = [], 0
+        for name, total in zip(names, module.output_sizes):
+            n = total // module.tp_size
+            out.append(along(name, (total, *tail), 0, module.tp_rank * n, (module.tp_rank + 1) * n, at))
+            at += n
+        return out
+    if isinstance(module, ColumnParallelLinear):
+        n = module.output_size_per_partition
+        return [along(names[0], (module.output_size, *tail), 0, module.tp_rank * n, (module.tp_rank + 1) * n, 0)]
+    if isinstance(module, RowParallelLinear) and leaf == "weight":
+        n = module.input_size_per_partition
+        shape = (module.output_size, module.input_size)
+        return [along(names[0], shape, 1, module.tp_rank * n, (module.tp_rank + 1) * n, 0)]
+    if isinstance(module, VocabParallelEmbedding):
+        shard = module.shard_indices
+        shape = (module.org_vocab_size, module.embedding_dim)
+        if shard.org_vocab_start_index >= shard.org_vocab_end_index:
+            return []
+        return [along(names[0], shape, 0, shard.org_vocab_start_index, shard.org_vocab_end_index, 0)]
+    return [whole(names[0], tuple(param.shape))]
+
+
+def vllm_targets(model) -> Held:
+    """The engine's parameters on this rank (vLLM names) and the HF regions vLLM keeps in each."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    held = {}
+    for name, param in model.named_parameters():
+        if param.numel() == 0:
+            raise RuntimeError(f"vLLM parameter '{name}' is empty: the engine repacked it for its CPU kernels, "
+                               "so it cannot be updated in place (start engines through rl_megatron's VLLMEngine).")
+        module_name, _, leaf = name.rpartition(".")
+        regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(name, packed))
+        held[name] = (param.detach(), TensorSpec(name, tuple(param.shape), param.dtype, tuple(regions)))
+    return held
+
+
+def hf_targets(sources: list[list[TensorSpec]]) -> Held:
+    """Every HF tensor the sources make up, whole, newly allocated on this rank (export, conversion)."""
+    shapes: dict[str, tuple] = {}
+    for specs in sources:
+        for spec in specs:
+            for region in spec.regions:
+                shapes.setdefault(region.hf_name, (tuple(region.hf_shape), spec.dtype))
+    held = {}
+    for name in sorted(shapes):
+        shape, dtype = shapes[name]
+        held[name] = (torch.empty(shape, dtype=dtype), TensorSpec(name, shape, dtype, (whole(name, shape),)))
+    return held

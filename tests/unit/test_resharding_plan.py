@@ -1,0 +1,78 @@
+"""The transfer plan, as a pure function of what each rank holds and needs."""
+import pytest
+import torch
+
+from rl_megatron.models.weight_tables import along, whole
+from rl_megatron.resharding.plan import PlanError, TensorSpec, build_plan
+
+F32 = torch.float32
+
+
+def rows(name, shape, start, stop, at=0):
+    return along(name, shape, 0, start, stop, at)
+
+
+def spec(key, shape, *regions):
+    return TensorSpec(key, shape, F32, tuple(regions))
+
+
+def test_local_rows_are_copied_in_place_and_the_rest_travels():
+    sources = [[spec("s", (4, 2), rows("w", (8, 2), 0, 4))], [spec("s", (4, 2), rows("w", (8, 2), 4, 8))]]
+    targets = [[spec("w", (8, 2), whole("w", (8, 2)))], []]
+    plan = build_plan(sources, targets, bucket_bytes=1 << 20)
+    (local,) = plan.local[0]
+    assert (local.src.start, local.src.stop, local.dst.origin) == ((0, 0), (4, 2), (0, 0))
+    (bucket,) = plan.buckets
+    (piece,) = bucket.pieces
+    assert (bucket.src_rank, bucket.dst_rank, piece.src.origin, piece.dst.origin) == (1, 0, (0, 0), (4, 0))
+    assert plan.bytes_into(0) == 8 * 2 * 4
+
+
+def test_a_replica_on_the_target_rank_is_preferred():
+    norm = whole("norm", (6,))
+    sources = [[spec("n", (6,), norm)], [spec("n", (6,), norm)]]
+    plan = build_plan(sources, [[spec("t", (6,), norm)], [spec("t", (6,), norm)]], bucket_bytes=1 << 20)
+    assert plan.buckets == [] and [p.src_rank for p in plan.local[1]] == [1]
+
+
+def test_remote_reads_are_spread_over_replicas():
+    a, b = whole("a", (4, 4)), whole("b", (4, 4))
+    holder = [spec("a", (4, 4), a), spec("b", (4, 4), b)]
+    plan = build_plan([[], holder, holder], [[spec("a", (4, 4), a), spec("b", (4, 4), b)], [], []], 1 << 20)
+    assert sorted(bucket.src_rank for bucket in plan.buckets) == [1, 2]
+
+
+def test_buckets_stay_within_their_size_and_large_pieces_are_cut():
+    w = whole("w", (16, 4))  # 256 bytes
+    plan = build_plan([[], [spec("w", (16, 4), w)]], [[spec("w", (16, 4), w)], []], bucket_bytes=64)
+    assert all(b.nbytes <= 64 for b in plan.buckets)
+    covered = sorted((p.dst.start[0], p.dst.stop[0]) for b in plan.buckets for p in b.pieces)
+    assert covered[0][0] == 0 and covered[-1][1] == 16
+    assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
+    assert sum(p.nbytes for b in plan.buckets for p in b.pieces) == 256
+
+
+def test_fused_target_gathers_pieces_from_separate_tensors():
+    # vLLM's qkv on one rank = [q; k; v] from three HF tensors held by three ranks.
+    q, k, v = (whole(n, (2, 3)) for n in "qkv")
+    target = spec("qkv", (6, 3), rows("q", (2, 3), 0, 2, 0), rows("k", (2, 3), 0, 2, 2), rows("v", (2, 3), 0, 2, 4))
+    plan = build_plan([[spec("q", (2, 3), q)], [spec("k", (2, 3), k)], [spec("v", (2, 3), v)]], [[target], [], []],
+                      1 << 20)
+    placed = {p.src.hf_name: p.dst.origin[0] for p in plan.local[0] + [p for b in plan.buckets for p in b.pieces]}
+    assert placed == {"q": 0, "k": 2, "v": 4}
+
+
+def test_a_tensor_no_source_holds_is_named():
+    with pytest.raises(PlanError, match="'model.norm.weight'.*no trainer shard holds"):
+        build_plan([[]], [[spec("model.norm.weight", (4,), whole("model.norm.weight", (4,)))]], 1 << 20)
+
+
+def test_a_shape_disagreement_names_both_shapes():
+    with pytest.raises(PlanError, match=r"'w'.*\(8, 2\).*expects \(8, 3\)"):
+        build_plan([[spec("w", (8, 2), whole("w", (8, 2)))]], [[spec("w", (8, 3), whole("w", (8, 3)))]], 1 << 20)
+
+
+def test_rows_no_source_holds_are_named():
+    sources = [[spec("s", (4, 2), rows("w", (8, 2), 0, 4))]]
+    with pytest.raises(PlanError, match=r"'w'\[4:8, 0:2\]"):
+        build_plan(sources, [[spec("w", (8, 2), whole("w", (8, 2)))]], 1 << 20)
