@@ -68,6 +68,8 @@ def measure_rank(cfg, repeats: int) -> dict:
         state = [export_hf_state_dict(actor.chunks, actor.table)]
         dist.broadcast_object_list(state, src=0)
         exact = not engine_mismatches(engine.model(), state[0])
+        kept = resharder.channel.owned_bytes
+        resharder.close()
         nbytes = resharder.plan.bytes_into(rank)
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         dst.copy_(src)
@@ -75,9 +77,9 @@ def measure_rank(cfg, repeats: int) -> dict:
         largest = max(t.numel() * t.element_size() for t, _ in sources[0].values())
         # What a sync adds: its transient peak, plus the buffer the channel keeps between syncs.
         return {"exact": exact, "bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
-                "peak_extra_bytes": max(peaks) + resharder.channel.owned_bytes, "largest_tensor_bytes": largest, "channel": resharder.channel_name,
-                "seconds_local": statistics.median(s.seconds_local for s in stats),
-                "bytes_local": stats[-1].bytes_local}
+                "peak_extra_bytes": max(peaks) + kept, "largest_tensor_bytes": largest, "channel": resharder.channel_name,
+                "seconds_in_place": statistics.median(s.seconds_in_place for s in stats),
+                "bytes_in_place": stats[-1].bytes_in_place}
     finally:
         engine.close()
 
@@ -136,8 +138,9 @@ def run(args, model_dir: str) -> dict:
             "gbps": gbps, "memcpy_gbps": memcpy_gbps, "ratio": gbps / memcpy_gbps,
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank), "bucket_bytes": args.bucket_mb << 20,
             "largest_tensor_bytes": max(r["largest_tensor_bytes"] for r in per_rank),
-            "local_fraction": sum(r["bytes_local"] for r in per_rank) / nbytes,
-            "seconds_local": max(r["seconds_local"] for r in per_rank), "channel": per_rank[0]["channel"],
+            "in_place_fraction": sum(r["bytes_in_place"] for r in per_rank) / nbytes,
+            "seconds_in_place": max(r["seconds_in_place"] for r in per_rank), "channel": args.channel,
+            "bucket_channel": per_rank[0]["channel"],
             "layout": {"tp": args.tp, "pp": args.pp, "engine_tp": args.engine_tp or args.tp},
             # the limit's fields, as every benchmark reports them
             "value": gbps * 1e9, "unit": "B/s", "limit_name": "memcpy B/s", "limit": memcpy_gbps * 1e9}

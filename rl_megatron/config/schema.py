@@ -72,7 +72,7 @@ class RolloutConfig:
 @dataclass
 class ReshardingConfig:
     bucket_mb: int = 256  # weights sent between ranks travel in buckets of at most this many MiB (the extra memory of a sync)
-    channel: str = "auto"  # how buckets travel: auto, process_group (gloo / NCCL), shared_memory (one node: shm / CUDA IPC)
+    channel: str = "auto"  # how buckets travel: process_group (gloo / NCCL), shared_memory (one node: shm / CUDA IPC), auto (shm on CPU, NCCL on GPU)
     verify: bool = False  # after every sync, compare checksums of every piece on both sides (slow; for debugging)
 
 

@@ -19,17 +19,18 @@ import torch.distributed as dist
 from rl_megatron.models.weight_tables import hf_view, local_view
 from rl_megatron.resharding.channels import CHANNELS, make_channel
 from rl_megatron.resharding.plan import Plan, PlanError, TensorSpec, build_plan
+from rl_megatron.resharding.shared_params import peer_tensor, share_parameters
 from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources, vllm_targets
 
 __all__ = ["CHANNELS", "PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_hf_state_dict",
-           "megatron_sources", "vllm_targets"]
+           "megatron_sources", "share_parameters", "vllm_targets"]
 
 
 @dataclass
 class SyncStats:
-    bytes_local: int  # written on this rank from its own shards
+    bytes_in_place: int  # copied by this rank from its own shards or a peer's shared parameters
     bytes_received: int  # written on this rank from other ranks' buckets
-    seconds_local: float  # copying the local pieces
+    seconds_in_place: float  # copying those
     seconds: float  # the whole sync on this rank
 
 
@@ -55,15 +56,27 @@ class Resharder:
         all_sources = self._gather(([spec for _, spec in sources.values()], source_errors, socket.gethostname()))
         errors = [e for _, errs, _ in all_sources for e in errs]
         source_specs = [specs for specs, _, _ in all_sources]
-        if channel == "auto":  # shared memory needs every rank on one machine
-            channel = "shared_memory" if len({host for _, _, host in all_sources}) == 1 else "process_group"
+        hosts = [host for _, _, host in all_sources]
+        # auto: pieces of a peer's shared parameters are read in place; what is left travels in buckets, through
+        # shared memory between CPU ranks of one machine, over the process group (NCCL) otherwise.
+        read_in_place = channel == "auto"
+        if channel == "auto":
+            channel = "shared_memory" if len(set(hosts)) == 1 and self.device.type == "cpu" else "process_group"
         self.targets = targets(source_specs) if callable(targets) else targets
         target_specs = self._gather([spec for _, spec in self.targets.values()])
         if errors:  # every rank raises the same error, so none is left waiting in a collective
             raise PlanError("Resharding plan: " + "; ".join(dict.fromkeys(errors)))
         self.channel_name = channel
         self.channel = make_channel(channel, self.device, bucket_bytes)
-        self.plan: Plan = build_plan(source_specs, target_specs, bucket_bytes // self.channel.slots)
+        self.plan: Plan = build_plan(source_specs, target_specs, bucket_bytes // self.channel.slots,
+                                     hosts if read_in_place else None)
+        # Peers' shared parameters this rank reads in place, mapped now (their files exist while they live).
+        specs_by_rank = [{spec.key: spec for spec in specs} for specs in source_specs]
+        self.peer_sources = {}
+        for piece in self.plan.local.get(self.rank, []):
+            if piece.src_rank != self.rank and (piece.src_rank, piece.src_key) not in self.peer_sources:
+                spec = specs_by_rank[piece.src_rank][piece.src_key]
+                self.peer_sources[(piece.src_rank, piece.src_key)] = peer_tensor(spec.location, spec.dtype, spec.shape)
         self.channel.connect({b.dst_rank for b in self.plan.buckets if b.src_rank == self.rank},
                              {b.src_rank for b in self.plan.buckets if b.dst_rank == self.rank})
 
@@ -73,8 +86,10 @@ class Resharder:
         dist.all_gather_object(out, obj)
         return out
 
-    def _source(self, key: str) -> torch.Tensor:
-        return self.sources[key][0]
+    def _source(self, key: str, rank: int | None = None) -> torch.Tensor:
+        if rank is None or rank == self.rank:
+            return self.sources[key][0]
+        return self.peer_sources[(rank, key)]
 
     def _target(self, key: str) -> torch.Tensor:
         return self.targets[key][0]
@@ -82,6 +97,8 @@ class Resharder:
     @torch.no_grad()
     def sync(self) -> SyncStats:
         start = time.perf_counter()
+        if self.plan.reads_peers:  # every rank's parameters are final before anyone reads them
+            dist.barrier()
         local, local_seconds, received = self.plan.local.get(self.rank, []), 0.0, 0
         for i, round_ in enumerate(self.plan.rounds or [[]]):
             outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
@@ -96,7 +113,7 @@ class Resharder:
                 local_start = time.perf_counter()
                 for piece in local:
                     local_view(self._target(piece.dst_key), piece.dst).copy_(
-                        local_view(self._source(piece.src_key), piece.src))
+                        local_view(self._source(piece.src_key, piece.src_rank), piece.src))
                 local_seconds = time.perf_counter() - local_start
             if incoming is not None:
                 buffer = self.channel.receive(incoming.src_rank, incoming.nbytes)
@@ -106,10 +123,15 @@ class Resharder:
                 received += incoming.nbytes
             self.channel.end_round()
         self.channel.finish()
+        if self.plan.reads_peers:  # nobody changes its parameters while a peer may still read them
+            dist.barrier()
         stats = SyncStats(sum(p.nbytes for p in local), received, local_seconds, time.perf_counter() - start)
         if self.verify_after_sync:
             self.verify()
         return stats
+
+    def close(self) -> None:
+        self.channel.close()
 
     @torch.no_grad()
     def verify(self) -> None:
@@ -146,7 +168,10 @@ def export_hf_state_dict(chunks: list, table, dst: int = 0, bucket_bytes: int = 
                                        parallel_state.get_tensor_model_parallel_world_size())
     rank = dist.get_rank()
     resharder = Resharder(sources, errors, lambda specs: hf_targets(specs) if rank == dst else {}, bucket_bytes)
-    resharder.sync()
+    try:
+        resharder.sync()
+    finally:
+        resharder.close()
     return {name: tensor for name, (tensor, _) in resharder.targets.items()}
 
 

@@ -3,8 +3,8 @@
 - `ProcessGroupChannel`: torch.distributed point-to-point — gloo between CPU processes, NCCL between GPUs
   (colocated ranks, or the broadcast group of a disaggregated engine).
 - `SharedMemoryChannel`: the sender packs straight into a buffer the receiver has mapped — POSIX shared memory
-  on CPU, CUDA IPC on GPU (both through torch.multiprocessing's tensor handles, exchanged once when the plan
-  is made); only one-element ready/done signals go through the process group. One copy on each side.
+  on CPU, CUDA IPC on GPU (`SharedBuffer`; handles exchanged once when the plan is made); only one-element
+  ready/done signals go through the process group. One copy on each side.
 
 Pieces whose source and target are on the same rank never use a channel: they are copied in place.
 
@@ -13,7 +13,9 @@ Signals that only release a buffer are sent without blocking.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import uuid
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -44,6 +46,9 @@ class Channel:
 
     def finish(self) -> None:
         """Wait for outstanding signals; after this no buffer is in use."""
+
+    def close(self) -> None:
+        """Free the buffers kept between syncs."""
 
     # Plan buckets a rank may hold at once: the plan's buckets are `bucket_bytes / slots`, so that the channel
     # never holds more than `bucket_bytes`.
@@ -113,23 +118,21 @@ class SharedMemoryChannel(Channel):
             self.readers[slot] = None
 
     def connect(self, sends_to, receives_from):
-        handles = {}
+        handle = None
         if sends_to:
-            self.outbox = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-            if self.outbox.device.type == "cpu":
-                self.outbox.share_memory_()
-            # torch registers its shared-memory / CUDA IPC tensor reductions with multiprocessing's pickler; a
-            # CPU handle passes a file descriptor that can be claimed once, so each receiver gets its own.
-            handles = {dst: bytes(ForkingPickler.dumps(self.outbox)) for dst in sends_to}
+            self.outbox = SharedBuffer.create(self.slots * self.slot_bytes, self.device)
+            handle = self.outbox.handle
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, handles)
-        rank = dist.get_rank()
-        self.inboxes = {src: pickle.loads(everyone[src][rank]) for src in receives_from}
+        dist.all_gather_object(everyone, handle)
+        self.inboxes = {src: SharedBuffer.attach(everyone[src]) for src in receives_from}
+        dist.barrier()
+        if self.outbox is not None:
+            self.outbox.unlink()
 
     def buffer_for(self, dst, nbytes):
         slot = self.next_slot
         self._wait_done(slot)
-        return self.outbox[slot * self.slot_bytes:][:nbytes]
+        return self.outbox.tensor[slot * self.slot_bytes:][:nbytes]
 
     def send(self, dst, nbytes):
         slot = self.next_slot
@@ -140,7 +143,7 @@ class SharedMemoryChannel(Channel):
     def receive(self, src, nbytes):
         slot = self._signal()
         dist.recv(slot, src)
-        return self.inboxes[src][int(slot) * self.slot_bytes:][:nbytes]
+        return self.inboxes[src].tensor[int(slot) * self.slot_bytes:][:nbytes]
 
     def release(self, src):
         self.pending.append(dist.isend(self._signal(), src, tag=DONE))
@@ -154,10 +157,44 @@ class SharedMemoryChannel(Channel):
 
     @property
     def owned_bytes(self) -> int:
-        return 0 if self.outbox is None else self.outbox.numel()
+        return 0 if self.outbox is None else self.outbox.tensor.numel()
+
+    def close(self):
+        self.inboxes, self.outbox = {}, None  # unmapped when the last view goes
 
 
-CHANNELS = ("auto", "process_group", "shared_memory")  # auto: shared memory when every rank is on one machine
+class SharedBuffer:
+    """A uint8 buffer other processes on this machine can map: a file in /dev/shm on CPU (handle: its path),
+    device memory on GPU (handle: a CUDA IPC handle, through torch's multiprocessing reductions)."""
+
+    def __init__(self, tensor: torch.Tensor, handle, path: str | None = None):
+        self.tensor, self.handle, self.path = tensor, handle, path
+
+    @classmethod
+    def create(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
+        if device.type == "cpu":
+            path = f"/dev/shm/rl_megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), ("shm", path, nbytes), path)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return cls(tensor, ("cuda", bytes(ForkingPickler.dumps(tensor))))
+
+    @classmethod
+    def attach(cls, handle) -> "SharedBuffer":
+        if handle[0] == "cuda":
+            return cls(pickle.loads(handle[1]), handle)
+        _, path, nbytes = handle
+        return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), handle)
+
+    def unlink(self) -> None:
+        """Remove the name once every peer has mapped the buffer: the memory lives until the last mapping goes,
+        and a killed run leaves nothing behind."""
+        if self.path is not None:
+            os.unlink(self.path)
+            self.path = None
+
+
+# auto: shared memory between CPU processes on one machine, the process group (NCCL) between GPUs
+CHANNELS = ("auto", "process_group", "shared_memory")
 
 
 def make_channel(name: str, device: torch.device, bucket_bytes: int) -> Channel:

@@ -31,6 +31,7 @@ class TensorSpec:
     shape: Shape
     dtype: torch.dtype
     regions: tuple[Region, ...]
+    location: tuple | None = None  # (shared file handle, byte offset) when peers on this machine can map it
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,15 @@ class Bucket:
 
 @dataclass
 class Plan:
-    local: dict[int, list[Piece]]  # rank -> pieces both read and written on that rank
+    # rank -> pieces that rank copies itself: from its own tensors, or from a peer's shared parameters
+    local: dict[int, list[Piece]]
     rounds: list[list[Bucket]]  # in each round a rank sends at most one bucket and receives at most one
     bucket_bytes: int
+
+    @property
+    def reads_peers(self) -> bool:
+        """Whether some rank copies straight out of another rank's parameters."""
+        return any(p.src_rank != rank for rank, pieces in self.local.items() for p in pieces)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -122,8 +129,15 @@ def _describe(box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(*box)) + "]"
 
 
-def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]], bucket_bytes: int) -> Plan:
-    """`sources[r]` / `targets[r]`: what rank r holds / must be given. Raises `PlanError` naming the tensor."""
+def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]], bucket_bytes: int,
+               hosts: list[str] | None = None) -> Plan:
+    """`sources[r]` / `targets[r]`: what rank r holds / must be given. With `hosts` (rank -> machine), sources
+    that have a `location` are read in place by the ranks on their machine. Raises `PlanError` naming the tensor."""
+
+    def in_place(src_rank: int, src_spec: TensorSpec, dst_rank: int) -> bool:
+        return src_rank == dst_rank or (hosts is not None and src_spec.location is not None
+                                        and hosts[src_rank] == hosts[dst_rank])
+
     holders: dict[str, list[tuple[int, TensorSpec, Region]]] = defaultdict(list)
     for rank, specs in enumerate(sources):
         for spec in specs:
@@ -147,7 +161,8 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
                                   f"'{spec.key}' (rank {dst_rank}) expects {tuple(want.hf_shape)}")
                     continue
                 uncovered = [_box(want)]
-                ordered = sorted(candidates, key=lambda c: (c[0] != dst_rank, sent[c[0]], c[0]))
+                ordered = sorted(candidates, key=lambda c: (c[0] != dst_rank, not in_place(c[0], c[1], dst_rank),
+                                                            sent[c[0]], c[0]))
                 for src_rank, src_spec, have in ordered:
                     still = []
                     for box in uncovered:
@@ -160,7 +175,7 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
                         element = torch.empty((), dtype=src_spec.dtype).element_size()
                         piece = Piece(src_rank, src_spec.key, _restrict(have, common), dst_rank, spec.key,
                                       _restrict(want, common), numel * element, src_spec.dtype)
-                        if src_rank == dst_rank:
+                        if in_place(src_rank, src_spec, dst_rank):
                             local[dst_rank].append(piece)
                         else:
                             remote[(src_rank, dst_rank)].append(piece)

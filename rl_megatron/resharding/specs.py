@@ -11,6 +11,7 @@ import torch
 
 from rl_megatron.models.weight_tables import DenseTable, Region, along, whole
 from rl_megatron.resharding.plan import TensorSpec
+from rl_megatron.resharding.shared_params import location
 
 Held = dict[str, tuple[torch.Tensor, TensorSpec]]  # key -> (the local tensor, what it holds)
 
@@ -34,7 +35,8 @@ def megatron_sources(chunks: list, table: DenseTable, tp_rank: int, tp_size: int
                               f"expects {expected} (from {', '.join(entry.hf_names)})")
                 continue
             key = f"chunk{vp}.{name}"
-            held[key] = (param.detach(), TensorSpec(key, expected, param.dtype, tuple(entry.regions(tp_rank, tp_size))))
+            held[key] = (param.detach(), TensorSpec(key, expected, param.dtype, tuple(entry.regions(tp_rank, tp_size)),
+                                                    location(param.detach())))
     return held, errors
 
 

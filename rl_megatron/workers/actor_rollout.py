@@ -45,6 +45,7 @@ class ActorRolloutWorker:
                                    verify=cfg.resharding.verify)
 
     def close(self) -> None:
+        self.resharder.close()
         self.engine.close()
 
     def mesh(self) -> dict:

@@ -22,7 +22,7 @@ from rl_megatron.algorithms import ppo_clip_policy_loss
 from rl_megatron.config.schema import Config
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
 from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
-from rl_megatron.resharding import export_hf_state_dict, megatron_sources
+from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.workers.distributed import owns_dp_output
 
 Batch = dict[str, torch.Tensor]
@@ -56,6 +56,8 @@ class MegatronActor:
             for chunk in self.chunks:
                 load_hf_weights(chunk, hf_config, cfg.model.path)
         self.table = weight_table(self.chunks[0], hf_config)
+        if not platform.has_cuda():  # peers on this machine read the shards in place at each weight sync
+            share_parameters(self.chunks)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=platform.has_cuda())
         self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in self.chunks]

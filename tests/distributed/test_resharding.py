@@ -33,6 +33,7 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
         resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=bucket_bytes,
                               channel=channel, verify=True)
         stats = resharder.sync()
+        resharder.close()
         engine.weights_updated()
         state = [export_hf_state_dict(actor.chunks, actor.table)]
         dist.broadcast_object_list(state, src=0)
@@ -54,10 +55,11 @@ def hf_greedy(model_dir: str) -> list[list[int]]:
     return outputs
 
 
-# (train TP, PP, VPP) -> engine TP, tied embeddings or not, both channels.
-GRID = [(1, 1, 1, 1, False, "process_group"), (2, 1, 1, 2, True, "shared_memory"),
-        (1, 2, 1, 1, True, "process_group"), (2, 2, 1, 2, False, "shared_memory"),
-        (2, 2, 1, 1, False, "process_group"), (1, 2, 2, 2, False, "process_group")]
+# (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
+# send buckets.
+GRID = [(1, 1, 1, 1, False, "auto"), (2, 1, 1, 2, True, "shared_memory"),
+        (1, 2, 1, 1, True, "auto"), (2, 2, 1, 2, False, "shared_memory"),
+        (2, 2, 1, 1, False, "process_group"), (1, 2, 2, 2, False, "auto")]
 
 
 def saved_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
@@ -95,4 +97,47 @@ def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp
         assert mismatches == [], f"rank {rank}: {mismatches[:3]}"
         assert greedy == reference, f"rank {rank}"
         if same_layout:
-            assert stats.bytes_received == 0 and stats.bytes_local > 0
+            assert stats.bytes_received == 0 and stats.bytes_in_place > 0
+
+
+def plan_errors_leave_the_engine_untouched(cfg, engine_model_dir: str, drop_from_table: str | None):
+    from rl_megatron.config import read_hf_config
+    from rl_megatron.resharding import PlanError, Resharder, vllm_targets
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    actor = MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
+    if drop_from_table:
+        del actor.table.layer[drop_from_table]
+    engine = VLLMEngine(engine_model_dir, cfg.rollout, "float32", seed=0, eos_token_id=2)
+    try:
+        before = {n: p.clone() for n, p in engine.model().named_parameters()}
+        with pytest.raises(PlanError) as error:
+            Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=1 << 20)
+        untouched = all(torch.equal(before[n], p) for n, p in engine.model().named_parameters())
+        return str(error.value), untouched
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case", ["table misses a parameter", "engine model of another shape"])
+def test_a_plan_that_does_not_fit_fails_before_any_byte_moves(tmp_path, case):
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    cfg = config(model_dir, 1, 1)
+    if case == "table misses a parameter":
+        engine_dir, drop = model_dir, "mlp.linear_fc2.weight"
+    else:
+        import json
+
+        engine_dir, drop = family_model_dir(tmp_path / "wider", "qwen2", tied=False), None
+        with open(f"{engine_dir}/config.json") as f:
+            wider = dict(json.load(f), intermediate_size=192)
+        with open(f"{engine_dir}/config.json", "w") as f:
+            json.dump(wider, f)
+    message, untouched = run_distributed(plan_errors_leave_the_engine_untouched, 1,
+                                         args=(cfg, engine_dir, drop))[0]
+    if drop:
+        assert "decoder.layers.0.mlp.linear_fc2.weight" in message
+    else:  # both shapes, and the tensor
+        assert "model.layers.0.mlp.down_proj.weight" in message and "(64, 128)" in message and "(64, 192)" in message
+    assert untouched

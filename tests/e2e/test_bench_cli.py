@@ -25,15 +25,17 @@ def test_bench_prints_one_json_line(name):
     assert result["ratio"] == pytest.approx(result["value"] / result["limit"])
 
 
-@pytest.mark.parametrize("channel", ["process_group", "shared_memory"])
+@pytest.mark.parametrize("channel", ["auto", "process_group", "shared_memory"])
 def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
-    """TP=2 x PP=2 -> engines of TP=2, ~19 MB of weights through 1 MiB buckets: a sync that gathered whole
-    models (or whole layers) would blow the bound of one bucket plus the largest tensor (the 4 MiB embedding)."""
-    result = bench("reshard", "--tp", "2", "--pp", "2", "--hidden", "256", "--layers", "4", "--vocab", "4096",
+    """TP=2 x PP=2 -> engines of TP=2, ~31 MB of weights, read in place (auto) or through 1 MiB buckets: a sync
+    that gathered whole models (or whole layers) would blow the bound of one bucket plus the largest tensor
+    (a 2.9 MB MLP shard)."""
+    result = bench("reshard", "--tp", "2", "--pp", "2", "--hidden", "512", "--layers", "2", "--vocab", "2048",
                    "--bucket-mb", "1", "--channel", channel, "--repeats", "3")
     assert result["exact"] is True and result["channel"] == channel
     for key in ("bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "peak_extra_bytes", "bucket_bytes"):
         assert key in result, key
     assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
     assert result["bytes"] > 4 * (result["bucket_bytes"] + result["largest_tensor_bytes"])
-    assert 0 < result["peak_extra_bytes"] <= result["bucket_bytes"] + result["largest_tensor_bytes"]
+    assert result["peak_extra_bytes"] <= result["bucket_bytes"] + result["largest_tensor_bytes"]
+    assert (result["in_place_fraction"] == 1.0) == (channel == "auto")

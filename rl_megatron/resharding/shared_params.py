@@ -1,0 +1,79 @@
+"""Trainer shards that other processes on the same machine read in place (CPU).
+
+`share_parameters` moves this rank's Megatron parameters into one file in /dev/shm (the parameters become
+views of it; nothing else changes for Megatron). A rank that needs a piece of a peer's shard then maps the
+peer's file and copies the piece straight into its engine: one copy per byte, as for its own shards, and no
+bucket, no send, no extra memory. (On GPU the same idea is CUDA IPC of the parameter buffer; there the
+resharder sends buckets over NCCL instead.)
+"""
+from __future__ import annotations
+
+import atexit
+import glob
+import math
+import os
+import shutil
+
+import torch
+
+from rl_megatron.resharding.channels import SharedBuffer
+
+ALIGN = 64
+_OWN: list[SharedBuffer] = []  # this process's shared parameter files
+_PEERS: dict[tuple, SharedBuffer] = {}  # peers' files mapped here, by handle
+
+
+def _remove_files_of_dead_processes() -> None:
+    for path in glob.glob("/dev/shm/rl_megatron-*"):
+        pid = int(path.split("-")[1])
+        if not os.path.exists(f"/proc/{pid}"):
+            os.unlink(path)
+
+
+def _remove_own_files() -> None:
+    for buffer in _OWN:
+        buffer.unlink()
+
+
+def share_parameters(modules: list[torch.nn.Module]) -> bool:
+    """Move the parameters of `modules` into shared memory; False (parameters untouched) when /dev/shm lacks
+    room for them with headroom, in which case syncs send those pieces in buckets instead."""
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
+    total = sum(sizes)
+    _remove_files_of_dead_processes()
+    if not params or shutil.disk_usage("/dev/shm").free < 2 * total:
+        return False
+    buffer = SharedBuffer.create(total, torch.device("cpu"))
+    if not _OWN:
+        atexit.register(_remove_own_files)
+    _OWN.append(buffer)
+    offset = 0
+    with torch.no_grad():
+        for param, size in zip(params, sizes):
+            view = buffer.tensor[offset:offset + param.numel() * param.element_size()].view(param.dtype)
+            view = view.view(param.shape)
+            view.copy_(param.data)
+            param.data = view
+            offset += size
+    return True
+
+
+def location(tensor: torch.Tensor):
+    """(file handle, byte offset) of a tensor that lives in this process's shared parameters, else None."""
+    if not tensor.is_contiguous():
+        return None
+    for buffer in _OWN:
+        base, end = buffer.tensor.data_ptr(), buffer.tensor.data_ptr() + buffer.tensor.numel()
+        if base <= tensor.data_ptr() < end:
+            return buffer.handle, tensor.data_ptr() - base
+    return None
+
+
+def peer_tensor(where, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A peer's shared parameter, mapped into this process (the file is mapped once per process)."""
+    handle, offset = where
+    if handle not in _PEERS:
+        _PEERS[handle] = SharedBuffer.attach(handle)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return _PEERS[handle].tensor[offset:offset + nbytes].view(dtype).view(shape)
