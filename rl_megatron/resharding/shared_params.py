@@ -30,7 +30,9 @@ def _remove_files_of_dead_processes() -> None:
             os.unlink(path)
 
 
-def _remove_own_files() -> None:
+def unlink_shared_parameters() -> None:
+    """Remove this process's files from /dev/shm (at exit at the latest; the memory lives while it is mapped).
+    Files of processes that died without it are removed by the next `share_parameters` on the machine."""
     for buffer in _OWN:
         buffer.unlink()
 
@@ -46,7 +48,7 @@ def share_parameters(modules: list[torch.nn.Module]) -> bool:
         return False
     buffer = SharedBuffer.create(total, torch.device("cpu"))
     if not _OWN:
-        atexit.register(_remove_own_files)
+        atexit.register(unlink_shared_parameters)
     _OWN.append(buffer)
     offset = 0
     with torch.no_grad():

@@ -9,6 +9,7 @@ import torch
 
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import Resharder, SyncStats, engine_mismatches, vllm_targets
+from rl_megatron.resharding.shared_params import unlink_shared_parameters
 from rl_megatron.workers.distributed import free_port, init_distributed, owns_dp_output
 from rl_megatron.workers.worker_group import dispatch
 
@@ -47,6 +48,7 @@ class ActorRolloutWorker:
     def close(self) -> None:
         self.resharder.close()
         self.engine.close()
+        unlink_shared_parameters()
 
     def mesh(self) -> dict:
         from megatron.core import parallel_state
