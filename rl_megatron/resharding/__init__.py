@@ -3,8 +3,9 @@ a memory bound, at close to copy bandwidth.
 
 `Resharder` is built once per (source layout, target layout). It gathers from every rank what it holds and
 what it must be given (as HF regions, see `plan.py`), builds the plan on every rank and validates it before
-any byte moves; `sync()` then copies shard-to-shard what is local and sends the rest in buckets over a
-channel (`channels.py`). Extra memory at any time: one bucket per rank.
+any byte moves; `sync()` then copies in place what this rank can address (its own shards, and with
+`channel="auto"` the shared parameters of peers on its machine, see `shared_params.py`) and sends the rest in
+buckets over a channel (`channels.py`). Extra memory at any time: at most `bucket_bytes` per rank.
 """
 from __future__ import annotations
 
