@@ -13,6 +13,7 @@ import glob
 import math
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -44,7 +45,13 @@ def share_parameters(modules: list[torch.nn.Module]) -> bool:
     sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     total = sum(sizes)
     _remove_files_of_dead_processes()
-    if not params or shutil.disk_usage("/dev/shm").free < 2 * total:
+    if not params:
+        return False
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * total:
+        warnings.warn(f"/dev/shm has {free >> 20} MiB free, too little to share this rank's {total >> 20} MiB of "
+                      "parameters: weight syncs will send buckets instead (slower). Give the container more "
+                      "(docker run --shm-size=...).")
         return False
     buffer = SharedBuffer.create(total, torch.device("cpu"))
     if not _OWN:
