@@ -77,7 +77,8 @@ def measure_rank(cfg, repeats: int) -> dict:
         largest = max(t.numel() * t.element_size() for t, _ in sources[0].values())
         # What a sync adds: its transient peak, plus the buffer the channel keeps between syncs.
         return {"exact": exact, "bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
-                "peak_extra_bytes": max(peaks) + kept, "largest_tensor_bytes": largest, "channel": resharder.channel_name,
+                "peak_extra_bytes": max(peaks) + kept, "largest_tensor_bytes": largest,
+                "channel": resharder.channel_name,
                 "seconds_in_place": statistics.median(s.seconds_in_place for s in stats),
                 "bytes_in_place": stats[-1].bytes_in_place}
     finally:

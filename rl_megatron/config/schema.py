@@ -71,8 +71,8 @@ class RolloutConfig:
 
 @dataclass
 class ReshardingConfig:
-    bucket_mb: int = 256  # weights sent between ranks travel in buckets of at most this many MiB (the extra memory of a sync)
-    channel: str = "auto"  # how buckets travel: process_group (gloo / NCCL), shared_memory (one node: shm / CUDA IPC), auto (shm on CPU, NCCL on GPU)
+    bucket_mb: int = 256  # weights sent between ranks go in buckets of at most this many MiB (a sync's extra memory)
+    channel: str = "auto"  # auto (read in place on one CPU host; NCCL on GPU) or buckets: shared_memory, process_group
     verify: bool = False  # after every sync, compare checksums of every piece on both sides (slow; for debugging)
 
 

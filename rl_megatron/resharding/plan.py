@@ -3,7 +3,8 @@
 Sources (Megatron shards) and targets (vLLM's parameters, or full HF tensors) each describe what they hold
 as `Region`s of HF tensors. The plan intersects them: every part of a target region is taken from a source
 on the same rank when one holds it (a direct copy: shard-to-shard, no gather), otherwise from the least
-loaded rank that does, packed with other parts going the same way into buckets of at most `bucket_bytes`, scheduled in rounds.
+loaded rank that does, packed with other parts going the same way into buckets of at most `bucket_bytes`,
+scheduled in rounds.
 Computed once per (source layout, target layout), identically on every rank, and checked before any byte moves.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Piece:
-    """One box of one HF tensor: read at `src` in `src_key` on `src_rank`, written at `dst` in `dst_key` on `dst_rank`."""
+    """One box of one HF tensor: read at `src` in `src_key` on `src_rank`, written at `dst` in `dst_key` on
+    `dst_rank`."""
 
     src_rank: int
     src_key: str

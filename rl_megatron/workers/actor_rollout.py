@@ -35,11 +35,11 @@ class ActorRolloutWorker:
         cfg = self.cfg
         init_distributed(self.rank, self.world_size, master_addr, master_port,
                          cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size, cfg.trainer.seed,
-                         vpp=cfg.actor.virtual_pipeline_model_parallel_size)
+                         vpp=cfg.actor.virtual_pipeline_model_parallel_size, ep=cfg.actor.expert_model_parallel_size)
         self.actor = MegatronActor(cfg, self.hf_config, self.optimizer_steps)
         # The shards of one engine must sample alike: they share a seed.
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed + self.engine_index,
-                                 eos_token_id=self.hf_config["eos_token_id"])
+        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
+                                 seed=cfg.trainer.seed + self.engine_index, eos_token_id=self.hf_config["eos_token_id"])
         # The plan from the trainer's layout to the engines' is made (and checked) once, here.
         self.resharder = Resharder(*self.actor.weight_sources(), vllm_targets(self.engine.model()),
                                    bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
