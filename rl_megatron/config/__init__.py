@@ -303,7 +303,7 @@ def _validate_model(hf: dict, tp: int, pp: int, vpp: int, ep: int, rollout_tp: i
                           "Choose sizes whose product divides the layer count.")
     if hf["model_type"] in MOE_FAMILIES:
         experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
-        for key in (experts_key, "num_experts_per_tok", "moe_intermediate_size"):
+        for key in (experts_key, "num_experts_per_tok", MOE_FAMILIES[hf["model_type"]].width_key):
             value = hf.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; an MoE model needs a "

@@ -12,7 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rl_megatron import platform
-from rl_megatron.models.weight_tables import DenseTable, moe_experts, shard_from_hf, table_for
+from rl_megatron.models.weight_tables import MOE_FAMILIES, DenseTable, moe_experts, shard_from_hf, table_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,15 +37,16 @@ def moe_settings(hf: dict) -> dict:
     experts = moe_experts(hf)
     if not experts:
         return {}
+    family = MOE_FAMILIES[hf["model_type"]]
     return dict(
         num_moe_experts=experts,
         moe_router_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_ffn_hidden_size=hf[family.width_key],
         # transformers (and vLLM) route with softmax over all experts, then top-k, then with norm_topk_prob divide
         # the k weights by their sum. Megatron's pre-softmax router is softmax then top-k; its default router is
         # softmax over the top-k logits, which is the renormalised form.
         moe_router_score_function="softmax",
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", family.renormalises_top_k),
         # No load-balancing loss: RL post-training keeps the pretrained router objective-free.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,

@@ -247,7 +247,22 @@ class DenseTable:
         return Entry(names, entry.layout, entry.hf_shapes)
 
 
-MOE_FAMILIES = ("qwen3_moe",)
+@dataclass(frozen=True)
+class MoeFamily:
+    """How an MoE family names its router and experts in HF checkpoints, and how its router weighs the top-k."""
+
+    block: str  # the layer's MoE module
+    gate: str
+    up: str
+    down: str
+    width_key: str  # config.json key of an expert's hidden width
+    renormalises_top_k: bool  # default of norm_topk_prob: the top-k weights divided by their sum
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", False),
+    "mixtral": MoeFamily("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", True),
+}
 
 
 def moe_experts(hf_config: dict) -> int:
@@ -264,29 +279,30 @@ def moe_experts(hf_config: dict) -> int:
     return hf_config.get("num_experts", hf_config.get("num_local_experts"))
 
 
-class Qwen3MoeTable(DenseTable):
-    """Qwen3-MoE: Qwen3's attention and norms; every layer's MLP is a router and routed experts, no shared expert.
-    Experts are stored per expert under HF names (what transformers' save_pretrained writes and vLLM loads). They
-    split over tensor-parallel ranks like a dense MLP: Megatron's expert-TP size defaults to the TP size, and
-    nothing here sets it."""
+class MoeTable(DenseTable):
+    """Qwen3-MoE and Mixtral: the dense family's attention and norms; every layer's MLP is a router and routed
+    experts, no shared expert. Experts are stored per expert under HF names (what transformers' save_pretrained
+    writes and vLLM loads). They split over tensor-parallel ranks like a dense MLP: Megatron's expert-TP size
+    defaults to the TP size, and nothing here sets it."""
 
     def __init__(self, hf_config: dict, padded_vocab: int):
         super().__init__(hf_config, padded_vocab)
-        hidden, ffn, experts = hf_config["hidden_size"], hf_config["moe_intermediate_size"], moe_experts(hf_config)
-        mlp = "model.layers.{i}.mlp."
+        family = MOE_FAMILIES[hf_config["model_type"]]
+        hidden, ffn, experts = hf_config["hidden_size"], hf_config[family.width_key], moe_experts(hf_config)
+        block = f"model.layers.{{i}}.{family.block}."
+        expert = block + "experts.{e}."
         del self.layer["mlp.linear_fc1.weight"], self.layer["mlp.linear_fc2.weight"]
         self.layer.update({
-            "mlp.router.weight": Entry((mlp + "gate.weight",), Replicated(), ((experts, hidden),)),
+            "mlp.router.weight": Entry((block + "gate.weight",), Replicated(), ((experts, hidden),)),
             "mlp.experts.linear_fc1.weight": Entry(
-                (mlp + "experts.{e}.gate_proj.weight", mlp + "experts.{e}.up_proj.weight"), FusedGateUp(),
+                (expert + family.gate + ".weight", expert + family.up + ".weight"), FusedGateUp(),
                 ((ffn, hidden), (ffn, hidden))),
-            "mlp.experts.linear_fc2.weight": Entry((mlp + "experts.{e}.down_proj.weight",), Split(dim=1),
+            "mlp.experts.linear_fc2.weight": Entry((expert + family.down + ".weight",), Split(dim=1),
                                                    ((hidden, ffn),)),
         })
 
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", *MOE_FAMILIES)
-_TABLES = {"qwen3_moe": Qwen3MoeTable}
 
 
 def table_for(hf_config: dict, padded_vocab: int) -> DenseTable:
@@ -294,4 +310,4 @@ def table_for(hf_config: dict, padded_vocab: int) -> DenseTable:
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"Model family '{family}' (config.json model_type) is not supported yet; "
                          f"supported: {', '.join(SUPPORTED_FAMILIES)}.")
-    return _TABLES.get(family, DenseTable)(hf_config, padded_vocab)
+    return (MoeTable if family in MOE_FAMILIES else DenseTable)(hf_config, padded_vocab)

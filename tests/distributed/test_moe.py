@@ -14,10 +14,12 @@ def odd_length_batch() -> dict:
     return {key: value[:, :-1] if value.dim() == 2 else value for key, value in make_batch(18).items()}
 
 
-# Both routers: top-k weights renormalised (Qwen's released models) and not.
-@pytest.mark.parametrize("tp,ep,norm_topk_prob", [(1, 2, True), (2, 2, False)])
-def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, tp, ep, norm_topk_prob):
-    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=norm_topk_prob)
+# Both Qwen routers: top-k weights renormalised (Qwen's released models) and not; Mixtral always renormalises.
+@pytest.mark.parametrize("family,tp,ep,router", [("qwen3_moe", 1, 2, {"norm_topk_prob": True}),
+                                                 ("qwen3_moe", 2, 2, {"norm_topk_prob": False}),
+                                                 ("mixtral", 1, 2, {})])
+def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, family, tp, ep, router):
+    model_dir = family_model_dir(tmp_path / "moe", family, tied=False, **router)
     cfg = config(model_dir, tp, 1, **{"actor.expert_model_parallel_size": ep, "trainer.n_gpus_per_node": tp * ep})
     batch = odd_length_batch()
     results = run_distributed(log_probs_and_export, tp * ep, tp, ep=ep, args=(cfg, batch))
@@ -49,7 +51,7 @@ def test_expert_parallel_grpo_update_equals_one_rank(tmp_path, tp, ep):
         assert not torch.equal(initial[name], state[name]), f"the update left {name} unchanged"
 
 
-@pytest.mark.parametrize("tp,ep,engine_tp", [(1, 2, 1), (2, 2, 2)])
-def test_engines_hold_the_expert_parallel_trainer_weights_exactly(tmp_path, tp, ep, engine_tp):
-    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False)
+@pytest.mark.parametrize("family,tp,ep,engine_tp", [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 2, 2), ("mixtral", 1, 2, 1)])
+def test_engines_hold_the_expert_parallel_trainer_weights_exactly(tmp_path, family, tp, ep, engine_tp):
+    model_dir = family_model_dir(tmp_path / "moe", family, tied=False)
     check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, ep, engine_tp, "process_group")
