@@ -8,7 +8,6 @@ lists, for each Megatron parameter name, its HF name(s) and layout. Adding a fam
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -29,10 +28,6 @@ class Region:
     stop: Shape
     origin: Shape
     index: tuple[int, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return math.prod(b - a for a, b in zip(self.start, self.stop))
 
 
 def along(hf_name: str, hf_shape: Shape, dim: int, start: int, stop: int, at: int, index=()) -> Region:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rl_megatron.models.weight_tables import hf_view, local_view
 from rl_megatron.resharding.channels import CHANNELS, make_channel
-from rl_megatron.resharding.plan import Plan, PlanError, TensorSpec, build_plan
+from rl_megatron.resharding.plan import Plan, PlanError, build_plan
 from rl_megatron.resharding.shared_params import peer_tensor, share_parameters
 from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources, vllm_targets
 

@@ -17,7 +17,7 @@ import torch
 
 from rl_megatron.models.weight_tables import Region, Shape
 
-ALIGN = 64  # bytes: every piece starts aligned in a bucket, so it can be viewed as any dtype
+ALIGN = 64  # bytes: every piece in a bucket (every parameter in a shared file) starts aligned for any dtype
 
 
 class PlanError(ValueError):
@@ -64,7 +64,6 @@ class Plan:
     # rank -> pieces that rank copies itself: from its own tensors, or from a peer's shared parameters
     local: dict[int, list[Piece]]
     rounds: list[list[Bucket]]  # in each round a rank sends at most one bucket and receives at most one
-    bucket_bytes: int
 
     @property
     def reads_peers(self) -> bool:
@@ -191,7 +190,7 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
     if errors:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise PlanError("Resharding plan: " + "; ".join(errors[:5]) + more)
-    return Plan(dict(local), _rounds(remote, bucket_bytes), bucket_bytes)
+    return Plan(dict(local), _rounds(remote, bucket_bytes))
 
 
 def _rounds(remote: dict[tuple[int, int], list[Piece]], bucket_bytes: int) -> list[list[Bucket]]:

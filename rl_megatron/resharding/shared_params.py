@@ -18,8 +18,7 @@ import warnings
 import torch
 
 from rl_megatron.resharding.channels import SharedBuffer
-
-ALIGN = 64
+from rl_megatron.resharding.plan import ALIGN
 _OWN: list[SharedBuffer] = []  # this process's shared parameter files
 _PEERS: dict[tuple, SharedBuffer] = {}  # peers' files mapped here, by handle
 
