@@ -94,7 +94,7 @@ def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) 
     config = config_class(**dict(dict(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=64, tie_word_embeddings=tied, pad_token_id=0,
-                                      bos_token_id=1, eos_token_id=2), **moe, **extra))
+                                      bos_token_id=1, eos_token_id=2), **{**moe, **extra}))
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
