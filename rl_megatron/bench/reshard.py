@@ -3,11 +3,8 @@ rank (gloo on CPU), the trainer's own sync path. The limit is a plain copy of th
 at the same time, measured in the same run."""
 from __future__ import annotations
 
-import io
-import os
 import statistics
 import time
-import traceback
 
 import torch
 
@@ -85,25 +82,9 @@ def measure_rank(cfg, repeats: int) -> dict:
         engine.close()
 
 
-def _entry(rank, world, port, layout, cfg, repeats, results):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    from rl_megatron.workers.distributed import init_distributed
-
-    try:
-        init_distributed(rank, world, "127.0.0.1", port, *layout, seed=0)
-        out = io.BytesIO()
-        torch.save(measure_rank(cfg, repeats), out)
-        results.put((rank, out.getvalue(), None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc()))
-
-
 def run(args, model_dir: str) -> dict:
-    import torch.multiprocessing as mp
-
     from rl_megatron.config import load_config
-    from rl_megatron.workers.distributed import free_port
+    from rl_megatron.workers.spawn import run_distributed
 
     world = args.tp * args.pp
     cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"trainer.n_gpus_per_node={world}",
@@ -114,23 +95,7 @@ def run(args, model_dir: str) -> dict:
                              "data.max_prompt_length=8", "rollout.max_tokens=8", "rollout.n=1",
                              f"data.train_batch_size={world}", f"actor.ppo_mini_batch_size={world}",
                              "actor.micro_batch_size=1"])
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, (args.tp, args.pp), cfg, args.repeats, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    ranks = {}
-    for _ in procs:
-        rank, value, error = results.get(timeout=1800)
-        if error:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{error}")
-        ranks[rank] = torch.load(io.BytesIO(value))
-    for p in procs:
-        p.join()
-    per_rank = [ranks[r] for r in range(world)]
+    per_rank = run_distributed(measure_rank, world, args.tp, args.pp, args=(cfg, args.repeats), timeout=1800)
     nbytes = sum(r["bytes"] for r in per_rank)
     seconds = max(r["seconds"] for r in per_rank)
     memcpy_seconds = max(r["memcpy_seconds"] for r in per_rank)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher import run_distributed
+from rl_megatron.workers.spawn import run_distributed
 
 SEQ, BATCH, PROMPT = 12, 8, 4
 

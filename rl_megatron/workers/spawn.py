@@ -1,4 +1,7 @@
-"""Run a function in N spawned processes that form a gloo world with Megatron's parallel state."""
+"""Run a function on N local processes that form a gloo world with Megatron's parallel state (benchmarks and
+tests: the same process-group setup the Ray workers use, without Ray)."""
+from __future__ import annotations
+
 import io
 import os
 import traceback
@@ -7,15 +10,13 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world_size, port, tp, pp, vpp, ep, fn, args, results):
+def _entry(rank, world_size, port, layout, fn, args, results):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import torch
-
     torch.set_num_threads(1)
     from rl_megatron.workers.distributed import init_distributed
 
     try:
-        init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, seed=0, vpp=vpp, ep=ep)
+        init_distributed(rank, world_size, "127.0.0.1", port, seed=0, **layout)
         # As bytes: tensors put on a queue as-is live in shared memory that dies with this process.
         buffer = io.BytesIO()
         torch.save(fn(*args), buffer)
@@ -24,20 +25,23 @@ def _entry(rank, world_size, port, tp, pp, vpp, ep, fn, args, results):
         results.put((rank, None, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, args=()) -> list:
-    """fn(*args) on every rank after init_distributed; returns the results in rank order."""
+def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, args=(),
+                    timeout: float = 600) -> list:
+    """fn(*args) on every rank after init_distributed; returns the results in rank order. A rank that raises
+    stops them all and its traceback is raised here."""
     from rl_megatron.workers.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, tp, pp, vpp, ep, fn, args, results))
+    layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep}
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, layout, fn, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out = dict()
+    out = {}
     for _ in procs:
-        rank, value, error = results.get(timeout=600)
+        rank, value, error = results.get(timeout=timeout)
         if error:
             for p in procs:
                 p.kill()
