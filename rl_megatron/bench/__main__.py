@@ -105,7 +105,7 @@ def run(args, model_dir: str) -> dict:
                              f"actor.micro_batch_size={min(args.batch, 8)}", "actor.optim.lr=1e-5",
                              "model.make_vocab_size_divisible_by=1"])
     init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
-    actor = MegatronActor(cfg, read_hf_config(model_dir), optimizer_steps=100)
+    actor = MegatronActor(cfg, hf, optimizer_steps=100)
     params = sum(p.numel() for chunk in actor.chunks for name, p in chunk.named_parameters()
                  if "embedding" not in name)
     tokens = args.batch * args.seq

@@ -182,6 +182,7 @@ def validate(cfg: Config) -> None:
               ("data.train_batch_size", d.train_batch_size), ("data.max_prompt_length", d.max_prompt_length),
               ("rollout.max_model_len", r.max_model_len), ("rollout.kv_cache_bytes", r.kv_cache_bytes),
               ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by),
+              ("resharding.bucket_mb", cfg.resharding.bucket_mb),
               ("ray.object_store_memory", cfg.ray.object_store_memory))
     if cfg.ray.num_cpus is not None:
         _positive(("ray.num_cpus", cfg.ray.num_cpus))
@@ -261,8 +262,6 @@ def validate(cfg: Config) -> None:
 
     if cfg.resharding.channel not in CHANNELS:
         raise ConfigError(f"resharding.channel={cfg.resharding.channel} is not one of {', '.join(CHANNELS)}.")
-    if cfg.resharding.bucket_mb < 1:
-        raise ConfigError(f"resharding.bucket_mb={cfg.resharding.bucket_mb} must be at least 1 (MiB).")
     if d.max_prompt_length + r.max_tokens > r.max_model_len:
         raise ConfigError(f"data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens} "
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
