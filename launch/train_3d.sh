@@ -23,6 +23,8 @@ nvidia-smi), GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .ve
   --dry-run   check the config against this environment and print the plan (nodes, GPUs per role,
               TP/PP/EP/DP, memory per GPU) and the commands; starts nothing
 Logs: <trainer.log_dir>/<trainer.experiment_name>/logs/node<rank>.log
+SIGTERM or Ctrl-C on node 0: the trainer finishes its step, saves a checkpoint and exits (a second Ctrl-C aborts);
+running the same command again resumes from it (trainer.resume=auto).
 EOF
 }
 
@@ -74,11 +76,25 @@ if [[ $NODE_RANK -eq 0 ]]; then
   ray_started=1
   "${RAY_START[@]}"
   "$python" -m rl_megatron.launch wait-cluster "$EXPECTED_NODES" "$EXPECTED_GPUS"
-  status=0
-  "${TRAIN[@]}" || status=$?
+  # SIGTERM and Ctrl-C reach the trainer once, through this launcher: the trainer (its own process group, set -m)
+  # finishes its step, saves a checkpoint and exits; Ray stops after that. A second Ctrl-C aborts.
+  set -m
+  "${TRAIN[@]}" &
+  train_pid=$!
+  set +m
+  trap 'echo "node 0: SIGTERM: the trainer saves and stops"; kill -TERM $train_pid' TERM
+  trap 'kill -INT $train_pid' INT
+  while true; do
+    status=0
+    wait "$train_pid" || status=$?
+    kill -0 "$train_pid" 2>/dev/null || break  # wait also returns when a trap ran: wait again
+  done
   echo "node 0: training exited with status $status"
   exit "$status"
 fi
+
+# The other nodes' Ray must outlive a SIGTERM while node 0 saves: they leave when the head's run ends.
+trap 'echo "node $NODE_RANK: SIGTERM: staying up until node 0 has saved and ended"' TERM
 
 "$python" -m rl_megatron.launch wait-head "$HEAD_HOST" "$RAY_PORT"
 # The head's port can answer before its GCS accepts nodes: retry the join a few times.

@@ -38,13 +38,14 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         return report_error(err)
+    from rl_megatron.checkpoint import CheckpointError
     from rl_megatron.trainer.loop import train
     from rl_megatron.workers.cluster import ClusterError
 
     start = time.time()
     try:
         summary = train(cfg)
-    except (ConfigError, ClusterError) as err:  # found once the data is built, or when Ray starts
+    except (ConfigError, CheckpointError, ClusterError) as err:  # found once data and checkpoints are read, or Ray starts
         return report_error(err)
     window = summary["reward_window"]
     print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "

@@ -37,7 +37,8 @@ def tiny_model_dir(tmp_path_factory):
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
+    # Three logical CPU slots: a two-worker actor and, for separate placement, an engine worker beside it.
+    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=256 * 1024**2,
              _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray
     ray.shutdown()

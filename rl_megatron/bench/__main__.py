@@ -5,7 +5,9 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   largest GEMM shape (an MFU measured against what this machine really does, not a datasheet); one process
   (world size 1, the colocated layout of a worker), a ~15M-parameter Qwen2 with random weights;
 - reshard (Megatron -> vLLM weights, `--tp/--pp/--engine-tp`): bytes/s against a plain copy of the same bytes
-  by the same processes; one process per rank, a ~38M-parameter (150 MB fp32) Qwen2 with random weights;
+  by the same processes; one process per rank, a ~38M-parameter (150 MB fp32) Qwen2 with random weights; with
+  `--moe --ep N` a Qwen3-MoE of the same width (8 experts of width 512, top-2; ~47M parameters, 190 MB fp32)
+  whose experts are split over N ranks;
 - train (forward + backward + optimizer step): tokens/s and model FLOP/s against a plain matrix multiply of the
   model's largest GEMM in the same dtype, and MFU against the device's nominal bf16 peak; on GPU Qwen2.5-0.5B's
   shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count).
@@ -27,6 +29,7 @@ BENCHES = ("generate", "log_probs", "update", "reshard", "train")
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
 MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192}}
+MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
 
@@ -40,15 +43,22 @@ def bench_defaults(name: str) -> dict:
 
 
 def bench_model_config(hidden: int, layers: int, vocab: int, heads: int | None = None, kv_heads: int | None = None,
-                       intermediate: int | None = None, tied: bool = False, max_positions: int = 2048) -> dict:
-    """A Qwen2 config.json of head_dim 64; the widths not given follow from `hidden`."""
+                       intermediate: int | None = None, tied: bool = False, max_positions: int = 2048,
+                       experts: int = 0) -> dict:
+    """A Qwen2 config.json of head_dim 64; the widths not given follow from `hidden`. With `experts`, a Qwen3-MoE
+    of that many experts (top-2), each half as wide as the model (a multiple of 32, as vLLM's CPU kernel needs)."""
     heads = heads or hidden // 64
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
             "intermediate_size": intermediate or hidden * 11 // 4, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv_heads or max(1, heads // 4), "head_dim": 64,
             "vocab_size": vocab, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
             "torch_dtype": "float32"}
+    if experts:
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
+                      num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+                      norm_topk_prob=True)
+    return config
 
 
 def main(argv=None) -> None:
@@ -68,8 +78,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="the actor's parameter dtype, not reshard's (default bfloat16 on GPU, float32 on CPU)")
     reshard = parser.add_argument_group("reshard")
-    reshard.add_argument("--tp", type=int, default=2, help="trainer tensor-parallel size")
-    reshard.add_argument("--pp", type=int, default=2, help="trainer pipeline-parallel size")
+    reshard.add_argument("--tp", type=int, help="trainer tensor-parallel size (default 2; 1 with --moe)")
+    reshard.add_argument("--pp", type=int, help="trainer pipeline-parallel size (default 2; 1 with --moe)")
+    reshard.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (8 experts, top-2)")
+    reshard.add_argument("--ep", type=int, default=1, help="trainer expert-parallel size (with --moe)")
     reshard.add_argument("--engine-tp", type=int, help="vLLM engine tensor-parallel size (default: --tp)")
     reshard.add_argument("--bucket-mb", type=int, default=64, help="transfer bucket size in MiB")
     reshard.add_argument("--channel", default="auto", help="auto, process_group or shared_memory")
@@ -82,6 +94,9 @@ def main(argv=None) -> None:
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    for key in ("tp", "pp"):
+        if getattr(args, key) is None:
+            setattr(args, key, 1 if args.moe else 2)
     if args.dtype is None:
         args.dtype = "bfloat16" if platform.has_cuda() else "float32"
     torch.set_num_threads(args.threads)  # before vLLM starts: it freezes the thread count
@@ -89,7 +104,8 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix="rl_megatron_bench_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(bench_model_config(args.hidden, args.layers, args.vocab, tied=tied,
-                                     max_positions=max(2048, args.seq), **widths), f)
+                                     max_positions=max(2048, args.seq), experts=MOE_EXPERTS if args.moe else 0,
+                                     **widths), f)
     if args.name == "reshard":
         from rl_megatron.bench import reshard
 

@@ -1,6 +1,6 @@
-"""`python -m rl_megatron.bench reshard --tp 2 --pp 2 --json`: Megatron shards -> vLLM engines, one process per
-rank (gloo on CPU), the trainer's own sync path. The limit is a plain copy of the same bytes by the same ranks
-at the same time, measured in the same run."""
+"""`python -m rl_megatron.bench reshard --tp 2 --pp 2 --json` (an MoE model: `--moe --ep 2`): Megatron shards ->
+vLLM engines, one process per rank (gloo on CPU), the trainer's own sync path. The limit is a plain copy of the
+same bytes by the same ranks at the same time, measured in the same run."""
 from __future__ import annotations
 
 import statistics
@@ -42,12 +42,12 @@ def _timed_together(fn, repeats: int) -> float:
 def measure_rank(cfg, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.config import model_config
     from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
 
-    hf = read_hf_config(cfg.model.path)
+    hf = model_config(cfg)
     actor = MegatronActor(cfg, hf, optimizer_steps=10)
     rank = dist.get_rank()
     engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=rank // cfg.rollout.tensor_parallel_size,
@@ -86,16 +86,18 @@ def run(args, model_dir: str) -> dict:
     from rl_megatron.config import load_config
     from rl_megatron.workers.spawn import run_distributed
 
-    world = args.tp * args.pp
+    world = args.tp * args.pp * args.ep
     cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"trainer.n_gpus_per_node={world}",
                              f"actor.tensor_model_parallel_size={args.tp}",
                              f"actor.pipeline_model_parallel_size={args.pp}",
+                             f"actor.expert_model_parallel_size={args.ep}",
                              f"rollout.tensor_parallel_size={args.engine_tp or args.tp}",
                              f"resharding.bucket_mb={args.bucket_mb}", f"resharding.channel={args.channel}",
                              "data.max_prompt_length=8", "rollout.max_tokens=8", "rollout.n=1",
                              f"data.train_batch_size={world}", f"actor.ppo_mini_batch_size={world}",
                              "actor.micro_batch_size=1"])
-    per_rank = run_distributed(measure_rank, world, args.tp, args.pp, args=(cfg, args.repeats), timeout=1800)
+    per_rank = run_distributed(measure_rank, world, args.tp, args.pp, ep=args.ep, args=(cfg, args.repeats),
+                               timeout=1800)
     nbytes = sum(r["bytes"] for r in per_rank)
     seconds = max(r["seconds"] for r in per_rank)
     memcpy_seconds = max(r["memcpy_seconds"] for r in per_rank)
@@ -107,6 +109,7 @@ def run(args, model_dir: str) -> dict:
             "in_place_fraction": sum(r["bytes_in_place"] for r in per_rank) / nbytes,
             "seconds_in_place": max(r["seconds_in_place"] for r in per_rank), "channel": args.channel,
             "bucket_channel": per_rank[0]["channel"],
-            "layout": {"tp": args.tp, "pp": args.pp, "engine_tp": args.engine_tp or args.tp},
+            "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "engine_tp": args.engine_tp or args.tp},
+            "model": "qwen3_moe" if args.moe else "qwen2",
             # the limit's fields, as every benchmark reports them
             "value": gbps * 1e9, "unit": "B/s", "limit_name": "memcpy B/s", "limit": memcpy_gbps * 1e9}

@@ -75,7 +75,7 @@ def config_differences(stored: dict, given: dict) -> list[str]:
             if a.get(key) != b.get(key)]
 
 
-def _read_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"'{path}' is missing: {what}.")
     try:
@@ -93,7 +93,7 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict:
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"'{ckpt_dir}' is not a folder; expected a checkpoint written by "
                               "`python -m rl_megatron.convert from-hf` or the trainer.")
-    metadata = _read_json(os.path.join(ckpt_dir, METADATA_FILE),
+    metadata = read_json(os.path.join(ckpt_dir, METADATA_FILE),
                           "every rl_megatron checkpoint has it; a folder without it was not completely written")
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
@@ -110,7 +110,7 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict:
 
 
 def stored_hf_config(ckpt_dir: str) -> dict:
-    return _read_json(os.path.join(ckpt_dir, "config.json"), "the model's HF config, saved with the weights")
+    return read_json(os.path.join(ckpt_dir, "config.json"), "the model's HF config, saved with the weights")
 
 
 def verify_shard_files(ckpt_dir: str) -> None:
@@ -138,9 +138,15 @@ def verify_shard_files(ckpt_dir: str) -> None:
                                   f"needs at least {size}.")
 
 
-def _sharded_state_dict(chunks: list) -> dict:
+def _sharded_state_dict(chunks: list, optimizer=None, scheduler=None, loading: bool = False) -> dict:
     # Keyed per model chunk; the tensors inside carry global keys and offsets, so the chunking need not match.
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    if optimizer is not None:
+        # Adam's moments are sharded like the parameters they belong to, so they reshard with them; the LR
+        # schedule is a few numbers, kept whole (Megatron saves non-sharded values once, in common.pt).
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading)
+        state["scheduler"] = scheduler.state_dict()
+    return state
 
 
 def _layout() -> dict:
@@ -173,10 +179,12 @@ def _all_ranks_agree_on_error(error: str | None) -> None:
 
 
 @torch.no_grad()
-def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files_dir: str | None = None) -> None:
+def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files_dir: str | None = None, *,
+                          optimizer=None, scheduler=None) -> None:
     """Save this rank's model chunks (a collective over every rank) as a self-contained checkpoint in `ckpt_dir`,
     which must not exist. Written into `<ckpt_dir>.incomplete` and renamed at the end, so `ckpt_dir` either holds a
-    whole checkpoint or nothing. `hf_files_dir`: the HF folder whose generation config and tokenizer to copy."""
+    whole checkpoint or nothing. `hf_files_dir`: the HF folder whose generation config and tokenizer to copy.
+    With `optimizer` (and its LR `scheduler`) the training state is saved too, to resume training from."""
     from megatron.core import dist_checkpointing
 
     partial = ckpt_dir.rstrip("/") + ".incomplete"
@@ -187,7 +195,7 @@ def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files
         shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
         os.makedirs(partial)
     _all_ranks_agree_on_error(error)
-    dist_checkpointing.save(_sharded_state_dict(chunks), partial)
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), partial)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(partial, "config.json"), "w") as f:
@@ -202,6 +210,7 @@ def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files
             "padded_vocab_size": chunks[0].vocab_size,
             "config_fields": fields, "config_sha256": config_sha256(fields),
             "hf_side_files": side_files,
+            "training_state": optimizer is not None,
         }
         # Written last: a folder with the metadata file holds everything else.
         with open(os.path.join(partial, METADATA_FILE), "w") as f:
@@ -223,19 +232,26 @@ def check_checkpoint(ckpt_dir: str, hf_config: dict) -> dict:
 
 
 @torch.no_grad()
-def load_checkpoint_into(chunks: list, ckpt_dir: str, hf_config: dict) -> dict:
+def load_checkpoint_into(chunks: list, ckpt_dir: str, hf_config: dict, *, optimizer=None, scheduler=None) -> dict:
     """Load the checkpoint into this rank's model chunks, built from `hf_config` at any TP/PP/VPP layout, vocabulary
-    padding and parameter dtype (values are cast to the chunks' dtype). A collective over every rank. Checks first
-    (see `check_checkpoint`); returns the checkpoint's metadata."""
+    padding and parameter dtype (values are cast to the chunks' dtype), and with `optimizer` its training state
+    (Adam's moments, resharded like the weights; the LR schedule's step count). A collective over every rank.
+    Checks first (see `check_checkpoint`); returns the checkpoint's metadata."""
     from megatron.core import dist_checkpointing
 
-    error = None
+    error = metadata = None
     try:
         metadata = check_checkpoint(ckpt_dir, hf_config)
+        if optimizer is not None and not metadata.get("training_state"):
+            raise CheckpointError(f"Checkpoint '{ckpt_dir}' holds model weights only (no optimizer state) and "
+                                  "cannot resume training; start from it with model.checkpoint instead.")
     except CheckpointError as err:
         error = str(err)
     _all_ranks_agree_on_error(error)
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), ckpt_dir)
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, scheduler, loading=True), ckpt_dir)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
     return metadata

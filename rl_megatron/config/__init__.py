@@ -189,9 +189,23 @@ def validate(cfg: Config) -> None:
                           "on data.val_files, which is empty: set data.val_files (parquet files, e.g. from "
                           "`python -m rl_megatron.data.prepare`), or trainer.val_every=0 and "
                           "trainer.val_before_train=false.")
-    for key, value in (("trainer.val_every", t.val_every), ("trainer.val_generations_to_log", t.val_generations_to_log)):
+    for key, value in (("trainer.val_every", t.val_every), ("trainer.val_generations_to_log", t.val_generations_to_log),
+                       ("trainer.keep_last", t.keep_last)):
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative (0 turns it off).")
+    if t.save_every < -1:
+        raise ConfigError(f"trainer.save_every={t.save_every}: use N > 0 (every N steps), 0 (at the end and when "
+                          "stopped) or -1 (never).")
+    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+        raise ConfigError(f"trainer.resume={t.resume!r} is neither auto, off, nor an existing checkpoint folder "
+                          "(e.g. runs/<experiment>/checkpoints/global_step_40).")
+    if cfg.model.checkpoint is not None:
+        if cfg.model.random_init:
+            raise ConfigError("model.checkpoint and model.random_init=true both say where the initial weights come "
+                              "from; keep one.")
+        if not os.path.isdir(cfg.model.checkpoint):
+            raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r} is not a folder; make one with `python -m "
+                              "rl_megatron.convert from-hf --hf MODEL --out CKPT`.")
     if cfg.ray.num_cpus is not None:
         _positive(("ray.num_cpus", cfg.ray.num_cpus))
     if not 0 < r.top_p <= 1:
@@ -236,13 +250,31 @@ def validate(cfg: Config) -> None:
             "divide. Choose sizes whose product divides the device count; the rest becomes data parallelism.")
     dp = world // (tp * pp * cp)
     ep = a.expert_model_parallel_size
-    if dp % ep:
-        raise ConfigError(f"actor.expert_model_parallel_size={ep} must divide the data-parallel size {dp} (devices / "
-                          f"(tensor x pipeline x context parallel sizes)): experts are split over data-parallel ranks. "
-                          f"Choose a divisor of {dp}.")
-    if world % r.tensor_parallel_size:
-        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the actor's "
-                          f"{world} devices (trainer.nnodes x trainer.n_gpus_per_node); choose a divisor.")
+    etp = a.expert_tensor_parallel_size or tp
+    if etp > tp:
+        raise ConfigError(f"actor.expert_tensor_parallel_size={etp} exceeds actor.tensor_model_parallel_size={tp}: "
+                          "experts split over at most the attention's TP ranks. Lower it (1 is common: whole experts, "
+                          "spread by actor.expert_model_parallel_size).")
+    if world % (etp * ep * pp):
+        raise ConfigError(
+            f"actor.expert_model_parallel_size={ep} x actor.expert_tensor_parallel_size={etp} x "
+            f"actor.pipeline_model_parallel_size={pp} = {etp * ep * pp} must divide the actor's {world} devices (the "
+            f"experts' layout; with expert TP = TP, EP must divide the data-parallel size {dp}). Choose a smaller "
+            "actor.expert_model_parallel_size, or a smaller actor.expert_tensor_parallel_size.")
+    _one_of("rollout.placement", r.placement, PLACEMENTS)
+    if r.placement == "separate":
+        _positive(("rollout.nnodes", r.nnodes), ("rollout.n_gpus_per_node", r.n_gpus_per_node))
+        engine_devices = r.nnodes * r.n_gpus_per_node
+        whose = ("rollout pool's", "rollout.nnodes x rollout.n_gpus_per_node")
+        if r.n_gpus_per_node % r.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide "
+                              f"rollout.n_gpus_per_node={r.n_gpus_per_node}: an engine's shards stay on one node.")
+    else:
+        engine_devices, whose = world, ("actor's", "trainer.nnodes x trainer.n_gpus_per_node")
+    if engine_devices % r.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the {whose[0]} "
+                          f"{engine_devices} devices ({whose[1]}); choose a divisor.")
+    engines = engine_devices // r.tensor_parallel_size
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is not a multiple of "
                           f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it a multiple.")
@@ -260,10 +292,10 @@ def validate(cfg: Config) -> None:
             f"data-parallel rank (actor.ppo_mini_batch_size x rollout.n / (data-parallel size {dp} x "
             f"actor.micro_batch_size={a.micro_batch_size}) = {micro_per_mini}) to be a multiple of "
             f"actor.pipeline_model_parallel_size={pp}. Change actor.micro_batch_size or actor.ppo_mini_batch_size.")
-    if (d.train_batch_size * r.n) % (world // r.tensor_parallel_size):
+    if (d.train_batch_size * r.n) % engines:
         raise ConfigError(
             f"data.train_batch_size x rollout.n = {d.train_batch_size * r.n} samples do not split evenly over "
-            f"{world // r.tensor_parallel_size} rollout engines (devices / rollout.tensor_parallel_size). "
+            f"{engines} rollout engines (devices / rollout.tensor_parallel_size). "
             "Change data.train_batch_size or rollout.n.")
     from rl_megatron.resharding.channels import CHANNELS
 
@@ -274,12 +306,100 @@ def validate(cfg: Config) -> None:
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
 
     _resolve_roles(cfg)
-    hf = read_hf_config(cfg.model.path)
+    _validate_moe_knobs(cfg)
+    hf = model_config(cfg)
     _validate_model(hf, tp, pp, vpp, ep, r.tensor_parallel_size, r.max_model_len, length_key)
+    _validate_moe_model(cfg, hf, etp)
     for role in (cfg.ref, cfg.critic):
         if role.placement == "separate":
             _validate_model(hf, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1,
                             r.tensor_parallel_size, r.max_model_len, length_key)
+
+
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_DROP_POLICIES = ("probs", "position")
+ROUTER_DTYPES = ("fp32", "fp64")
+
+
+def moe_hf_overrides(cfg: Config, hf: dict) -> dict:
+    """The config.json fields that moe.num_experts and moe.top_k replace: Megatron builds from the result, and the
+    vLLM engines get the same fields as hf_overrides (so both sides route alike)."""
+    from rl_megatron.models.weight_tables import MOE_FAMILIES
+
+    if hf.get("model_type") not in MOE_FAMILIES:
+        return {}
+    overrides = {}
+    if cfg.moe.num_experts is not None:
+        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts: replace whichever is there.
+        overrides.update({key: cfg.moe.num_experts for key in ("num_experts", "num_local_experts") if key in hf})
+    if cfg.moe.top_k is not None:
+        overrides["num_experts_per_tok"] = cfg.moe.top_k
+    return overrides
+
+
+def model_config(cfg: Config) -> dict:
+    """model.path's config.json with the moe section's overrides: the model every process builds."""
+    hf = read_hf_config(cfg.model.path)
+    return {**hf, **moe_hf_overrides(cfg, hf)}
+
+
+def _validate_moe_knobs(cfg: Config) -> None:
+    """The moe section's values on their own."""
+    moe = cfg.moe
+    for key, value in (("moe.num_experts", moe.num_experts), ("moe.top_k", moe.top_k)):
+        if value is None:
+            continue
+        _positive((key, value))
+        if not cfg.model.random_init:
+            raise ConfigError(f"{key}={value} changes the model's shape, but model.random_init=false loads "
+                              f"model.path's weights, which have config.json's; set model.random_init=true, or "
+                              f"remove {key}.")
+    for key, value in (("moe.aux_loss_coeff", moe.aux_loss_coeff), ("moe.z_loss_coeff", moe.z_loss_coeff)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative (0 turns it off).")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be > 0 (e.g. 1.25), or null to drop no "
+                          "tokens.")
+    _one_of("moe.token_drop_policy", moe.token_drop_policy, MOE_DROP_POLICIES)
+    if moe.token_dispatcher is not None:
+        _one_of("moe.token_dispatcher", moe.token_dispatcher, MOE_DISPATCHERS)
+    if moe.router_dtype is not None:
+        _one_of("moe.router_dtype", moe.router_dtype, ROUTER_DTYPES)
+    if cfg.actor.expert_tensor_parallel_size is not None:
+        _positive(("actor.expert_tensor_parallel_size", cfg.actor.expert_tensor_parallel_size))
+
+
+def _validate_moe_model(cfg: Config, hf: dict, etp: int) -> None:
+    """The moe section and the expert layout against the (overridden) model config."""
+    from rl_megatron.config.schema import MoeConfig
+    from rl_megatron.models.weight_tables import MOE_FAMILIES, moe_experts
+
+    moe, a = cfg.moe, cfg.actor
+    experts = moe_experts(hf)
+    if not experts:
+        changed = [f.name for f in dataclasses.fields(MoeConfig) if getattr(moe, f.name) != f.default]
+        if changed or a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size):
+            key = f"moe.{changed[0]}" if changed else "actor.expert_tensor_parallel_size"
+            raise ConfigError(f"{key} is set, but model.path's config.json has model_type={hf['model_type']!r}, a "
+                              f"dense model without experts; remove {key} or use an MoE model (qwen3_moe, mixtral).")
+        return
+    family = MOE_FAMILIES[hf["model_type"]]
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if hf.get(key):
+            raise ConfigError(f"The model's config.json (model.path) has {key}={hf[key]}: shared experts are not "
+                              "supported yet (Qwen3-MoE and Mixtral have none); use a model without them.")
+    top_k = hf["num_experts_per_tok"]
+    if top_k > experts:
+        raise ConfigError(f"Each token goes to num_experts_per_tok={top_k} experts (moe.top_k or config.json) of only "
+                          f"{experts} (moe.num_experts or config.json); lower moe.top_k.")
+    if top_k == 1 and hf.get("norm_topk_prob", family.renormalises_top_k):
+        raise ConfigError("Top-1 routing with the weights renormalised over the top-k (config.json norm_topk_prob, "
+                          "always for Mixtral) gives every token the weight 1, so the router would get no gradient "
+                          "(Megatron refuses it): use moe.top_k >= 2.")
+    if hf[family.width_key] % etp:
+        raise ConfigError(f"The experts' width {family.width_key}={hf[family.width_key]} (model.path's config.json) "
+                          f"does not split over actor.expert_tensor_parallel_size={etp} (default: the TP size) ranks; "
+                          "choose a divisor.")
 
 
 def _one_of(key: str, value: str, choices) -> None:

@@ -22,12 +22,17 @@ class TrainerConfig:
     val_every: int = 0  # validate on the validation split every this many steps, and after the last (0: never)
     val_before_train: bool = False  # validate once before the first step (the starting point of the curves)
     val_generations_to_log: int = 4  # validation samples shown as a text table in tensorboard
+    save_every: int = 0  # save a checkpoint every this many steps; 0: only at the end and when stopped (SIGTERM/SIGINT); -1: never
+    keep_last: int = 2  # keep the newest this many checkpoints, delete older ones (0 keeps all)
+    resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
+    checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
 
 
 @dataclass
 class ModelConfig:
     path: str = "???"  # Hugging Face model folder: config.json, tokenizer files, and *.safetensors weights
     random_init: bool = False  # ignore the folder's weights and initialise randomly from trainer.seed
+    checkpoint: Optional[str] = None  # start from this Megatron checkpoint (`python -m rl_megatron.convert from-hf`) instead of path's weights
     dtype: str = "float32"  # parameter dtype: float32 or bfloat16
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this x TP
 
@@ -50,7 +55,8 @@ class ActorConfig:
     pipeline_model_parallel_size: int = 1  # Megatron PP size of the policy
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per PP stage (interleaved schedule; >1 needs PP>1)
     context_parallel_size: int = 1  # Megatron CP size of the policy (only 1 is supported yet)
-    expert_model_parallel_size: int = 1  # Megatron EP size: an MoE layer's experts split over this many DP ranks
+    expert_model_parallel_size: int = 1  # Megatron EP size: an MoE layer's experts split over this many ranks
+    expert_tensor_parallel_size: Optional[int] = None  # each expert's own TP size, at most TP (default: the TP)
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (each brings rollout.n samples)
     ppo_epochs: int = 1  # passes over each step's samples
     micro_batch_size: int = 4  # samples per forward/backward on one data-parallel rank
@@ -64,6 +70,19 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # KL estimator of the loss: k1, k2 (mse), k3 (low_var_kl) or abs
     offload: bool = True  # on GPU: Megatron weights/grads/Adam state wait in host memory during generation, vLLM sleeps in training
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class MoeConfig:
+    num_experts: Optional[int] = None  # routed experts per layer (default: config.json's); needs model.random_init
+    top_k: Optional[int] = None  # experts per token (default: config.json's); needs model.random_init
+    aux_loss_coeff: float = 0.0  # load-balancing loss weight (Megatron's aux_loss if > 0; 0: no router objective)
+    z_loss_coeff: float = 0.0  # router z-loss weight (ST-MoE: keeps the router logits small); 0 disables
+    capacity_factor: Optional[float] = None  # capacity: this x tokens x top_k / experts; more dropped (None: none)
+    token_drop_policy: str = "probs"  # over capacity, drop the lowest-probability (probs) or latest (position) tokens
+    token_dispatcher: Optional[str] = None  # allgather or alltoall (None: alltoall on GPU, allgather on CPU)
+    router_dtype: Optional[str] = None  # fp32 or fp64: the router's logits and probabilities (None: model.dtype)
+    freeze_router: bool = False  # keep the routers' weights fixed during training (requires_grad False)
 
 
 @dataclass
@@ -97,7 +116,10 @@ class CriticConfig:
 
 @dataclass
 class RolloutConfig:
-    tensor_parallel_size: int = 1  # vLLM engine TP size (engines = actor devices / this)
+    placement: str = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
+    nnodes: int = 1  # separate placement: nodes of the engines' pool
+    n_gpus_per_node: int = 1  # separate placement: devices per node of the engines' pool
+    tensor_parallel_size: int = 1  # vLLM engine TP size (engines = the devices hosting them / this)
     n: int = 8  # samples per prompt (the GRPO group size)
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = 1.0  # nucleus sampling
@@ -166,6 +188,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

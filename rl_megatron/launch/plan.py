@@ -9,7 +9,8 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
   either spans whole nodes (W/PP a multiple of G) or fits inside one (W/PP divides G), never half of a node
   shared with its neighbour;
 - a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP;
-- an EP group (TP*EP consecutive ranks, expert-TP = TP) may span nodes: its all-to-all then crosses the network.
+- an EP group (ETP*EP consecutive ranks of the experts' own rank order, ETP = expert-TP, default TP) may span
+  nodes: its all-to-all then crosses the network.
 Pools: the actor's (trainer.nnodes x trainer.n_gpus_per_node) holds actor + rollout and the colocated
 reference / critic; a role with placement=separate gets its own nodes after it (ref first, then critic).
 """
@@ -19,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_megatron.config import ConfigError, read_hf_config, uses_reference
+from rl_megatron.config import ConfigError, model_config, read_hf_config, uses_reference
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 
@@ -120,28 +121,29 @@ def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
                       f"rest), or change {pool.nodes_key} / {pool.gpus_key}.")
 
 
-def _megatron_role(name: str, key: str, pool: Pool, tp: int, pp: int, vpp: int, cp: int, ep: int, hf: dict,
+def _megatron_role(name: str, key: str, pool: Pool, tp: int, pp: int, vpp: int, cp: int, ep: int, etp: int, hf: dict,
                    cfg: Config, on_gpu: bool, trained: bool, value_head: bool = False) -> Role:
     """A Megatron role in `pool`: its placement checked, its layout and per-GPU memory worked out."""
     notes = [_check_within_node(tp, f"{key}.tensor_model_parallel_size", pool, "TP group"),
              _check_stages(pp, f"{key}.pipeline_model_parallel_size", pool)]
     dp = pool.world // (tp * pp * cp)
     if ep > 1:
-        span = tp * ep
+        span = etp * ep
         where = "inside one node" if span <= pool.gpus_per_node else f"across {span // pool.gpus_per_node} nodes"
         notes.append(f"EP group ({span} GPUs incl. expert-TP) {where}")
     if name == "actor" or pool.name == name:  # a colocated role shares the actor's groups: nothing new to say
         pool.placement_notes.append(f"{name}: " + "; ".join(notes))
-    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head)
+    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp)
     dtype = cfg.model.dtype
     if trained:
-        bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu)
+        bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
         note = f"{_count(params.total)} params/GPU: weights + fp32 grads + Adam" + (
             f" (distributed optimizer over DP={dp})" if on_gpu and dp > 1 else "")
     else:
         bytes_ = memory.weight_bytes(params.total, dtype)
         note = f"{_count(params.total)} params/GPU: weights only"
-    layout = f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep} DP={dp}"
+    layout = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
+              + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
     return Role(name, "Megatron" if trained else "Megatron forward", layout, bytes_, note)
 
 
@@ -159,17 +161,23 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     layout does not fit the nodes. `cfg` must come from load_config (validated, defaults resolved)."""
     gib, gib_source = _gpu_memory(gpu_memory_gib)
     t, a, r = cfg.trainer, cfg.actor, cfg.rollout
-    hf = read_hf_config(cfg.model.path)
+    hf = model_config(cfg)
     total = memory.rank_parameters(hf).total
     actor_pool = Pool("actor", 0, t.nnodes, t.n_gpus_per_node, "trainer.nnodes", "trainer.n_gpus_per_node")
     pools = [actor_pool]
     layout = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.virtual_pipeline_model_parallel_size,
-              a.context_parallel_size, a.expert_model_parallel_size)
+              a.context_parallel_size, a.expert_model_parallel_size,
+              a.expert_tensor_parallel_size or a.tensor_model_parallel_size)
     actor_pool.roles.append(_megatron_role("actor", "actor", actor_pool, *layout, hf, cfg, on_gpu, trained=True))
 
-    engine_note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", actor_pool, "vLLM engine")
-    actor_pool.placement_notes.append(f"rollout: {engine_note}")
-    engines = actor_pool.world // r.tensor_parallel_size
+    if r.placement == "separate":  # engines on devices of their own, after the actor's nodes
+        engine_pool = Pool("rollout", t.nnodes, r.nnodes, r.n_gpus_per_node, "rollout.nnodes", "rollout.n_gpus_per_node")
+        pools.append(engine_pool)
+    else:
+        engine_pool = actor_pool
+    engine_note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", engine_pool, "vLLM engine")
+    engine_pool.placement_notes.append(f"rollout: {engine_note}")
+    engines = engine_pool.world // r.tensor_parallel_size
     engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size
     if on_gpu:
         engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
@@ -178,8 +186,8 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     else:
         engine_bytes = engine_weights + r.kv_cache_bytes
         engine_note = "weights + rollout.kv_cache_bytes"
-    actor_pool.roles.append(Role("rollout", "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines",
-                                 engine_bytes, engine_note))
+    engine_pool.roles.append(Role("rollout", "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines",
+                                  engine_bytes, engine_note))
     plan = ClusterPlan(pools, gib, gib_source, on_gpu, total, cfg.model.dtype)
     if on_gpu and engine_weights >= engine_bytes:
         plan.warnings.append(
@@ -196,7 +204,8 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
             pool = Pool(name, plan.nnodes, role.nnodes, role.n_gpus_per_node, f"{name}.nnodes",
                         f"{name}.n_gpus_per_node")
             pools.append(pool)
-            sizes = (role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1, 1)
+            sizes = (role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1, 1,
+                     role.tensor_model_parallel_size)
         else:  # in the actor's processes: the actor's parallel layout
             pool, sizes = actor_pool, layout
         pool.roles.append(_megatron_role(name, name, pool, *sizes, role_hf, cfg, on_gpu, trained,

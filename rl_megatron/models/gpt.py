@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rl_megatron import platform
+from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.weight_tables import (MOE_FAMILIES, DenseTable, has_qk_layernorm, has_qkv_bias, moe_experts,
                                               padded_vocab_size, shard_from_hf, table_for)
 
@@ -27,11 +28,24 @@ def rope_scaling(hf: dict):
     return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
 
 
-def moe_settings(hf: dict) -> dict:
-    """Megatron's MoE fields for an MoE config.json (none for a dense model)."""
+def token_dispatcher(moe: MoeConfig) -> str:
+    """Megatron's token dispatcher for moe.token_dispatcher: all-to-all on GPU, all-gather on the CPU, where
+    megatron-core 0.16's all-to-all dispatcher needs CUDA streams."""
+    if moe.token_dispatcher is None:
+        return "alltoall" if platform.has_cuda() else "allgather"
+    if moe.token_dispatcher == "alltoall" and not platform.has_cuda():
+        raise ValueError("moe.token_dispatcher=alltoall needs CUDA (megatron-core's all-to-all dispatcher runs on "
+                         "CUDA streams); on the CPU use moe.token_dispatcher=allgather (or leave it unset).")
+    return moe.token_dispatcher
+
+
+def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
+    """Megatron's MoE fields for an MoE config.json (none for a dense model), with the `moe` section's knobs
+    (the expert count and top-k are config.json's, which `rl_megatron.config.model_config` overrides)."""
     experts = moe_experts(hf)
     if not experts:
         return {}
+    moe = moe or MoeConfig()
     family = MOE_FAMILIES[hf["model_type"]]
     return dict(
         num_moe_experts=experts,
@@ -42,17 +56,23 @@ def moe_settings(hf: dict) -> dict:
         # softmax over the top-k logits, which is the renormalised form.
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not hf.get("norm_topk_prob", family.renormalises_top_k),
-        # No load-balancing loss: RL post-training keeps the pretrained router objective-free.
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        # The all-to-all dispatcher runs on CUDA streams; all-gather works over gloo on the CPU.
-        moe_token_dispatcher_type="alltoall" if platform.has_cuda() else "allgather",
-        # One linear layer per expert (SequentialMLP): the weight table maps its per-expert names.
+        # By default no load-balancing loss: RL post-training keeps the pretrained router objective-free.
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_token_drop_policy=moe.token_drop_policy,
+        moe_router_dtype=moe.router_dtype,
+        moe_token_dispatcher_type=token_dispatcher(moe),
+        # One linear layer per expert (SequentialMLP), on GPU too: the weight table maps its per-expert names
+        # (local_experts.<j>.linear_fc1.weight). TE's grouped GEMM (TEGroupedMLP) names them linear_fc1.weight<j>;
+        # it stays off until that mapping is checked on a GPU against transformers.
         moe_grouped_gemm=False,
     )
 
 
-def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1) -> TransformerConfig:
+def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp: int | None = None,
+                       moe: MoeConfig | None = None) -> TransformerConfig:
     if rope_scaling(hf):
         raise ValueError(f"config.json sets rope scaling {rope_scaling(hf)}, which is not supported yet.")
     heads = hf["num_attention_heads"]
@@ -78,6 +98,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1) -> T
         sequence_parallel=tp > 1 and bool(moe_experts(hf)),
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,  # None: the TP size
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16,
@@ -85,7 +106,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1) -> T
         use_cpu_initialization=True,
         # The training step passes the loss itself to the schedule (no per-token reduction inside Megatron).
         calculate_per_token_loss=False,
-        **moe_settings(hf),
+        **moe_settings(hf, moe),
     )
 
 
@@ -118,10 +139,12 @@ class ValueHead(torch.nn.Module):
     def __init__(self, config: TransformerConfig, seed: int):
         super().__init__()
         self.sequence_parallel = config.sequence_parallel
-        self.linear = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype)
+        # Named like the vocabulary output layer's parameters (output_layer.weight/.bias), which Megatron's
+        # checkpointing expects of a GPTModel's last stage.
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
         with torch.no_grad():
-            self.linear.weight.normal_(std=config.init_method_std, generator=torch.Generator().manual_seed(seed))
-            self.linear.bias.zero_()
+            self.weight.normal_(std=config.init_method_std, generator=torch.Generator().manual_seed(seed))
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         """Called as GPTModel calls its vocabulary output layer: [s, b, h] -> ([s, b, 1], no bias)."""
@@ -130,16 +153,18 @@ class ValueHead(torch.nn.Module):
             # head's computation is whole on every rank, so no sum over ranks).
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False)
-        return self.linear(hidden_states), None
+        return F.linear(hidden_states, self.weight, self.bias), None
 
 
 def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage: int = 0,
-              value_head_seed: int | None = None) -> GPTModel:
+              value_head_seed: int | None = None, moe: MoeConfig | None = None) -> GPTModel:
     """Model chunk `vp_stage` of this rank's shard of the model (parallel_state must be initialised); with
-    `value_head_seed`, the critic: the same trunk with a `ValueHead` instead of the vocabulary output."""
+    `value_head_seed`, the critic: the same trunk with a `ValueHead` instead of the vocabulary output. `moe`: the
+    config's MoE knobs (defaults without)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size())
+    config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size(),
+                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe)
     # Megatron reads the chunk count from the config when it splits the layers (None: no interleaving).
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     config.virtual_pipeline_model_parallel_size = vpp
@@ -167,10 +192,10 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
 
 
 def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
-                     value_head_seed: int | None = None) -> list[GPTModel]:
+                     value_head_seed: int | None = None, moe: MoeConfig | None = None) -> list[GPTModel]:
     """This rank's model chunks in virtual-pipeline order (one without interleaving)."""
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed)
+    return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed, moe)
             for vp_stage in range(chunks)]
 
 
@@ -189,6 +214,14 @@ def layer_offset(model: GPTModel) -> int:
     """Global index of this model chunk's first layer (Megatron numbers a chunk's layers globally, from 1)."""
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def tp_shard(name: str) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split of parameter `name`: routed experts split over their own
+    expert-TP group (actor.expert_tensor_parallel_size), everything else over the TP group."""
+    if name.startswith("decoder.layers.") and ".mlp.experts." in name:
+        return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def expert_offset(model: GPTModel) -> int:
@@ -238,11 +271,9 @@ def load_hf_weights(model: GPTModel, hf: dict, folder: str) -> None:
     reader = SafetensorsReader(folder)
     table = weight_table(model, hf)
     offset, experts = layer_offset(model), expert_offset(model)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in hf_parameters(model):
         entry = table.lookup(name, offset, experts)
-        shard = shard_from_hf(entry, [reader.get(n) for n in entry.hf_names], tp_rank, tp_size)
+        shard = shard_from_hf(entry, [reader.get(n) for n in entry.hf_names], *tp_shard(name))
         if shard.shape != param.shape:
             raise ValueError(f"Parameter '{name}' (from {', '.join(entry.hf_names)}) has shape "
                              f"{tuple(shard.shape)} in the checkpoint but {tuple(param.shape)} in the model.")

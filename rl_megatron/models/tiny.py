@@ -1,14 +1,16 @@
-"""The demo model: a 2-layer Qwen2 with a character-level tokenizer over digits, '+', '-', '=', ' '.
+"""The demo model: a 2-layer Qwen2 with a character-level tokenizer over digits, '+', '-', '=', ' '; with --moe a
+2-layer Qwen3-MoE of the same width (4 experts, top-2) for the MoE configs (configs/moe/).
 
 Everything is built locally, so the demo and the tests never download a model. Usage:
-    python -m rl_megatron.models.tiny OUT_DIR [--with-weights] [--seed N]
+    python -m rl_megatron.models.tiny OUT_DIR [--with-weights] [--seed N] [--moe]
 """
 import argparse
 import os
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3MoeConfig)
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = "0123456789+-= "
@@ -36,9 +38,8 @@ def build_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
     )
 
 
-def build_config(characters: str = CHARACTERS, max_positions: int = 512) -> Qwen2Config:
-    return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"],
+def build_config(characters: str = CHARACTERS, max_positions: int = 512, moe: bool = False):
+    shape = dict(
         vocab_size=len(SPECIAL_TOKENS) + len(characters),
         hidden_size=64,
         intermediate_size=128,
@@ -56,19 +57,23 @@ def build_config(characters: str = CHARACTERS, max_positions: int = 512) -> Qwen
         pad_token_id=PAD_ID,
         dtype="float32",
     )
+    if moe:  # experts of half the dense width; their weights renormalised over the top-k, as Qwen's released models
+        return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=True, **shape)
+    return Qwen2Config(architectures=["Qwen2ForCausalLM"], **shape)
 
 
 def write_tiny_model(out_dir: str, with_weights: bool = False, seed: int = 0, characters: str = CHARACTERS,
-                     max_positions: int = 512) -> str:
+                     max_positions: int = 512, moe: bool = False) -> str:
     """Writes config, generation config and tokenizer (and random weights if asked) to out_dir."""
     os.makedirs(out_dir, exist_ok=True)
-    config = build_config(characters, max_positions)
+    config = build_config(characters, max_positions, moe)
     config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
     build_tokenizer(characters).save_pretrained(out_dir)
     if with_weights:
         torch.manual_seed(seed)
-        Qwen2ForCausalLM(config).save_pretrained(out_dir)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
     return out_dir
 
 
@@ -80,9 +85,10 @@ def main() -> None:
     parser.add_argument("--text", action="store_true",
                         help="a tokenizer over printable ASCII and newlines, and 1024 positions: real task prompts "
                              "(countdown, GSM8K) instead of digits")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the Qwen2")
     args = parser.parse_args()
     text = {"characters": TEXT_CHARACTERS, "max_positions": 1024} if args.text else {}
-    print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed, **text))
+    print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed, moe=args.moe, **text))
 
 
 if __name__ == "__main__":

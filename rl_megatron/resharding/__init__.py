@@ -163,10 +163,7 @@ def _window(buffer: torch.Tensor, offset: int, piece) -> torch.Tensor:
 def export_hf_state_dict(chunks: list, table, dst: int = 0, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
     """The full HF state dict of the model whose local shards are `chunks`, on rank `dst` (empty elsewhere).
     A collective over every rank."""
-    from megatron.core import parallel_state
-
-    sources, errors = megatron_sources(chunks, table, parallel_state.get_tensor_model_parallel_rank(),
-                                       parallel_state.get_tensor_model_parallel_world_size())
+    sources, errors = megatron_sources(chunks, table)
     rank = dist.get_rank()
     resharder = Resharder(sources, errors, lambda specs: hf_targets(specs) if rank == dst else {}, bucket_bytes)
     try:

@@ -9,6 +9,7 @@ resharder sends buckets over NCCL instead.)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 
 from rl_megatron.resharding.channels import SharedBuffer
 from rl_megatron.resharding.plan import ALIGN
+
 _OWN: list[SharedBuffer] = []  # this process's shared parameter files
 _PEERS: dict[tuple, SharedBuffer] = {}  # peers' files mapped here, by handle
 
@@ -27,7 +29,8 @@ def _remove_files_of_dead_processes() -> None:
     for path in glob.glob("/dev/shm/rl_megatron-*"):
         pid = int(path.split("-")[1])
         if not os.path.exists(f"/proc/{pid}"):
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # every worker on the machine sweeps at once
+                os.unlink(path)
 
 
 def unlink_shared_parameters() -> None:

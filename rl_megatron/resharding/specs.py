@@ -16,9 +16,9 @@ from rl_megatron.resharding.shared_params import location
 Held = dict[str, tuple[torch.Tensor, TensorSpec]]  # key -> (the local tensor, what it holds)
 
 
-def megatron_sources(chunks: list, table: DenseTable, tp_rank: int, tp_size: int) -> tuple[Held, list[str]]:
+def megatron_sources(chunks: list, table: DenseTable) -> tuple[Held, list[str]]:
     """This rank's Megatron parameters (every virtual-pipeline chunk) and the shape errors found."""
-    from rl_megatron.models.gpt import expert_offset, layer_offset
+    from rl_megatron.models.gpt import expert_offset, layer_offset, tp_shard
 
     held, errors = {}, []
     for vp, chunk in enumerate(chunks):
@@ -29,6 +29,7 @@ def megatron_sources(chunks: list, table: DenseTable, tp_rank: int, tp_size: int
             except KeyError as error:
                 errors.append(str(error.args[0]))
                 continue
+            tp_rank, tp_size = tp_shard(name)
             expected = entry.local_shape(tp_size)
             if tuple(param.shape) != expected:
                 errors.append(f"Megatron parameter '{name}' has shape {tuple(param.shape)} but the weight table "

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import glob
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -112,8 +113,21 @@ class Generation:
     response_log_probs: list[float]
 
 
+def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:
+    """Sampling seeds of the `count` prompts of a step, a function of (trainer.seed, purpose, step) only: a
+    resumed run draws the same samples. Below 2**32, so that vLLM's seed + j for sample j stays in range."""
+    import numpy as np
+
+    stream = np.random.SeedSequence([run_seed, zlib.crc32(purpose.encode()), step])
+    return stream.generate_state(count, dtype=np.uint32).tolist()
+
+
 class VLLMEngine:
-    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, eos_token_id: int):
+    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, eos_token_id: int,
+                 hf_overrides: dict | None = None, load_format: str = "dummy"):
+        """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
+        model has them. `load_format`: "dummy" (the trainer writes every weight before the first generation) or
+        "auto" (the folder's own safetensors, as any vLLM user loads it)."""
         for key, value in {**ENGINE_ENV, **({} if platform.has_cuda() else CPU_ENGINE_ENV)}.items():
             os.environ.setdefault(key, value)
         from vllm import LLM
@@ -128,8 +142,9 @@ class VLLMEngine:
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.llm = LLM(
             model=model_path,
+            hf_overrides=hf_overrides,
             dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
-            load_format="dummy",
+            load_format=load_format,
             skip_tokenizer_init=True,
             max_model_len=cfg.max_model_len,
             enforce_eager=not platform.has_cuda(),
@@ -148,22 +163,20 @@ class VLLMEngine:
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None) -> list[Generation]:
-        """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j)."""
+    def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j). With `seeds`, prompt
+        i's samples are drawn from seeds[i] (vLLM seeds sample j with seeds[i] + j): they then depend on nothing
+        else, not on earlier calls nor on which engine runs them, so a resumed run samples as the original did."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=n,
-            temperature=self.cfg.temperature if temperature is None else temperature,
-            top_p=self.cfg.top_p,
-            top_k=self.cfg.top_k,
-            max_tokens=self.cfg.max_tokens,
-            stop_token_ids=[self.eos_token_id],
-            logprobs=0,
-            detokenize=False,
-        )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        settings = dict(n=n, temperature=self.cfg.temperature if temperature is None else temperature,
+                        top_p=self.cfg.top_p, top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens,
+                        stop_token_ids=[self.eos_token_id], logprobs=0, detokenize=False)
+        per_prompt = (SamplingParams(**settings) if seeds is None
+                      else [SamplingParams(**settings, seed=seed) for seed in seeds])
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
         generations = []
         for prompt, output in zip(prompts, outputs):
             for sample in sorted(output.outputs, key=lambda s: s.index):

@@ -1,15 +1,34 @@
 """Run metrics, written both to metrics.jsonl (easy to parse) and to TensorBoard (easy to plot)."""
+from __future__ import annotations
+
 import json
 import os
 
 from torch.utils.tensorboard import SummaryWriter
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl record; None for a line a killed run left half-written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Tracker:
-    def __init__(self, run_dir: str):
+    """`purge_after`: the step a resumed run continues from. Records of later steps (logged by the interrupted run
+    after its checkpoint) are dropped from both outputs; the run logs those steps again."""
+
+    def __init__(self, run_dir: str, purge_after: int | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
-        self._writer = SummaryWriter(run_dir)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if purge_after is not None and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= purge_after]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self._writer = SummaryWriter(run_dir, purge_step=None if purge_after is None else purge_after + 1)
         # Appending lets a resumed run extend the same file.
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
 

@@ -13,22 +13,28 @@ import time
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 
+import ray
 import torch
 from tqdm import tqdm
 
 from rl_megatron import platform
 from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, masked_mean,
                                     outcome_token_rewards, rollout_mismatch_metrics, truncated_importance_weights)
-from rl_megatron.config import Config, ConfigError, read_hf_config, to_yaml, uses_reference
+from rl_megatron.checkpoint import CheckpointError, check_checkpoint
+from rl_megatron.checkpoint.run import checkpointed_roles, choose_resume, finish_save, start_save
+from rl_megatron.config import Config, ConfigError, model_config, to_yaml, uses_reference
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
+from rl_megatron.rollout.vllm_engine import request_seeds
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.sequences import pack_generations
+from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import generations_table, validation_metrics
 from rl_megatron.workers.cluster import start_ray
 from rl_megatron.workers.hybrid_worker import HybridWorker
+from rl_megatron.workers.rollout_worker import RolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
@@ -46,10 +52,13 @@ class Timer:
 
 
 def pools(cfg: Config) -> list[tuple[tuple[str, ...], int, int, dict]]:
-    """(roles, nnodes, devices per node, Megatron layout) of each worker group; the actor's first."""
+    """(roles, nnodes, devices per node, Megatron layout) of each worker group; the actor's first. The rollout
+    engines run in the actor's workers, or with rollout.placement=separate in a pool of their own (no layout)."""
     a = cfg.actor
     actor_roles = ["actor"]
     separate = []
+    if cfg.rollout.placement == "separate":
+        separate.append((("rollout",), cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, {}))
     for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
         if not wanted:
             continue
@@ -59,22 +68,48 @@ def pools(cfg: Config) -> list[tuple[tuple[str, ...], int, int, dict]]:
             separate.append(((name,), role.nnodes, role.n_gpus_per_node,
                              {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}))
     actor_layout = {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
-                    "vpp": a.virtual_pipeline_model_parallel_size, "ep": a.expert_model_parallel_size}
+                    "vpp": a.virtual_pipeline_model_parallel_size, "ep": a.expert_model_parallel_size,
+                    "etp": a.expert_tensor_parallel_size}
     return [(tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, actor_layout), *separate]
 
 
 def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[str, WorkerGroup]:
-    """The worker groups, by role (a colocated role maps to the actor's group); closed by `stack`."""
+    """The worker groups, by role ("actor", "rollout", "ref", "critic"; a colocated role maps to the actor's
+    group); closed by `stack`."""
     layouts = pools(cfg)
     threads = max(1, cpus // sum(nnodes * devices for _, nnodes, devices, _ in layouts))
     env = worker_env(threads, local_cluster=cfg.ray.address is None)
-    groups = {}
+    groups = {"rollout": None}
     for roles, nnodes, devices, layout in layouts:
         section = "trainer" if "actor" in roles else roles[0]  # the config keys that size this pool
         pool = ResourcePool(nnodes, devices, config_keys=(f"{section}.nnodes", f"{section}.n_gpus_per_node"))
-        group = stack.enter_context(WorkerGroup(HybridWorker, pool, cfg, hf_config, roles, layout, threads, env=env))
-        groups.update({role: group for role in roles})
+        if roles == ("rollout",):
+            group = WorkerGroup(RolloutWorker, pool, cfg, hf_config, threads, env=env)
+        else:
+            group = WorkerGroup(HybridWorker, pool, cfg, hf_config, roles, layout, threads, env=env)
+        groups.update(dict.fromkeys(roles, stack.enter_context(group)))
+    if groups["rollout"] is None:
+        groups["rollout"] = groups["actor"]
+    else:
+        connect_engines(groups["actor"], groups["rollout"])
     return groups
+
+
+def connect_engines(actor: WorkerGroup, rollout: WorkerGroup) -> None:
+    """Separate engines: the actor's rank 0 and every engine worker form the group the weights are broadcast in."""
+    host, port = actor.rank0_address()
+    size = 1 + rollout.pool.world_size
+    joining = rollout.call_async("join_weight_group", host, port, size)
+    actor.join_weight_group(host, port, size)
+    ray.get(joining)
+
+
+def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
+    """The policy's current weights into the engines: colocated, each actor worker writes its engines' share;
+    separate, the actor's rank 0 broadcasts them and the engine workers receive (both at once)."""
+    receiving = [] if rollout is actor else rollout.call_async("sync_weights")
+    actor.sync_weights()
+    ray.get(receiving)
 
 
 def worker_env(threads: int, local_cluster: bool) -> dict:
@@ -100,15 +135,17 @@ def submit_scoring(scorer: RewardScorer, generations: list, prompts: dict, token
                          prompts=[prompt_texts[p] for p in owner])
 
 
-def validate(actor: WorkerGroup, val_loader, scorer: RewardScorer, tokenizer, cfg: Config) -> tuple[dict, str]:
+def validate(rollout: WorkerGroup, val_loader, scorer: RewardScorer, tokenizer, cfg: Config,
+             step: int) -> tuple[dict, str]:
     """One pass over the validation prompts: rollout.val_n answers each (greedy for one); rewards per data source,
     pass@k, and a table of the first samples."""
-    n, engines = cfg.rollout.val_n, actor.meshes[0]["rollout"][1]
+    n, engines = cfg.rollout.val_n, rollout.meshes[0]["rollout"][1]
     sources, scores, texts = [], [], []
-    for prompts in val_loader.in_order():
+    for batch_index, prompts in enumerate(val_loader.in_order()):
         ids = prompts["prompt_ids"]
         padded = ids + ids[:1] * (-len(ids) % engines)  # every engine gets as many prompts
-        generations = actor.generate_for_validation(padded)[:len(ids) * n]
+        seeds = request_seeds(cfg.trainer.seed, f"validation {batch_index}", step, len(padded))
+        generations = rollout.generate_for_validation(padded, seeds)[:len(ids) * n]
         batch_scores, _ = submit_scoring(scorer, generations, prompts, tokenizer, n).result()
         sources += prompts["data_source"]
         scores.append(batch_scores)
@@ -149,10 +186,11 @@ def select(batch: dict, *keys: str) -> dict:
 
 
 def train(cfg: Config) -> dict:
-    """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
+    """Run `cfg.trainer.total_steps` RL steps (or until the target reward), resuming from a checkpoint per
+    trainer.resume and saving per trainer.save_every; returns a summary."""
     from transformers import AutoTokenizer
 
-    hf_config = read_hf_config(cfg.model.path)
+    hf_config = model_config(cfg)  # config.json with the moe section's overrides
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     loader = build_prompt_loader(cfg.data, tokenizer, cfg.trainer.seed)
@@ -169,18 +207,40 @@ def train(cfg: Config) -> dict:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
 
-    print(format_plan(cfg, on_gpu=platform.has_cuda()), flush=True)
-
     alg = cfg.algorithm
     kl_ctrl = kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
     reward_history: list[float] = []
+    # Every checkpoint check runs before a worker starts: a bad one costs seconds, not a cluster's start-up.
+    if cfg.model.checkpoint is not None:
+        check_checkpoint(cfg.model.checkpoint, hf_config)
+    checkpoint_root = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    resume = choose_resume(checkpoint_root, cfg.trainer.resume, hf_config, checkpointed_roles(cfg))
+    start_step = 0
+    if resume is not None:
+        resume_dir, state = resume
+        try:
+            loader.load_state_dict(state["data_loader"])
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint '{resume_dir}' cannot resume this run's data: {err}.") from None
+        kl_ctrl.value, reward_history, start_step = state["kl_coef"], state["reward_history"], state["step"]
+
+    print(format_plan(cfg, on_gpu=platform.has_cuda()), flush=True)
     timer = Timer()
     with ExitStack() as stack:
         workers = build_workers(cfg, hf_config, start_ray(cfg), stack)
-        actor, ref, critic = workers["actor"], workers.get("ref"), workers.get("critic")
-        tracker = stack.enter_context(Tracker(run_dir))
+        actor, rollout, ref, critic = workers["actor"], workers["rollout"], workers.get("ref"), workers.get("critic")
+        # The groups hosting Megatron models (what a checkpoint saves).
+        groups = list({id(group): group for group in (actor, ref, critic) if group is not None}.values())
+        stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
+        # A resumed run rewrites the steps after its checkpoint: their old records go.
+        tracker = stack.enter_context(Tracker(run_dir, purge_after=start_step if resume else None))
         scorer = stack.enter_context(RewardScorer(cfg.reward))
-        actor.sync_weights()  # the engines start from dummy weights: give them the policy's
+        if resume is not None:
+            rng_restored = all(done for group in groups for done in group.load_checkpoint(resume_dir))
+            tqdm.write(f"Resumed from {resume_dir} (step {start_step})" + (
+                "" if rng_restored else "; the workers' RNG states were saved under another parallel layout and "
+                "start afresh (sampling seeds depend only on trainer.seed and the step, so rollouts are unaffected)"))
+        sync_weights(actor, rollout)  # the engines start from dummy weights: give them the policy's
 
         def maybe_validate(step: int, last: bool = False) -> None:
             every = cfg.trainer.val_every
@@ -188,19 +248,32 @@ def train(cfg: Config) -> dict:
                                           or (every and step > 0 and (step % every == 0 or last))):
                 return
             with timer("validate"):
-                val_metrics, table = validate(actor, val_loader, scorer, tokenizer, cfg)
+                val_metrics, table = validate(rollout, val_loader, scorer, tokenizer, cfg, step)
             tracker.log(val_metrics, step)
             tracker.log_text("val/generations", table, step)
             tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val_metrics.items()))
 
-        maybe_validate(0)
-        bar = tqdm(range(1, cfg.trainer.total_steps + 1), desc=alg.adv_estimator.upper(), unit="step",
-                   disable=not cfg.trainer.progress_bar)
-        for step in bar:
+        def save_checkpoint(step: int) -> None:
+            start = time.perf_counter()
+            partial = start_save(checkpoint_root, step)
+            for group in groups:
+                group.save_checkpoint(partial)
+            state = {"data_loader": loader.state_dict(), "kl_coef": kl_ctrl.value, "reward_history": reward_history}
+            folder = finish_save(checkpoint_root, step, state, to_yaml(cfg), cfg.trainer.keep_last)
+            tqdm.write(f"step {step}: checkpoint saved to {folder} in {time.perf_counter() - start:.1f} s")
+
+        if start_step == 0:
+            maybe_validate(0)
+        done = start_step >= cfg.trainer.total_steps or reached_target(reward_history, cfg.trainer.target_reward)
+        bar = tqdm(range(start_step + 1, cfg.trainer.total_steps + 1), desc=alg.adv_estimator.upper(), unit="step",
+                   initial=start_step, total=cfg.trainer.total_steps, disable=not cfg.trainer.progress_bar or done)
+        for step in ([] if done else bar):
+            timer.seconds.clear()
             with timer("step"):
                 prompts = loader.next_batch()
                 with timer("gen"):
-                    generations = actor.generate(prompts["prompt_ids"])
+                    generations = rollout.generate(prompts["prompt_ids"], request_seeds(
+                        cfg.trainer.seed, "train", step, len(prompts["prompt_ids"])))
                 scoring = submit_scoring(scorer, generations, prompts, tokenizer, cfg.rollout.n)
                 batch = pack_generations(generations, pad_id)
                 sequences, mask = select(batch, "input_ids"), batch["response_mask"]
@@ -238,18 +311,35 @@ def train(cfg: Config) -> dict:
                         metrics.update(actor.update(select(batch, "input_ids", "response_mask", "old_log_probs",
                                                            "advantages", "ref_log_probs", "importance_weights"))[0])
                     with timer("sync_weights"):
-                        actor.sync_weights()
-            metrics.update(step_metrics(scores, batch, old["entropy"], pad_id, timer.seconds))
-            tracker.log(metrics, step)
-            reward_history.append(metrics["reward/mean"])
-            recent = sum(reward_history[-REWARD_WINDOW:]) / len(reward_history[-REWARD_WINDOW:])
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", avg5=f"{recent:.3f}",
-                            step_s=f"{timer.seconds['step']:.2f}")
-            done = step == cfg.trainer.total_steps or (cfg.trainer.target_reward is not None and len(
-                reward_history) >= REWARD_WINDOW and recent >= cfg.trainer.target_reward)
+                        sync_weights(actor, rollout)
+            reward_history.append(scores.mean().item())
+            done = step == cfg.trainer.total_steps or reached_target(reward_history, cfg.trainer.target_reward)
             maybe_validate(step, last=done)
-            if done:
+            metrics.update(step_metrics(scores, batch, old["entropy"], pad_id, timer.seconds))
+            tracker.log(metrics, step)  # before the checkpoint: a run resumed from it has logged this step
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", avg5=f"{window_mean(reward_history):.3f}",
+                            step_s=f"{timer.seconds['step']:.2f}")
+            every = cfg.trainer.save_every
+            if (every > 0 and step % every == 0) or (every >= 0 and (done or stop.received)):
+                save_checkpoint(step)
+            if done or stop.received:
                 break
+    if start_step and start_step == len(reward_history):
+        tqdm.write(f"Nothing to do: the checkpoint at step {start_step} already finished this run "
+                   "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
+    elif stop.received and not done:
+        tqdm.write(f"Stopped by {stop.received} after step {len(reward_history)}; the same command resumes from "
+                   "its checkpoint.")
     first = reward_history[:REWARD_WINDOW]
-    return {"steps": len(reward_history), "reward_first": sum(first) / len(first), "reward_last": recent,
-            "reward_window": len(first), "run_dir": run_dir}
+    return {"steps": len(reward_history), "reward_first": sum(first) / len(first),
+            "reward_last": window_mean(reward_history), "reward_window": len(first), "run_dir": run_dir}
+
+
+def window_mean(rewards: list[float]) -> float:
+    """The mean reward of the last REWARD_WINDOW steps."""
+    recent = rewards[-REWARD_WINDOW:]
+    return sum(recent) / len(recent)
+
+
+def reached_target(rewards: list[float], target: float | None) -> bool:
+    return target is not None and len(rewards) >= REWARD_WINDOW and window_mean(rewards) >= target

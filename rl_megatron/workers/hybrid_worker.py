@@ -2,7 +2,8 @@
 Megatron layout (the pool's TP/PP/VPP/EP):
 
 - "actor": the policy's Megatron shard and a vLLM engine (the hybrid engine: train and generate share the device
-  in turn; after each update the new weights go from the shards into the engine through the resharding module);
+  in turn; after each update the new weights go from the shards into the engine through the resharding module).
+  With rollout.placement=separate the engines run in `RolloutWorker`s instead, and rank 0 broadcasts the weights;
 - "ref": the frozen reference policy (a copy of the initial actor when colocated with it; on GPU its weights wait
   in host memory between uses);
 - "critic": the value model.
@@ -11,14 +12,19 @@ By default one pool hosts all three; `ref.placement` / `critic.placement` = sepa
 """
 from __future__ import annotations
 
-import ray
+import os
+
 import torch
 
 from rl_megatron import platform
+from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
+from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.schema import Config
-from rl_megatron.resharding import Resharder, SyncStats, engine_mismatches, vllm_targets
+from rl_megatron.resharding import Resharder, SyncStats, vllm_targets
+from rl_megatron.resharding.broadcast import SENDER, send_weights, weight_group
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
-from rl_megatron.workers.distributed import free_port, init_distributed, owns_dp_output
+from rl_megatron.workers.distributed import init_distributed, owns_dp_output, rendezvous_address
+from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.worker_group import dispatch
 
 ROLES = ("actor", "ref", "critic")
@@ -29,20 +35,18 @@ def optimizer_steps(cfg: Config, mini_batch_prompts: int, epochs: int) -> int:
     return cfg.trainer.total_steps * cfg.data.train_batch_size // mini_batch_prompts * epochs
 
 
-class HybridWorker:
+class HybridWorker(EngineHost):
     def __init__(self, rank: int, world_size: int, cfg: Config, hf_config: dict, roles: tuple[str, ...],
                  layout: dict, threads: int):
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
-        self.actor = self.ref = self.critic = self.engine = self.resharder = None
-        # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).
-        self.engine_tp = cfg.rollout.tensor_parallel_size
-        self.engine_index = rank // self.engine_tp
+        self.actor = self.ref = self.critic = self.resharder = self.weight_group = None
+        self._init_engine_host()
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
 
     def rendezvous(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        return rendezvous_address()
 
     def init(self, master_addr: str, master_port: int) -> None:
         from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
@@ -57,8 +61,12 @@ class HybridWorker:
         if "critic" in self.roles:
             self.critic = MegatronCritic(cfg, self.hf_config, optimizer_steps(cfg, cfg.critic.ppo_mini_batch_size,
                                                                                cfg.critic.ppo_epochs))
-        if "actor" in self.roles:
+        if "actor" in self.roles and cfg.rollout.placement == "colocated":
             self._start_engine()
+            # The plan from the trainer's layout to the engines' is made (and checked) once, here.
+            self.resharder = Resharder(*self.actor.weight_sources(), vllm_targets(self.engine.model()),
+                                       bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
+                                       verify=cfg.resharding.verify)
         # On GPU each phase gets the device memory the others' state would hold: the actor's (and a colocated
         # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's weights
         # between its uses.
@@ -73,22 +81,10 @@ class HybridWorker:
                 self.offloaders["ref"] = Offloader(self.ref.model)
                 self.offloaders["ref"].to_host()
 
-    def _start_engine(self) -> None:
-        from rl_megatron.rollout.vllm_engine import VLLMEngine
-
-        cfg = self.cfg
-        # The shards of one engine must sample alike: they share a seed.
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
-                                 seed=cfg.trainer.seed + self.engine_index, eos_token_id=self.hf_config["eos_token_id"])
-        # The plan from the trainer's layout to the engines' is made (and checked) once, here.
-        self.resharder = Resharder(*self.actor.weight_sources(), vllm_targets(self.engine.model()),
-                                   bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
-                                   verify=cfg.resharding.verify)
-
     def _for_generation(self) -> None:
         for state in self.offloaders.values():
             state.to_host()
-        self.engine.wake_up()
+        super()._for_generation()
 
     def _for_training(self, role: str, *state: str) -> None:
         """Before a Megatron phase of `role`: the engine sleeps, the role's `state` (params, grads, optimizer;
@@ -109,21 +105,9 @@ class HybridWorker:
 
         axes = {"dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                        owns_dp_output())}
-        if self.engine is not None:  # an engine's first rank returns its samples
-            axes["rollout"] = (self.engine_index, self.world_size // self.engine_tp, self.rank % self.engine_tp == 0)
+        if self.engine is not None:
+            axes["rollout"] = self._rollout_axis()
         return axes
-
-    @dispatch(axis="rollout")
-    def generate(self, prompts: list[list[int]]):
-        self._for_generation()
-        return self.engine.generate(prompts, n=self.cfg.rollout.n)
-
-    @dispatch(axis="rollout")
-    def generate_for_validation(self, prompts: list[list[int]]):
-        """rollout.val_n answers per prompt: greedy for one, sampled at rollout.temperature for more (pass@k)."""
-        self._for_generation()
-        n = self.cfg.rollout.val_n
-        return self.engine.generate(prompts, n=n, temperature=0.0 if n == 1 else self.cfg.rollout.temperature)
 
     @dispatch(axis="dp")
     def log_probs(self, batch):
@@ -154,8 +138,20 @@ class HybridWorker:
         return self.critic.update(batch)
 
     @dispatch(axis=None)
-    def sync_weights(self) -> SyncStats:
-        """Write the policy's current weights into the engines (every worker sends and receives its part)."""
+    def join_weight_group(self, host: str, port: int, size: int) -> None:
+        """Separate engines: rank 0 sends the weights to them (the other ranks take part in its gather)."""
+        if self.rank == 0:
+            self.weight_group = weight_group(host, port, SENDER, size)
+
+    @dispatch(axis=None)
+    def sync_weights(self) -> SyncStats | None:
+        """Write the policy's current weights into the engines: colocated, every worker sends and receives its part;
+        separate, rank 0 gathers the full weights and broadcasts them to the engine workers."""
+        if self.resharder is None:
+            state = self.actor.hf_state_dict()
+            if self.rank == 0:
+                send_weights(self.weight_group, state, self.cfg.resharding.bucket_mb << 20)
+            return None
         # The sync needs the actor's weights and the engine's weights, nothing else.
         for role, state in self.offloaders.items():
             state.to_host(*(("grads", "optimizer") if role == "actor" else ()))
@@ -166,13 +162,36 @@ class HybridWorker:
         self.engine.weights_updated()
         return stats
 
+    def _checkpointed(self) -> dict:
+        """The models this worker saves, by folder name."""
+        return {name: getattr(self, name) for name in checkpointed_roles(self.cfg) if getattr(self, name) is not None}
+
+    def _rng_file(self, step_dir: str) -> str:
+        return os.path.join(step_dir, "rng", f"{self.roles[0]}_rank{self.rank}.pt")
+
+    def _each_checkpointed(self, step_dir: str, action) -> None:
+        """action(model, its folder) for each model this worker checkpoints, with its state on the device."""
+        for name, model in self._checkpointed().items():
+            self._for_training(name)
+            action(model, os.path.join(step_dir, name))
+            if name == "ref" and "ref" in self.offloaders:
+                self.offloaders["ref"].to_host()
+
+    @dispatch(axis=None)
+    def save_checkpoint(self, step_dir: str) -> None:
+        """This worker's part of a checkpoint: its models' shards (collectives over the pool) and RNG states."""
+        self._each_checkpointed(step_dir, lambda model, folder: model.save_checkpoint(folder))
+        os.makedirs(os.path.dirname(self._rng_file(step_dir)), exist_ok=True)
+        save_rng_state(self._rng_file(step_dir), {**self.layout, "world_size": self.world_size})
+
+    @dispatch(axis=None)
+    def load_checkpoint(self, step_dir: str) -> bool:
+        """Load what `save_checkpoint` wrote (at any layout); True when the RNG states could be restored too."""
+        self._each_checkpointed(step_dir, lambda model, folder: model.load_checkpoint(folder))
+        return restore_rng_state(self._rng_file(step_dir), {**self.layout, "world_size": self.world_size})
+
     @dispatch(axis=None)
     def hf_state_dict(self):
         """The policy's full HF state dict (from rank 0 only; every rank takes part in the gather)."""
         state = self.actor.hf_state_dict()
         return state if self.rank == 0 else None
-
-    @dispatch(axis=None)
-    def engine_mismatches(self, hf_state: dict) -> list[str]:
-        """The HF tensors whose part in this worker's engine differs from `hf_state` (bit for bit)."""
-        return engine_mismatches(self.engine.model(), hf_state)

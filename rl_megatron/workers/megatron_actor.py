@@ -10,6 +10,7 @@ t + 1 (the label predicted at t; the value of the state before that token).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable
 
@@ -24,9 +25,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
 from rl_megatron.algorithms import LossScale, aggregate_loss, kl_divergence, policy_loss, value_loss
+from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
 from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
+from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.workers.distributed import owns_dp_output
 
@@ -55,23 +58,25 @@ def pad_sequences(batch: Batch, multiple: int, pad_id: int) -> Batch:
 class MegatronModel:
     """This rank's model chunks, and with `optim` the training pieces (DDP, Megatron optimizer, LR schedule).
 
-    Weights: copied from `initial` (a model of the same layout in this process), else loaded from `weights_path`,
-    else Megatron's random init from trainer.seed."""
+    Weights: copied from `initial` (a model of the same layout in this process), else loaded from `checkpoint` (a
+    Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed."""
 
     def __init__(self, cfg: Config, hf_config: dict, micro_batch_size: int, *, optim: OptimConfig | None = None,
                  optimizer_steps: int = 0, value_head: bool = False, weights_path: str | None = None,
-                 initial: MegatronModel | None = None):
+                 checkpoint: str | None = None, initial: MegatronModel | None = None):
         self.cfg, self.hf_config, self.micro_batch_size = cfg, hf_config, micro_batch_size
         self.pad_id = hf_config.get("pad_token_id") or 0
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
-            value_head_seed=cfg.trainer.seed if value_head else None)]
+            value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe)]
         with torch.no_grad():
             if initial is not None:
                 for chunk, source in zip(self.chunks, initial.chunks):
                     for param, value in zip(chunk.parameters(), source.parameters()):
                         param.copy_(value)
+            elif checkpoint is not None:
+                load_checkpoint_into(self.chunks, checkpoint, hf_config)
             elif weights_path is not None:
                 for chunk in self.chunks:
                     load_hf_weights(chunk, hf_config, weights_path)
@@ -80,10 +85,16 @@ class MegatronModel:
         self.sequence_multiple = (parallel_state.get_tensor_model_parallel_world_size()
                                   if self.chunks[0].config.sequence_parallel else 1)
         self.model = self.chunks
+        self.optimizer = self.scheduler = None
         if optim is None:
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
             return
+        if cfg.moe.freeze_router:  # before DDP and the optimizer, which take only the parameters that need gradients
+            for chunk in self.chunks:
+                for name, param in chunk.named_parameters():
+                    if ".mlp.router." in name:
+                        param.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=platform.has_cuda())
         self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in self.chunks]
@@ -97,7 +108,19 @@ class MegatronModel:
             self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
             min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
             lr_decay_steps=max(optimizer_steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+            # A resumed run follows the schedule its config gives now; the checkpoint brings the step count.
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Weights, and when trainable the optimizer state and LR schedule (a collective over the model's ranks)."""
+        save_model_checkpoint(self.chunks, ckpt_dir, self.hf_config, self.cfg.model.path, optimizer=self.optimizer,
+                              scheduler=self.scheduler)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        """The inverse of `save_checkpoint`, at any layout (a collective over the model's ranks)."""
+        load_checkpoint_into(self.chunks, ckpt_dir, self.hf_config, optimizer=self.optimizer,
+                             scheduler=self.scheduler)
 
     def _forward(self, micro: Batch, model):
         ids = micro["input_ids"]
@@ -194,8 +217,12 @@ class MegatronActor(MegatronModel):
         weights = None if cfg.model.random_init else cfg.model.path
         micro = cfg.actor.micro_batch_size if trainable else cfg.ref.micro_batch_size
         super().__init__(cfg, hf_config, micro, optim=cfg.actor.optim if trainable else None,
-                         optimizer_steps=optimizer_steps, weights_path=weights, initial=initial)
+                         optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
+                         initial=initial)
         self.table = weight_table(self.chunks[0], hf_config)
+        # MoE: the routers' load and losses in each update (moe/* metrics).
+        moe = trainable and self.chunks[0].config.num_moe_experts
+        self.router_metrics = RouterMetrics(self.chunks) if moe else None
         if trainable and not platform.has_cuda():
             # The rollout engines on this machine read the policy's shards in place at each weight sync.
             share_parameters(self.chunks)
@@ -239,13 +266,14 @@ class MegatronActor(MegatronModel):
                 stats["kl_loss"] = kl_term.detach()
             return loss, stats
 
-        metrics = self.train(batch, actor.ppo_mini_batch_size, actor.ppo_epochs, loss_of)
-        return {f"actor/{key}": value for key, value in metrics.items()}
+        with self.router_metrics.recording() if self.router_metrics else nullcontext():
+            metrics = self.train(batch, actor.ppo_mini_batch_size, actor.ppo_epochs, loss_of)
+        return ({f"actor/{key}": value for key, value in metrics.items()}
+                | (self.router_metrics.metrics() if self.router_metrics else {}))
 
     def weight_sources(self):
         """This rank's shards as resharding sources (and any mismatch with the weight table)."""
-        return megatron_sources(self.chunks, self.table, parallel_state.get_tensor_model_parallel_rank(),
-                                parallel_state.get_tensor_model_parallel_world_size())
+        return megatron_sources(self.chunks, self.table)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return export_hf_state_dict(self.chunks, self.table)

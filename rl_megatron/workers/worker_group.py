@@ -153,7 +153,7 @@ class WorkerGroup:
                           enumerate(ray.get([w.__ray_call__.remote(_where_am_i) for w in self.workers]))]
         logger.info("%s placement: %s", worker_cls.__name__, describe_placement(self.placement),
                     extra={"placement": self.placement})
-        addr, port = ray.get(self.workers[0].rendezvous.remote())  # rank 0 hosts the process group's store
+        addr, port = self.rank0_address()  # rank 0 hosts the process group's store
         ray.get([w.init.remote(addr, port) for w in self.workers])
         self.meshes = ray.get([w.mesh.remote() for w in self.workers])
         for name in dir(worker_cls):
@@ -161,9 +161,18 @@ class WorkerGroup:
             if hasattr(method, "dispatch_axis"):
                 setattr(self, name, functools.partial(self._call, name, method.dispatch_axis))
 
+    def rank0_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (where a process group led by rank 0 meets)."""
+        return ray.get(self.workers[0].rendezvous.remote())
+
+    def call_async(self, name: str, *args) -> list:
+        """Start method `name` on every worker with the same arguments; returns the Ray object refs (for calls
+        that must run while another group takes part in the same collective)."""
+        return [getattr(w, name).remote(*args) for w in self.workers]
+
     def _call(self, name: str, axis: str | None, *args):
         if axis is None:
-            return ray.get([getattr(w, name).remote(*args) for w in self.workers])
+            return ray.get(self.call_async(name, *args))
         shards = self.meshes[0][axis][1]
         inputs = [split_batch(a, shards) for a in args]
         refs = [getattr(w, name).remote(*(part[mesh[axis][0]] for part in inputs))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import family_model_dir
+from parity import family_model_dir, hf_greedy
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint, stored_hf_config
 from rl_megatron.convert import main
 from rl_megatron.workers.spawn import run_distributed
@@ -179,3 +179,50 @@ def test_moe_round_trip_from_expert_parallel_to_tensor_parallel(tmp_path):
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def _trainer_policy_weights(cfg) -> dict:
+    from rl_megatron.config import read_hf_config
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    return MegatronActor(cfg, read_hf_config(cfg.model.path)).hf_state_dict()
+
+
+def test_the_trainer_starts_from_a_converted_checkpoint(converted, tmp_path):
+    """model.checkpoint: the policy's shards come from the Megatron checkpoint (here at another layout than it was
+    saved in); model.path, stripped of its weights, gives only the config and tokenizer."""
+    from rl_megatron.config import load_config
+
+    hf_dir, ckpt = converted["qwen2"]
+    no_weights = shutil.copytree(hf_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = load_config("configs/demo_cpu.yaml", [f"model.path={no_weights}", "model.random_init=false",
+                                                f"model.checkpoint={ckpt}"])
+    state = run_distributed(_trainer_policy_weights, 2, tp=2, args=(cfg,))[0]
+    original = hf_tensors(hf_dir)
+    assert state.keys() == original.keys()
+    assert all(torch.equal(state[name], original[name]) for name in original)
+
+
+def _vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from rl_megatron.config.schema import RolloutConfig
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
+                        eos_token_id=2, load_format="auto")
+    try:
+        return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
+    finally:
+        engine.close()
+
+
+def test_exported_folder_loads_in_vllm(converted, tmp_path):
+    """The to-hf folder as a vLLM user loads it (its own safetensors, not the trainer's sync): vLLM's greedy
+    answers equal transformers' on the original model."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, ckpt = converted["qwen2"]
+    out = str(tmp_path / "hf")
+    assert main(["to-hf", "--ckpt", ckpt, "--out", out]) == 0
+    prompts, new_tokens = [[1, 5, 6, 7], [1, 9, 3, 3, 4]], 5
+    expected = hf_greedy(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), prompts, new_tokens)
+    assert run_distributed(_vllm_greedy, 1, args=(out, prompts, new_tokens))[0] == expected

@@ -55,3 +55,51 @@ def test_expert_parallel_grpo_update_equals_one_rank(tmp_path, tp, ep):
 def test_engines_hold_the_expert_parallel_trainer_weights_exactly(tmp_path, family, tp, ep, engine_tp):
     model_dir = family_model_dir(tmp_path / "moe", family, tied=False)
     check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, ep, engine_tp, "process_group")
+
+
+
+def layout_parity_then_knobs_update(plain, knobs, batch):
+    """Log-probs and HF export at the `plain` config; then, built at the `knobs` config from the same weights, one
+    update: its metrics, and the weights before and after it as HF tensors."""
+    from test_megatron_parity import _build, actor_log_probs_everywhere
+
+    actor = _build(plain)
+    log_probs, exported = actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
+    actor = _build(knobs)
+    metrics = actor.update(dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch)))
+    return log_probs, exported, metrics, actor.hf_state_dict()
+
+
+def test_experts_split_unlike_attention_and_router_knobs(tmp_path):
+    """Attention at TP=2, each expert whole (expert TP=1) on one of 2 expert-parallel ranks, in 2 processes: the
+    log-probs match transformers and the export is bitwise the checkpoint (the weight table splits experts over the
+    expert-TP group). Then one update with a frozen router, token dropping, fp64 routing and both router losses:
+    the routers keep their weights, the experts move, and the router metrics count what the capacity allows."""
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False)
+    batch = odd_length_batch()
+    layout = {"actor.expert_model_parallel_size": 2, "actor.expert_tensor_parallel_size": 1, "actor.optim.lr": 1e-3}
+    plain = config(model_dir, 2, 1, **layout)
+    knobs = config(model_dir, 2, 1, **layout, **{"moe.freeze_router": True, "moe.capacity_factor": 0.5,
+                                                  "moe.router_dtype": "fp64", "moe.aux_loss_coeff": 0.01,
+                                                  "moe.z_loss_coeff": 0.001})
+    results = run_distributed(layout_parity_then_knobs_update, 2, 2, ep=2, etp=1, args=(plain, knobs, batch))
+    log_probs, exported, metrics, after = results[0]
+    ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, plain.rollout.temperature)
+    mask = batch["response_mask"].bool()
+    assert (log_probs["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+    assert (log_probs["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
+    saved = saved_checkpoint(model_dir)
+    assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
+    routers = [name for name in saved if name.endswith(".mlp.gate.weight")]
+    assert routers and all(torch.equal(saved[name], after[name]) for name in routers)
+    for layer in (0, 1):
+        assert any(not torch.equal(saved[n], after[n]) for n in saved if f"layers.{layer}.mlp.experts." in n)
+    assert results[1][2] == metrics  # reduced over the ranks: every rank reports the same
+    # 8 sequences of 11 tokens, padded to 12 for sequence parallelism: 96 tokens x top-2 per layer. Each of the
+    # 8 router calls per layer (4 micro-batches x 2 sequence shards of 12 tokens) lets an expert take
+    # ceil(12 x 2 / 4 x 0.5) = 3 of them.
+    for layer in (0, 1):
+        assert 0 < metrics[f"moe/layer{layer}/load_max"] <= 8 * 3
+        assert metrics[f"moe/layer{layer}/dropped_tokens"] >= 96 * 2 - 4 * 8 * 3
+    for name in ("moe/load_balancing_loss", "moe/z_loss", "moe/layer1/z_loss", "moe/load_std"):
+        assert metrics[name] > 0, name

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import config, family_model_dir
+from parity import config, family_model_dir, hf_greedy, hf_model
 from rl_megatron.workers.spawn import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
@@ -43,16 +43,6 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
         engine.close()
 
 
-def hf_greedy(model_dir: str) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outputs = []
-    for ids in PROMPTS:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
-                             pad_token_id=0)[0, len(ids):].tolist()
-        outputs.append(out[: out.index(2) + 1] if 2 in out else out)
-    return outputs
 
 
 # (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
@@ -89,7 +79,7 @@ def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp
                                             "trainer.n_gpus_per_node": tp * pp * ep, **padding})
     # Small buckets: many of them, and pieces cut across bucket boundaries.
     results = run_distributed(sync_into_engine, tp * pp * ep, tp, pp, vpp, ep, args=(cfg, channel, 16 << 10))
-    reference = hf_greedy(model_dir)
+    reference = hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)
     saved = saved_checkpoint(model_dir)
     exported = results[0][2]
     assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())

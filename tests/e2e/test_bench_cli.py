@@ -43,7 +43,8 @@ def test_train_bench_reports_tokens_per_s_and_mfu():
     assert result["mfu"] is None and result["nominal_peak_flops"] is None
 
 
-@pytest.mark.parametrize("channel", ["auto", "process_group", "shared_memory"])
+# The shared_memory bucket channel moves the same buckets as process_group (exactness of both: test_resharding).
+@pytest.mark.parametrize("channel", ["auto", "process_group"])
 def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     """TP=2 x PP=2 -> engines of TP=2, ~31 MB of weights, read in place (auto) or through 1 MiB buckets: a sync
     that gathered whole models (or whole layers) would blow the bound of one bucket plus the largest tensor
@@ -57,3 +58,17 @@ def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     assert result["bytes"] > 4 * (result["bucket_bytes"] + result["largest_tensor_bytes"])
     assert result["peak_extra_bytes"] <= result["bucket_bytes"] + result["largest_tensor_bytes"]
     assert (result["in_place_fraction"] == 1.0) == (channel == "auto")
+
+
+def test_reshard_of_an_moe_model_reports_the_same_fields():
+    """A Qwen3-MoE's experts split over 2 expert-parallel ranks -> a whole engine on each: exact, every byte read in
+    place, and the same fields as the dense benchmark."""
+    dense_fields = {"exact", "bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "peak_extra_bytes", "bucket_bytes",
+                    "largest_tensor_bytes", "in_place_fraction", "seconds_in_place", "channel", "bucket_channel",
+                    "layout", "value", "unit", "limit_name", "limit"}
+    result = bench("reshard", "--moe", "--ep", "2", "--hidden", "256", "--layers", "1", "--vocab", "512",
+                   "--repeats", "2")
+    assert dense_fields <= set(result) and result["model"] == "qwen3_moe"
+    assert result["layout"] == {"tp": 1, "pp": 1, "ep": 2, "engine_tp": 1}
+    assert result["exact"] is True and result["in_place_fraction"] == 1.0
+    assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])

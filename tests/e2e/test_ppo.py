@@ -4,14 +4,7 @@ import pytest
 
 from test_train_cli import train
 
-
-def test_ppo_demo_runs(tmp_path):
-    """A few steps of configs/demo_cpu_ppo.yaml (GAE + critic): every PPO stage runs and reports, and the trainer
-    and vLLM compute the same distribution."""
-    _, rows, _ = train(tmp_path, "trainer.total_steps=4", config="demo_cpu_ppo")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
-    assert max(r["mismatch/token_mult_prob_error"] for r in rows) <= 1.001
+# Four steps of the PPO demo with checks of every stage's metrics run in test_checkpoint_resume.py.
 
 
 @pytest.mark.slow

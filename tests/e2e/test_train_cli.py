@@ -21,7 +21,7 @@ def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
            f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
-    run_dir = os.path.join(tmp_path, config)
+    run_dir = os.path.join(tmp_path, os.path.basename(config))  # configs name their run after the file
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return done.stdout, rows, run_dir

@@ -5,47 +5,52 @@ from contextlib import ExitStack
 import pytest
 import torch
 
+from parity import hf_greedy
+
 PROMPTS = ["3+4=", "1+1=", "0+9=", "5+2="]
 NEW_TOKENS = 6
 
 
-def hf_greedy(state: dict, model_dir: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+def greedy_with(state: dict, model_dir: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy answers with the weights `state`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     model.load_state_dict(state)
-    outputs = []
-    for ids in prompt_ids:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
-                             pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
-    return [o[: o.index(2) + 1] if 2 in o else o for o in outputs]
+    return hf_greedy(model, prompt_ids, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, engine_tp):
-    """Engine TP=1: one engine per worker; engine TP=2: one engine sharded over both workers."""
+@pytest.mark.parametrize("placement,engine_tp", [("colocated", 1), ("colocated", 2), ("separate", 1)])
+def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, placement, engine_tp):
+    """The actor at TP=2 in two workers. Colocated, engine TP=1: one engine per worker; engine TP=2: one engine
+    sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
     from transformers import AutoTokenizer
 
     from rl_megatron.config import load_config, read_hf_config
-    from rl_megatron.trainer.loop import build_workers
+    from rl_megatron.rollout.vllm_engine import request_seeds
+    from rl_megatron.trainer.loop import build_workers, sync_weights
     from rl_megatron.trainer.sequences import pack_generations
 
     cfg = load_config("configs/demo_cpu.yaml", [f"model.path={tiny_model_dir}", "model.random_init=false",
                                                 f"rollout.max_tokens={NEW_TOKENS}", "actor.optim.lr=0.05",
-                                                f"rollout.tensor_parallel_size={engine_tp}"])
+                                                f"rollout.tensor_parallel_size={engine_tp}",
+                                                f"rollout.placement={placement}", "data.train_batch_size=16"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with ExitStack() as stack:
-        actor = build_workers(cfg, read_hf_config(tiny_model_dir), 2, stack)["actor"]
-        actor.sync_weights()
+        workers = build_workers(cfg, read_hf_config(tiny_model_dir), 2, stack)
+        actor, rollout = workers["actor"], workers["rollout"]
+        assert (rollout is actor) == (placement == "colocated")
+        engine_workers = len(rollout.workers)
+        sync_weights(actor, rollout)
         state = actor.hf_state_dict()[0]
-        assert actor.engine_mismatches(state) == [[], []]
-        before = [g.response_ids for g in actor.generate_for_validation(prompt_ids)]
-        assert before == hf_greedy(state, tiny_model_dir, prompt_ids)
+        assert rollout.engine_mismatches(state) == [[]] * engine_workers
+        seeds = request_seeds(0, "val", 0, len(prompt_ids))
+        before = [g.response_ids for g in rollout.generate_for_validation(prompt_ids, seeds)]
+        assert before == greedy_with(state, tiny_model_dir, prompt_ids)
 
         # One large update that pushes up every sampled token's probability, then sync again.
-        generations = actor.generate(prompt_ids * 4)
+        generations = rollout.generate(prompt_ids * 4, request_seeds(0, "train", 1, 4 * len(prompt_ids)))
         batch = pack_generations(generations, pad_id=0)
         batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
         # The engine sampled from the distribution the trainer computes.
@@ -53,10 +58,10 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, engin
         assert gap.max() < 1e-5
         batch["advantages"] = torch.ones(len(generations))
         actor.update(batch)
-        actor.sync_weights()
+        sync_weights(actor, rollout)
         new_state = actor.hf_state_dict()[0]
         assert any(not torch.equal(state[n], new_state[n]) for n in state)
-        assert actor.engine_mismatches(new_state) == [[], []]
-        after = [g.response_ids for g in actor.generate_for_validation(prompt_ids)]
-        assert after == hf_greedy(new_state, tiny_model_dir, prompt_ids)
+        assert rollout.engine_mismatches(new_state) == [[]] * engine_workers
+        after = [g.response_ids for g in rollout.generate_for_validation(prompt_ids, seeds)]
+        assert after == greedy_with(new_state, tiny_model_dir, prompt_ids)
         assert after != before

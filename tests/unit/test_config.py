@@ -498,3 +498,28 @@ def test_critic_and_reference_default_to_the_actor_settings():
     assert (cfg.critic.tensor_model_parallel_size, cfg.critic.ppo_mini_batch_size, cfg.critic.micro_batch_size) == \
         (cfg.actor.tensor_model_parallel_size, cfg.actor.ppo_mini_batch_size, cfg.actor.micro_batch_size)
     assert cfg.ref.micro_batch_size == cfg.actor.micro_batch_size and not load_demo().critic.enable
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.save_every=-2"], ["trainer.save_every=-2", "-1 (never)"]),
+    (["trainer.keep_last=-1"], ["trainer.keep_last=-1", "0 turns it off"]),
+    (["trainer.resume=runs/nowhere/global_step_3"], ["trainer.resume='runs/nowhere/global_step_3'", "auto, off"]),
+    (["model.checkpoint=ckpt/nowhere", "model.random_init=false"], ["model.checkpoint='ckpt/nowhere'", "from-hf"]),
+    (["model.checkpoint=configs"], ["model.checkpoint and model.random_init=true"]),
+])
+def test_checkpoint_settings_are_checked(overrides, words):
+    message = config_error(*overrides)
+    assert all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.placement=remote"], ["rollout.placement='remote'", "separate"]),
+    (["rollout.placement=separate", "rollout.n_gpus_per_node=0"], ["rollout.n_gpus_per_node"]),
+    (["rollout.placement=separate", "rollout.n_gpus_per_node=3", "rollout.tensor_parallel_size=2"],
+     ["rollout.tensor_parallel_size=2 must divide rollout.n_gpus_per_node=3"]),
+    (["rollout.placement=separate", "rollout.n_gpus_per_node=3", "data.train_batch_size=16"],
+     ["3 rollout engines"]),
+])
+def test_separate_rollout_settings_are_checked(overrides, words):
+    message = config_error(*overrides)
+    assert all(word in message for word in words), message

@@ -58,6 +58,12 @@ def test_moe_experts_split_over_ep_and_sharded_optimizer_state():
     assert training_state_bytes(params, "bfloat16", dp=4, ep=2, cp=1, distributed_optimizer=True) == \
         1000 * (6 + 12 / 4) + 800 * (6 + 12 / 2)
     assert training_state_bytes(params, "float32", dp=4, ep=2, cp=1, distributed_optimizer=False) == 1800 * 16
+    # Experts whole (expert TP 1) beside attention at TP 2: the experts' shards are TP 1's, and their optimizer
+    # state shards over TP x DP / (ETP x EP) = 2 x 4 / 2 ranks.
+    assert rank_parameters(moe, tp=2, ep=4, etp=1).expert == rank_parameters(moe, ep=4).expert
+    assert rank_parameters(moe, tp=2, ep=4, etp=1).dense == rank_parameters(moe, tp=2, ep=4).dense
+    assert training_state_bytes(params, "bfloat16", dp=4, ep=2, cp=1, distributed_optimizer=True, tp=2, etp=1) == \
+        1000 * (6 + 12 / 4) + 800 * (6 + 12 / 4)
 
 
 def cluster(*extra):
@@ -161,3 +167,14 @@ def test_wait_for_head_sees_a_listening_port_and_times_out_on_a_closed_one():
     assert not port_open("127.0.0.1", port)
     with pytest.raises(LaunchError, match="did not come up within 0.2 s"):
         wait_for_head("127.0.0.1", port, timeout_s=0.2, poll_s=0.1)
+
+
+def test_separate_rollout_engines_get_a_pool_after_the_actors_nodes():
+    cfg = cluster("rollout.placement=separate", "rollout.nnodes=1", "rollout.n_gpus_per_node=8",
+                  "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.9")
+    plan = build_plan(cfg, gpu_memory_gib=80)
+    assert [(pool.name, pool.first_node, pool.world) for pool in plan.pools] == [("actor", 0, 16), ("rollout", 2, 8)]
+    assert [role.name for role in plan.pools[0].roles] == ["actor"]
+    engines = plan.pools[1].roles[0]
+    assert engines.layout == "TP=2, 4 engines" and engines.memory_bytes == int(0.9 * 80 * 2 ** 30)
+    assert "node 2: rollout pool, 1 x 8 = 8 GPUs" in format_plan(cfg, gpu_memory_gib=80)

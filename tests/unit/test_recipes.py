@@ -1,5 +1,6 @@
-"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml) load, validate and fit their cluster: each
-with the real model's config.json and data prepared by `python -m rl_megatron.data.prepare`."""
+"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml) load,
+validate and fit their cluster: each with the real model's config.json and data prepared by
+`python -m rl_megatron.data.prepare`."""
 import json
 import subprocess
 import sys
@@ -16,11 +17,18 @@ QWEN2_5 = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_laye
                       tie_word_embeddings=True),
            "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
-                      tie_word_embeddings=False)}
+                      tie_word_embeddings=False),
+           # Qwen3-30B-A3B: 128 experts, 8 per token, 3.3B of its 30.5B parameters active
+           "30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                           intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                           vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+                           eos_token_id=151645)}
 
 
 def model_folder(tmp_path, size):
-    folder = tmp_path / f"Qwen2.5-{size}"
+    folder = tmp_path / f"Qwen-{size}"
     folder.mkdir()
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
               "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151643, **QWEN2_5[size]}
@@ -38,7 +46,8 @@ def prepare(tmp_path, task, *args):
 
 @pytest.mark.parametrize("recipe,size,task", [("grpo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("ppo_qwen2_5_3b_countdown", "3b", "countdown"),
-                                              ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k")])
+                                              ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k"),
+                                              ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "countdown":
         out = prepare(tmp_path, task, "--num-samples", "16", "--test-size", "4")
@@ -46,13 +55,16 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     else:
         source = tmp_path / "train.jsonl"
         source.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?",
-                                      "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+                                      "answer": "3 + 4 = 7\n#### 7", "problem": "What is $3 + 4$?",
+                                      "solution": "It is $\\boxed{7}$."}) + "\n")
         train = val = prepare(tmp_path, task, "--input", str(source)) / "train.parquet"
     cfg = load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={model_folder(tmp_path, size)}",
                                                         f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
     plan = format_plan(cfg, gpu_memory_gib=80)
     assert "WARNING" not in plan, plan  # the memory estimate fits an 80 GiB H100
     assert f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPUs" in plan
+    if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
+        assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
 
 
 def test_recipe_names_the_one_key_to_set():

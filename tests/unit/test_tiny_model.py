@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from rl_megatron.models.tiny import write_tiny_model
 
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-COMMITTED_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "tiny-qwen2-digits")
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,17 @@ def test_random_weights_are_seeded_and_loadable(tmp_path):
         assert torch.equal(weight, other_weight), name
 
 
+def test_moe_variant_is_a_qwen3_moe_of_the_same_width(tmp_path):
+    config = AutoConfig.from_pretrained(write_tiny_model(str(tmp_path), moe=True))
+    assert config.model_type == "qwen3_moe" and (config.hidden_size, config.num_hidden_layers) == (64, 2)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 64)
+
+
 @pytest.mark.parametrize("file_name", MODEL_FILES)
-def test_committed_folder_matches_the_generator(tiny_dir, file_name):
+@pytest.mark.parametrize("folder, moe", [("tiny-qwen2-digits", False), ("tiny-qwen3-moe-digits", True)])
+def test_committed_folder_matches_the_generator(tiny_dir, tmp_path, file_name, folder, moe):
+    generated = write_tiny_model(str(tmp_path), moe=True) if moe else tiny_dir
+
     def load(folder):
         with open(os.path.join(folder, file_name)) as file:
             content = json.load(file)
@@ -62,4 +71,4 @@ def test_committed_folder_matches_the_generator(tiny_dir, file_name):
         content.pop("transformers_version", None)
         return content
 
-    assert load(COMMITTED_DIR) == load(tiny_dir)
+    assert load(os.path.join(MODELS_DIR, folder)) == load(generated)

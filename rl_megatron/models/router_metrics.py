@@ -1,0 +1,97 @@
+"""Router metrics of an MoE model's training passes: how many tokens each expert gets, how many the capacity limit
+drops, and the router losses Megatron computes (its own logging tracker), reduced over every rank.
+
+Metric names (per global layer i, from 0, and over all layers):
+  moe/layer{i}/load_min, load_max, load_std   tokens routed to the layer's least / most loaded expert, and the std
+                                              over its experts (all micro-batches of the update, every rank)
+  moe/load_min, moe/load_max                  the lowest and highest of those over the layers; moe/load_std: their mean
+  moe/layer{i}/dropped_tokens, moe/dropped_tokens   token-to-expert assignments over capacity (moe.capacity_factor),
+                                              per layer and summed over the layers
+  moe/load_balancing_loss, moe/z_loss (and per layer)   Megatron's tracked losses (names as Megatron logs them),
+                                              without their coefficients, mean per micro-batch and over the ranks;
+                                              only when moe.aux_loss_coeff / moe.z_loss_coeff turn them on
+Counts include the padding positions of the micro-batches (the router sees every position).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron import platform
+
+
+class RouterMetrics:
+    """Hooks on the routers of `chunks` (this rank's model chunks) that count tokens per expert while `recording`."""
+
+    def __init__(self, chunks: list):
+        config = chunks[0].config
+        self.num_layers, self.experts, self.top_k = config.num_layers, config.num_moe_experts, config.moe_router_topk
+        # Counted on the device (no host sync per router call); the token counts come from shapes, on the host.
+        self.load = torch.zeros(self.num_layers, self.experts, dtype=torch.float64, device=platform.device())
+        self.assigned = torch.zeros(self.num_layers, dtype=torch.float64)  # tokens x top-k, before dropping
+        self.calls = torch.zeros(self.num_layers, dtype=torch.float64)
+        self.recording_now = False
+        for chunk in chunks:
+            for layer in chunk.decoder.layers:
+                layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output) -> None:
+            if not self.recording_now:
+                return
+            _, routing_map = output  # [tokens, experts]: which experts each token goes to, after any dropping
+            self.load[layer] += routing_map.sum(0)
+            self.assigned[layer] += routing_map.shape[0] * self.top_k
+            self.calls[layer] += 1
+
+        return record
+
+    @contextmanager
+    def recording(self):
+        """Count the routing of the passes inside (a training update); `metrics()` then reports them."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()  # what earlier passes (e.g. the critic's update) left in Megatron's tracker
+        for counter in (self.load, self.assigned, self.calls):
+            counter.zero_()
+        self.recording_now = True
+        try:
+            yield
+        finally:
+            self.recording_now = False
+
+    def metrics(self) -> dict[str, float]:
+        """The recorded counts and Megatron's tracked losses, reduced over every rank (a collective)."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        # Each layer's counts are on its pipeline stage only; the ranks of a stage route different tokens (their
+        # own data-parallel samples, or with sequence parallelism their part of the sequence: MoE at TP > 1 always
+        # has it), so the sum over every rank counts each token once.
+        counts = torch.cat([self.load.cpu(), self.assigned[:, None]], dim=1)
+        dist.all_reduce(counts)
+        load, assigned = counts[:, :self.experts], counts[:, self.experts]
+        calls = self.calls.clone()  # micro-batches per rank (the same on every rank of a stage)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+        dropped = assigned - load.sum(1)
+        out = {}
+        for i in range(self.num_layers):
+            out.update({f"moe/layer{i}/load_min": load[i].min().item(), f"moe/layer{i}/load_max": load[i].max().item(),
+                        f"moe/layer{i}/load_std": load[i].std().item(),
+                        f"moe/layer{i}/dropped_tokens": dropped[i].item()})
+        out.update({"moe/load_min": load.min().item(), "moe/load_max": load.max().item(),
+                    "moe/load_std": load.std(dim=1).mean().item(), "moe/dropped_tokens": dropped.sum().item()})
+        tracker = get_moe_layer_wise_logging_tracker()
+        ranks_per_stage = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
+        for name in sorted(tracker):
+            values = tracker[name]["values"].to(device="cpu", dtype=torch.float64)
+            dist.all_reduce(values)  # each layer's values are on its stage's ranks
+            # As Megatron reduces them: a loss with a reduce group (the load-balancing loss: each sequence shard's
+            # part of it) is the sum over that group, and every loss is averaged over the other ranks.
+            parts = tracker[name]["reduce_group"].size() if tracker[name].get("reduce_group") is not None else 1
+            per_layer = values / (ranks_per_stage // parts) / calls.clamp(min=1)
+            out[f"moe/{name}"] = per_layer.mean().item()
+            out.update({f"moe/layer{i}/{name}": value for i, value in enumerate(per_layer.tolist())})
+        return out

@@ -1,0 +1,48 @@
+"""A worker of the rollout pool when the engines have devices of their own (rollout.placement=separate): one vLLM
+engine (or its TP shard) per device, which receives the policy's weights over the weight group after each update
+(see `resharding/broadcast.py`)."""
+from __future__ import annotations
+
+import torch
+
+from rl_megatron.config.schema import Config
+from rl_megatron.resharding import vllm_targets
+from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
+from rl_megatron.workers.distributed import init_distributed, rendezvous_address
+from rl_megatron.workers.engine_host import EngineHost
+from rl_megatron.workers.worker_group import dispatch
+
+
+class RolloutWorker(EngineHost):
+    def __init__(self, rank: int, world_size: int, cfg: Config, hf_config: dict, threads: int):
+        self.rank, self.world_size, self.cfg, self.hf_config = rank, world_size, cfg, hf_config
+        self.weight_group = None
+        self._init_engine_host()
+        torch.set_num_threads(threads)  # before vLLM starts (see HybridWorker)
+
+    def rendezvous(self) -> tuple[str, int]:
+        return rendezvous_address()
+
+    def init(self, master_addr: str, master_port: int) -> None:
+        # The pool's own world: an engine of TP > 1 runs its shards in it (vLLM's external launcher).
+        init_distributed(self.rank, self.world_size, master_addr, master_port, tp=1, pp=1, seed=self.cfg.trainer.seed)
+        self._start_engine()
+        self.targets = vllm_targets(self.engine.model())
+
+    def mesh(self) -> dict:
+        return {"rollout": self._rollout_axis()}
+
+    @dispatch(axis=None)
+    def join_weight_group(self, host: str, port: int, size: int) -> None:
+        self.weight_group = weight_group(host, port, 1 + self.rank, size)
+
+    @dispatch(axis=None)
+    def sync_weights(self) -> None:
+        """Receive the policy's weights from the actor's rank 0 and write this engine's share of them."""
+        self.engine.wake_up(("weights",))
+        for tensors in receive_weights(self.weight_group):
+            write_engine_regions(self.targets, tensors)
+        self.engine.weights_updated()
+
+    def close(self) -> None:
+        self.engine.close()
