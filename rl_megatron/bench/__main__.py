@@ -7,7 +7,8 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
 - reshard (Megatron -> vLLM weights, `--tp/--pp/--engine-tp`): bytes/s against a plain copy of the same bytes
   by the same processes; one process per rank, a ~38M-parameter (150 MB fp32) Qwen2 with random weights; with
   `--moe --ep N` a Qwen3-MoE of the same width (8 experts of width 512, top-2; ~47M parameters, 190 MB fp32)
-  whose experts are split over N ranks;
+  whose experts are split over N ranks; with `--placement separate --engines N` the weights go by broadcast from
+  the actor's rank 0 to N engine processes of their own (the limit: a copy of the model's bytes);
 - train (forward + backward + optimizer step): tokens/s and model FLOP/s against a plain matrix multiply of the
   model's largest GEMM in the same dtype, and MFU against the device's nominal bf16 peak; on GPU Qwen2.5-0.5B's
   shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count).
@@ -85,6 +86,10 @@ def main(argv=None) -> None:
     reshard.add_argument("--engine-tp", type=int, help="vLLM engine tensor-parallel size (default: --tp)")
     reshard.add_argument("--bucket-mb", type=int, default=64, help="transfer bucket size in MiB")
     reshard.add_argument("--channel", default="auto", help="auto, process_group or shared_memory")
+    reshard.add_argument("--placement", choices=("colocated", "separate"), default="colocated",
+                         help="separate: engines in processes of their own, sent the weights by broadcast")
+    reshard.add_argument("--engines", type=int, default=1,
+                         help="engine processes with --placement separate (engine TP: --engine-tp, default 1)")
     args = parser.parse_args(argv)
     defaults = bench_defaults(args.name)
     widths = {key: defaults.pop(key) for key in WIDTH_KEYS if key in defaults}

@@ -1,6 +1,10 @@
 """`python -m rl_megatron.bench reshard --tp 2 --pp 2 --json` (an MoE model: `--moe --ep 2`): Megatron shards ->
 vLLM engines, one process per rank (gloo on CPU), the trainer's own sync path. The limit is a plain copy of the
-same bytes by the same ranks at the same time, measured in the same run."""
+same bytes by the same ranks at the same time, measured in the same run.
+
+`--placement separate [--engines N]`: engines in processes of their own (rollout.placement=separate), sent the
+weights by the actor's rank 0 over the broadcast group; the figure is model bytes per second of a whole sync
+(gather on rank 0 + broadcast + each engine's copy into its parameters), the limit a copy of the model's bytes."""
 from __future__ import annotations
 
 import statistics
@@ -82,20 +86,114 @@ def measure_rank(cfg, repeats: int) -> dict:
         engine.close()
 
 
+def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
+    """An actor rank of a separate-engine sync: every rank gathers, rank 0 broadcasts."""
+    import torch.distributed as dist
+
+    from rl_megatron.bench.measure import timed
+    from rl_megatron.config import model_config
+    from rl_megatron.resharding import checksum
+    from rl_megatron.resharding.broadcast import SENDER, send_weights, weight_group
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    actor = MegatronActor(cfg, model_config(cfg), optimizer_steps=10)
+    rank, bucket_bytes = dist.get_rank(), cfg.resharding.bucket_mb << 20
+    group = weight_group(host, port, SENDER, size) if rank == 0 else None
+    states = []
+
+    def sync():
+        states[:] = [actor.hf_state_dict()]
+        if rank == 0:
+            send_weights(group, states[0], bucket_bytes)
+
+    sync()  # warm-up
+    peaks = []
+    seconds = _timed_together(lambda: peaks.append(peak_extra_rss(sync)), repeats)
+    if rank:
+        return {}
+    state = states[0]
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    memcpy_seconds = timed(lambda: dst.copy_(src), repeats)
+    return {"bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds, "peak_extra_bytes": max(peaks),
+            "largest_tensor_bytes": max(t.numel() * t.element_size() for t in state.values()),
+            "checksums": {name: checksum(t) for name, t in state.items()}}
+
+
+def receive_rank(cfg, syncs: int, host: str, port: int, size: int) -> dict:
+    """An engine worker of a separate-engine sync (`RolloutWorker.sync_weights`'s path)."""
+    import torch.distributed as dist
+
+    from rl_megatron.config import model_config
+    from rl_megatron.resharding import engine_mismatches, vllm_targets
+    from rl_megatron.resharding import checksum
+    from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=0,
+                        eos_token_id=model_config(cfg)["eos_token_id"])
+    try:
+        targets = vllm_targets(engine.model())
+        group = weight_group(host, port, 1 + dist.get_rank(), size)
+        received = {}
+        for _ in range(syncs):
+            for tensors in receive_weights(group):
+                write_engine_regions(targets, tensors)
+                received.update({name: tensor.clone() for name, tensor in tensors.items()})
+        engine.weights_updated()
+        return {"mismatches": engine_mismatches(engine.model(), received),
+                "checksums": {name: checksum(t) for name, t in received.items()}}
+    finally:
+        engine.close()
+
+
+def run_separate(args, cfg) -> dict:
+    """Actor ranks and engine processes as two worlds at once, joined by the broadcast group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl_megatron.workers.distributed import free_ports
+    from rl_megatron.workers.spawn import run_distributed
+
+    # Three stores on this host (each world's and the broadcast group's): ports that cannot coincide.
+    port, engines_port, actor_port = free_ports(3)
+    host, size = "127.0.0.1", 1 + args.engines
+    with ThreadPoolExecutor(1) as pool:
+        engines = pool.submit(run_distributed, receive_rank, args.engines, args=(cfg, args.repeats + 1, host, port,
+                                                                                  size), timeout=1800, port=engines_port)
+        sender = run_distributed(send_rank, args.tp * args.pp, args.tp, args.pp, ep=args.ep,
+                                 args=(cfg, args.repeats, host, port, size), timeout=1800, port=actor_port)[0]
+        receivers = engines.result()
+    gbps, memcpy_gbps = sender["bytes"] / sender["seconds"] / 1e9, sender["bytes"] / sender["memcpy_seconds"] / 1e9
+    exact = all(not r["mismatches"] and r["checksums"] == sender["checksums"] for r in receivers)
+    return {"bench": "reshard", "exact": exact, "bytes": sender["bytes"], "seconds": sender["seconds"],
+            "gbps": gbps, "memcpy_gbps": memcpy_gbps, "ratio": gbps / memcpy_gbps,
+            "peak_extra_bytes": sender["peak_extra_bytes"], "bucket_bytes": args.bucket_mb << 20,
+            "largest_tensor_bytes": sender["largest_tensor_bytes"], "in_place_fraction": 0.0,
+            "seconds_in_place": 0.0, "channel": "broadcast", "bucket_channel": "broadcast",
+            "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "engine_tp": cfg.rollout.tensor_parallel_size,
+                       "engine_processes": args.engines},
+            "model": "qwen3_moe" if args.moe else "qwen2",
+            "value": gbps * 1e9, "unit": "B/s", "limit_name": "memcpy B/s", "limit": memcpy_gbps * 1e9}
+
+
 def run(args, model_dir: str) -> dict:
     from rl_megatron.config import load_config
     from rl_megatron.workers.spawn import run_distributed
 
     world = args.tp * args.pp * args.ep
+    # Colocated engines default to the trainer's TP; separate ones to whole engines (a process each).
+    engine_tp = args.engine_tp or (1 if args.placement == "separate" else args.tp)
     cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"trainer.n_gpus_per_node={world}",
                              f"actor.tensor_model_parallel_size={args.tp}",
                              f"actor.pipeline_model_parallel_size={args.pp}",
                              f"actor.expert_model_parallel_size={args.ep}",
-                             f"rollout.tensor_parallel_size={args.engine_tp or args.tp}",
+                             f"rollout.tensor_parallel_size={engine_tp}",
                              f"resharding.bucket_mb={args.bucket_mb}", f"resharding.channel={args.channel}",
                              "data.max_prompt_length=8", "rollout.max_tokens=8", "rollout.n=1",
                              f"data.train_batch_size={world}", f"actor.ppo_mini_batch_size={world}",
                              "actor.micro_batch_size=1"])
+    if args.placement == "separate":
+        return run_separate(args, cfg)
     per_rank = run_distributed(measure_rank, world, args.tp, args.pp, ep=args.ep, args=(cfg, args.repeats),
                                timeout=1800)
     nbytes = sum(r["bytes"] for r in per_rank)
@@ -109,7 +207,7 @@ def run(args, model_dir: str) -> dict:
             "in_place_fraction": sum(r["bytes_in_place"] for r in per_rank) / nbytes,
             "seconds_in_place": max(r["seconds_in_place"] for r in per_rank), "channel": args.channel,
             "bucket_channel": per_rank[0]["channel"],
-            "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "engine_tp": args.engine_tp or args.tp},
+            "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "engine_tp": engine_tp},
             "model": "qwen3_moe" if args.moe else "qwen2",
             # the limit's fields, as every benchmark reports them
             "value": gbps * 1e9, "unit": "B/s", "limit_name": "memcpy B/s", "limit": memcpy_gbps * 1e9}

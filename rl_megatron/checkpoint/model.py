@@ -156,6 +156,7 @@ def _layout() -> dict:
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             "ep": parallel_state.get_expert_model_parallel_world_size(),
+            "etp": parallel_state.get_expert_tensor_parallel_world_size(),
             "world_size": dist.get_world_size()}
 
 

@@ -24,7 +24,7 @@ import re
 import shutil
 import warnings
 
-from rl_megatron.checkpoint.model import CheckpointError, check_checkpoint, read_json
+from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
 from rl_megatron.config import Config, uses_reference
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -140,9 +140,9 @@ def read_trainer_state(folder: str) -> dict:
     return state
 
 
-def check_step(folder: str, hf_config: dict, roles: tuple[str, ...]) -> dict:
+def check_step(folder: str, hf_config: dict, roles: tuple[str, ...], expert_parallel: int = 1) -> dict:
     """Everything checkable before loading a step folder for `roles` (each one's Megatron checkpoint: metadata,
-    config against `hf_config`, shard files). Returns its trainer state."""
+    config against `hf_config`, shard files) into an actor of `expert_parallel` EP. Returns its trainer state."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"'{folder}' is not a folder; trainer.resume takes a step folder such as "
                               "<checkpoint_dir>/global_step_40, or auto / off.")
@@ -151,15 +151,25 @@ def check_step(folder: str, hf_config: dict, roles: tuple[str, ...]) -> dict:
         metadata = check_checkpoint(os.path.join(folder, role), hf_config)
         if role != "ref" and not metadata.get("training_state"):
             raise CheckpointError(f"'{os.path.join(folder, role)}' holds weights only, no optimizer state.")
+    saved_ep = read_json(os.path.join(folder, "actor", METADATA_FILE), "")["source_layout"]["ep"]
+    # Megatron keeps the experts' Adam state in an optimizer of its own only at EP > 1, and its checkpoints do not
+    # convert between one optimizer and two: EP may change (2 -> 4), but not across 1.
+    if (saved_ep > 1) != (expert_parallel > 1):
+        raise CheckpointError(
+            f"'{folder}' was saved at actor.expert_model_parallel_size={saved_ep}; its optimizer state cannot resume "
+            f"at {expert_parallel} (Megatron splits the optimizer in two at EP > 1, and only then). Resume at an EP "
+            f"{'> 1' if saved_ep > 1 else 'of 1'}, or start from its weights alone: "
+            f"model.checkpoint={os.path.join(folder, 'actor')} trainer.resume=off.")
     return state
 
 
-def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[str, ...]) -> tuple[str, dict] | None:
+def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[str, ...],
+                  expert_parallel: int = 1) -> tuple[str, dict] | None:
     """(step folder, trainer state) to resume from, or None to start over (see the module's docstring)."""
     if resume == "off":
         return None
     if resume != "auto":
-        return resume, check_step(resume, hf_config, roles)
+        return resume, check_step(resume, hf_config, roles, expert_parallel)
     candidates = saved_steps(root)
     problems = []
     try:
@@ -176,7 +186,7 @@ def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[str, ...
     for step in candidates:
         folder = step_dir(root, step)
         try:
-            state = check_step(folder, hf_config, roles)
+            state = check_step(folder, hf_config, roles, expert_parallel)
         except CheckpointError as err:
             problems.append(str(err))
             continue

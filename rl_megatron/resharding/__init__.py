@@ -35,7 +35,7 @@ class SyncStats:
     seconds: float  # the whole sync on this rank
 
 
-def _checksum(tensor: torch.Tensor) -> int:
+def checksum(tensor: torch.Tensor) -> int:
     """Exact and position-sensitive: the raw bits of every element, weighted by position."""
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     flat = tensor.contiguous().view(bits).reshape(-1).to(torch.int64)
@@ -142,9 +142,9 @@ class Resharder:
         mine = {}
         for i, piece in enumerate(pieces):
             if piece.src_rank == self.rank:
-                mine[("src", i)] = _checksum(local_view(self._source(piece.src_key), piece.src))
+                mine[("src", i)] = checksum(local_view(self._source(piece.src_key), piece.src))
             if piece.dst_rank == self.rank:
-                mine[("dst", i)] = _checksum(local_view(self._target(piece.dst_key), piece.dst))
+                mine[("dst", i)] = checksum(local_view(self._target(piece.dst_key), piece.dst))
         sums = {k: v for part in self._gather(mine) for k, v in part.items()}
         bad = [pieces[i] for i in range(len(pieces)) if sums[("src", i)] != sums[("dst", i)]]
         if bad:

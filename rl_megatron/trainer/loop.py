@@ -214,7 +214,8 @@ def train(cfg: Config) -> dict:
     if cfg.model.checkpoint is not None:
         check_checkpoint(cfg.model.checkpoint, hf_config)
     checkpoint_root = cfg.trainer.checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    resume = choose_resume(checkpoint_root, cfg.trainer.resume, hf_config, checkpointed_roles(cfg))
+    resume = choose_resume(checkpoint_root, cfg.trainer.resume, hf_config, checkpointed_roles(cfg),
+                           cfg.actor.expert_model_parallel_size)
     start_step = 0
     if resume is not None:
         resume_dir, state = resume

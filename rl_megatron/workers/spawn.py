@@ -26,14 +26,14 @@ def _entry(rank, world_size, port, layout, fn, args, results):
 
 
 def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, args=(),
-                    timeout: float = 600, etp: int | None = None) -> list:
-    """fn(*args) on every rank after init_distributed; returns the results in rank order. A rank that raises
-    stops them all and its traceback is raised here."""
+                    timeout: float = 600, etp: int | None = None, port: int | None = None) -> list:
+    """fn(*args) on every rank after init_distributed (its store at `port`, default a free one); returns the
+    results in rank order. A rank that raises stops them all and its traceback is raised here."""
     from rl_megatron.workers.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = port or free_port()
     layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp}
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, layout, fn, args, results))
              for r in range(world_size)]

@@ -103,3 +103,44 @@ def test_experts_split_unlike_attention_and_router_knobs(tmp_path):
         assert metrics[f"moe/layer{layer}/dropped_tokens"] >= 96 * 2 - 4 * 8 * 3
     for name in ("moe/load_balancing_loss", "moe/z_loss", "moe/layer1/z_loss", "moe/load_std"):
         assert metrics[name] > 0, name
+
+
+def updates_around_a_checkpoint(cfg, batch, ckpt: str, save: bool):
+    """save: one update, save the training state to `ckpt`, a second update. Otherwise: load `ckpt`, then the
+    second update. Returns the second update's metrics and the weights after it."""
+    from megatron.core import parallel_state
+
+    from test_megatron_parity import _build, actor_log_probs_everywhere
+
+    actor = _build(cfg)
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+
+    def update():
+        full = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+        return actor.update({key: value.chunk(dp)[rank] for key, value in full.items()})
+
+    if save:
+        update()
+        actor.save_checkpoint(ckpt)
+    else:
+        actor.load_checkpoint(ckpt)
+    return update(), actor.hf_state_dict()
+
+
+def test_training_state_resumes_at_another_expert_layout(tmp_path):
+    """Saved at EP=2 (2 experts per rank), resumed at EP=4 (1 per rank, 4 ranks): Adam's moments and step come
+    back resharded, so the next update is the one the original layout makes (a fresh optimizer's first Adam step
+    would move every weight by about the learning rate instead)."""
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False)
+    batch, ckpt = odd_length_batch(), str(tmp_path / "ckpt")
+
+    def layout(ep):
+        return config(model_dir, 1, 1, **{"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": ep,
+                                          "actor.expert_model_parallel_size": ep})
+
+    expected_metrics, expected = run_distributed(updates_around_a_checkpoint, 2, 1, ep=2,
+                                                 args=(layout(2), batch, ckpt, True))[0]
+    metrics, state = run_distributed(updates_around_a_checkpoint, 4, 1, ep=4,
+                                     args=(layout(4), batch, ckpt, False))[0]
+    assert abs(metrics["actor/pg_loss"] - expected_metrics["actor/pg_loss"]) <= 1e-6
+    assert max((expected[name] - tensor).abs().max().item() for name, tensor in state.items()) <= 1e-5

@@ -72,3 +72,15 @@ def test_reshard_of_an_moe_model_reports_the_same_fields():
     assert result["layout"] == {"tp": 1, "pp": 1, "ep": 2, "engine_tp": 1}
     assert result["exact"] is True and result["in_place_fraction"] == 1.0
     assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
+
+
+def test_reshard_to_separate_engines_reports_the_same_fields():
+    """Engines in a process of their own: the actor's rank 0 gathers and broadcasts (TP=2 -> one engine); every
+    engine parameter equals the sender's export, with the dense benchmark's fields."""
+    result = bench("reshard", "--placement", "separate", "--engines", "1", "--tp", "2", "--pp", "1", "--hidden", "512",
+                   "--layers", "1", "--vocab", "512", "--repeats", "2")
+    assert result["exact"] is True and result["channel"] == "broadcast" and result["in_place_fraction"] == 0.0
+    assert result["layout"] == {"tp": 2, "pp": 1, "ep": 1, "engine_tp": 1, "engine_processes": 1}
+    assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
+    # The sender holds the gathered weights and one bucket at a time.
+    assert result["peak_extra_bytes"] <= 2 * (result["bytes"] + result["bucket_bytes"])

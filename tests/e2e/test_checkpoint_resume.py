@@ -162,6 +162,8 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_naming_path_and_problem(chec
     with pytest.raises(CheckpointError, match="vocab_size: checkpoint 18, model 20.*trainer.resume=off"):
         choose_resume(root, "auto", dict(hf, vocab_size=20), ROLES)  # no step fits: nothing is deleted
     assert saved_steps(root) == [4, 2]
+    with pytest.raises(CheckpointError, match="saved at actor.expert_model_parallel_size=1.*model.checkpoint="):
+        choose_resume(root, step_dir(root, 4), hf, ROLES, expert_parallel=2)
     with pytest.raises(CheckpointError, match="holds weights only"):
         metadata = os.path.join(step_dir(root, 4), "critic", "rl_megatron_checkpoint.json")
         with open(metadata) as f:
