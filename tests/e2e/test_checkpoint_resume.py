@@ -21,7 +21,8 @@ from rl_megatron.config import read_hf_config
 
 CONFIG = "demo_cpu_ppo"
 RUN = ("trainer.target_reward=null", "trainer.save_every=2", "algorithm.use_kl_in_reward=true",
-       "algorithm.kl_ctrl.type=adaptive", "actor.use_kl_loss=true", "trainer.progress_bar=false")
+       "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.01",
+       "algorithm.kl_ctrl.horizon=1000", "actor.use_kl_loss=true", "trainer.progress_bar=false")
 ROLES = ("actor", "critic", "ref")
 # Wall-clock figures differ between runs; everything else must not.
 UNTIMED = ("timing_s/", "perf/")
@@ -77,6 +78,11 @@ def test_a_killed_run_continues_exactly_where_it_stopped(uninterrupted, tmp_path
     assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0
                for r in expected.values())
     assert max(r["mismatch/token_mult_prob_error"] for r in expected.values()) <= 1.001
+    # The in-reward KL penalty: zero before the policy moves (the reference is the initial policy), then positive;
+    # its adaptive coefficient shrinks while the KL is below target (by at most 20% a step).
+    assert expected[1]["actor/reward_kl_penalty"] == 0.0 and expected[3]["actor/reward_kl_penalty"] > 0
+    coefs = [expected[step]["actor/reward_kl_penalty_coeff"] for step in sorted(expected)]
+    assert coefs[0] == 0.1 and 0.08 <= coefs[1] < coefs[0]
     checkpoints = os.path.join(uninterrupted, CONFIG, "checkpoints")
     assert saved_steps(checkpoints) == [4, 2] and latest(uninterrupted) == 4
     assert sorted(os.listdir(step_dir(checkpoints, 2))) == ["actor", "config.yaml", "critic", "ref", "rng",

@@ -1,7 +1,8 @@
 """A real task end to end: countdown problems prepared as parquet (`python -m rl_megatron.data.prepare`), then
 data -> chat prompt -> generate -> score (the countdown rules, in the reward pool) -> update -> validate, with
 the tiny model given a text tokenizer. The reward need not rise in two steps; every stage must run. The vLLM
-engine runs in a worker of its own here (rollout.placement=separate: weights broadcast from the actor's rank 0)."""
+engine runs in a worker of its own here (rollout.placement=separate: weights broadcast from the actor's rank 0),
+and the advantages are REINFORCE++'s."""
 import os
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def test_countdown_trains_and_validates(tmp_path, countdown_data):
         f"data.val_files=[{countdown_data}/test.parquet]", "data.max_prompt_length=640", "rollout.max_tokens=16",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", "rollout.n=2",
         "trainer.total_steps=2", "trainer.target_reward=null", "trainer.val_every=2", "trainer.val_before_train=true",
-        "rollout.val_n=2", "rollout.placement=separate", "ray.num_cpus=3")
+        "rollout.val_n=2", "rollout.placement=separate", "ray.num_cpus=3",
+        "algorithm.adv_estimator=reinforce_plus_plus")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in steps)

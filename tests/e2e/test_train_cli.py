@@ -6,8 +6,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
                 "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/entropy", "mismatch/token_mult_prob_error",
@@ -54,10 +52,11 @@ def demo_model_with_layers(folder, layers: int) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
-def test_pipeline_parallel_run(tmp_path, vpp):
-    """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards; with
-    vpp=2 each stage holds two interleaved model chunks (one layer each)."""
+def test_interleaved_pipeline_parallel_run(tmp_path):
+    """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards, each
+    stage holding two interleaved model chunks (one layer each). (Two stages without interleaving run end to end
+    in test_checkpoint_resume.py, resumed at TP=1 x PP=2.)"""
+    vpp = 2
     model = demo_model_with_layers(tmp_path / "model", layers=2 * vpp)
     _, rows, _ = train(tmp_path, "trainer.total_steps=3", "actor.tensor_model_parallel_size=1",
                        "actor.pipeline_model_parallel_size=2", f"actor.virtual_pipeline_model_parallel_size={vpp}",
