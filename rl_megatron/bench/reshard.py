@@ -4,7 +4,8 @@ same bytes by the same ranks at the same time, measured in the same run.
 
 `--placement separate [--engines N]`: engines in processes of their own (rollout.placement=separate), sent the
 weights by the actor's rank 0 over the broadcast group; the figure is model bytes per second of a whole sync
-(gather on rank 0 + broadcast + each engine's copy into its parameters), the limit a copy of the model's bytes."""
+(each bucket gathered on rank 0 and broadcast, each engine's copy into its parameters), the limit a copy of
+the model's bytes. The sender holds a bucket of the weights at a time, not the model."""
 from __future__ import annotations
 
 import statistics
@@ -87,35 +88,36 @@ def measure_rank(cfg, repeats: int) -> dict:
 
 
 def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
-    """An actor rank of a separate-engine sync: every rank gathers, rank 0 broadcasts."""
+    """An actor rank of a separate-engine sync (`HybridWorker.sync_weights`'s path): every rank takes part in
+    gathering each bucket, rank 0 broadcasts it."""
     import torch.distributed as dist
 
     from rl_megatron.bench.measure import timed
     from rl_megatron.config import model_config
     from rl_megatron.resharding import checksum
-    from rl_megatron.resharding.broadcast import SENDER, send_weights, weight_group
+    from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     actor = MegatronActor(cfg, model_config(cfg), optimizer_steps=10)
-    rank, bucket_bytes = dist.get_rank(), cfg.resharding.bucket_mb << 20
+    rank = dist.get_rank()
     group = weight_group(host, port, SENDER, size) if rank == 0 else None
-    states = []
-
-    def sync():
-        states[:] = [actor.hf_state_dict()]
-        if rank == 0:
-            send_weights(group, states[0], bucket_bytes)
-
-    sync()  # warm-up
-    peaks = []
-    seconds = _timed_together(lambda: peaks.append(peak_extra_rss(sync)), repeats)
+    sender = BroadcastSender(*actor.weight_sources(), group, cfg.resharding.bucket_mb << 20)
+    try:
+        sender.send()  # warm-up
+        peaks = []
+        seconds = _timed_together(lambda: peaks.append(peak_extra_rss(sender.send)), repeats)
+        # What a sync adds on the sender: its transient peak, plus the buffers kept between syncs.
+        kept = (sender.buffer.nbytes if rank == 0 else 0) + sender.resharder.channel.owned_bytes
+    finally:
+        sender.close()
+    state = actor.hf_state_dict()  # what the engines must have received (after the timing: a full copy)
     if rank:
         return {}
-    state = states[0]
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     memcpy_seconds = timed(lambda: dst.copy_(src), repeats)
-    return {"bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds, "peak_extra_bytes": max(peaks),
+    return {"bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
+            "peak_extra_bytes": max(peaks) + kept,
             "largest_tensor_bytes": max(t.numel() * t.element_size() for t in state.values()),
             "checksums": {name: checksum(t) for name, t in state.items()}}
 

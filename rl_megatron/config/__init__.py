@@ -308,11 +308,11 @@ def validate(cfg: Config) -> None:
     _resolve_roles(cfg)
     _validate_moe_knobs(cfg)
     hf = model_config(cfg)
-    _validate_model(hf, tp, pp, vpp, ep, r.tensor_parallel_size, r.max_model_len, length_key)
+    _validate_model(hf, "actor", tp, pp, vpp, ep, r.tensor_parallel_size, r.max_model_len, length_key)
     _validate_moe_model(cfg, hf, etp)
-    for role in (cfg.ref, cfg.critic):
+    for name, role in (("ref", cfg.ref), ("critic", cfg.critic)):
         if role.placement == "separate":
-            _validate_model(hf, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1,
+            _validate_model(hf, name, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1,
                             r.tensor_parallel_size, r.max_model_len, length_key)
 
 
@@ -410,6 +410,50 @@ def _one_of(key: str, value: str, choices) -> None:
 def uses_reference(cfg: Config) -> bool:
     """Whether a KL term (in the loss or in the reward) needs the reference policy."""
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPool:
+    """Processes on nodes of their own: the roles they host, how many (and the config section that says so), and the
+    Megatron layout of their models (none for the engines' pool)."""
+
+    name: str  # its first role: "actor" (with every role colocated with it), "rollout", "ref" or "critic"
+    roles: tuple[str, ...]
+    nnodes: int
+    gpus_per_node: int
+    section: str  # "trainer", "rollout", "ref" or "critic"
+    layout: dict  # tp, pp (and for the actor's pool vpp, cp, ep, etp)
+
+    @property
+    def nodes_key(self) -> str:
+        return f"{self.section}.nnodes"
+
+    @property
+    def gpus_key(self) -> str:
+        return f"{self.section}.n_gpus_per_node"
+
+
+def worker_pools(cfg: Config) -> list[WorkerPool]:
+    """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
+    reference and critic), then the separate ones: engines, reference, critic. Roles in a pool: actor, rollout,
+    ref, critic order."""
+    a, separate = cfg.actor, []
+    actor_roles = ["actor", "rollout"] if cfg.rollout.placement == "colocated" else ["actor"]
+    if cfg.rollout.placement == "separate":
+        separate.append(WorkerPool("rollout", ("rollout",), cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node,
+                                   "rollout", {}))
+    for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
+        if wanted and role.placement == "colocated":
+            actor_roles.append(name)
+        elif wanted:
+            layout = {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}
+            separate.append(WorkerPool(name, (name,), role.nnodes, role.n_gpus_per_node, name, layout))
+    tp = a.tensor_model_parallel_size
+    actor_layout = {"tp": tp, "pp": a.pipeline_model_parallel_size, "vpp": a.virtual_pipeline_model_parallel_size,
+                    "cp": a.context_parallel_size, "ep": a.expert_model_parallel_size,
+                    "etp": a.expert_tensor_parallel_size or tp}
+    return [WorkerPool("actor", tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, "trainer",
+                       actor_layout), *separate]
 
 
 def _validate_algorithm(cfg: Config) -> None:
@@ -527,8 +571,9 @@ def _resolve_roles(cfg: Config) -> None:
                               f"Change {name}.micro_batch_size or the mini-batch size.")
 
 
-def _validate_model(hf: dict, tp: int, pp: int, vpp: int, ep: int, rollout_tp: int, max_model_len: int,
+def _validate_model(hf: dict, role: str, tp: int, pp: int, vpp: int, ep: int, rollout_tp: int, max_model_len: int,
                     length_key: str) -> None:
+    """The model against `role`'s layout (actor, or a separate ref / critic) and the engines'."""
     from rl_megatron.models.weight_tables import MOE_FAMILIES, SUPPORTED_FAMILIES, moe_experts
 
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
@@ -544,7 +589,7 @@ def _validate_model(hf: dict, tp: int, pp: int, vpp: int, ep: int, rollout_tp: i
                           f"supported yet; supported: {', '.join(SUPPORTED_FAMILIES)}.")
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
-    for name, size in (("actor.tensor_model_parallel_size", tp), ("rollout.tensor_parallel_size", rollout_tp)):
+    for name, size in ((f"{role}.tensor_model_parallel_size", tp), ("rollout.tensor_parallel_size", rollout_tp)):
         if heads % size or groups % size:
             raise ConfigError(
                 f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads ({groups}) "
@@ -554,9 +599,10 @@ def _validate_model(hf: dict, tp: int, pp: int, vpp: int, ep: int, rollout_tp: i
         raise ConfigError(f"{length_key} = {max_model_len} exceeds the model's max_position_embeddings="
                           f"{positions} (model.path's config.json); lower {length_key}.")
     if hf["num_hidden_layers"] % (pp * vpp):
-        raise ConfigError(f"actor.pipeline_model_parallel_size={pp} x actor.virtual_pipeline_model_parallel_size={vpp} "
-                          f"must divide the model's {hf['num_hidden_layers']} layers (model.path's config.json). "
-                          "Choose sizes whose product divides the layer count.")
+        sizes = f"{role}.pipeline_model_parallel_size={pp}" + (
+            f" x {role}.virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else "")
+        raise ConfigError(f"{sizes} must divide the model's {hf['num_hidden_layers']} layers (model.path's "
+                          "config.json). Choose sizes whose product divides the layer count.")
     if hf["model_type"] in MOE_FAMILIES:
         experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
         for key in (experts_key, "num_experts_per_tok", MOE_FAMILIES[hf["model_type"]].width_key):

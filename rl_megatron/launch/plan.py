@@ -11,8 +11,9 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
 - a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP;
 - an EP group (ETP*EP consecutive ranks of the experts' own rank order, ETP = expert-TP, default TP) may span
   nodes: its all-to-all then crosses the network.
-Pools: the actor's (trainer.nnodes x trainer.n_gpus_per_node) holds actor + rollout and the colocated
-reference / critic; a role with placement=separate gets its own nodes after it (ref first, then critic).
+Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
+trainer.n_gpus_per_node) holds actor + rollout and the colocated reference / critic; a role with
+placement=separate gets its own nodes after it (engines first, then ref, then critic).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_megatron.config import ConfigError, model_config, read_hf_config, uses_reference
+from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 
@@ -121,11 +122,14 @@ def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
                       f"rest), or change {pool.nodes_key} / {pool.gpus_key}.")
 
 
-def _megatron_role(name: str, key: str, pool: Pool, tp: int, pp: int, vpp: int, cp: int, ep: int, etp: int, hf: dict,
-                   cfg: Config, on_gpu: bool, trained: bool, value_head: bool = False) -> Role:
-    """A Megatron role in `pool`: its placement checked, its layout and per-GPU memory worked out."""
-    notes = [_check_within_node(tp, f"{key}.tensor_model_parallel_size", pool, "TP group"),
-             _check_stages(pp, f"{key}.pipeline_model_parallel_size", pool)]
+def _megatron_role(name: str, pool: Pool, layout: dict, hf: dict, cfg: Config, on_gpu: bool) -> Role:
+    """A Megatron role in `pool` (`layout`: the pool's TP, PP and, for the actor's pool, VPP, CP, EP, expert-TP): its
+    placement checked, its layout and per-GPU memory worked out."""
+    tp, pp = layout["tp"], layout["pp"]
+    vpp, cp, ep, etp = layout.get("vpp", 1), layout.get("cp", 1), layout.get("ep", 1), layout.get("etp", tp)
+    trained, value_head = name != "ref", name == "critic"
+    notes = [_check_within_node(tp, f"{name}.tensor_model_parallel_size", pool, "TP group"),
+             _check_stages(pp, f"{name}.pipeline_model_parallel_size", pool)]
     dp = pool.world // (tp * pp * cp)
     if ep > 1:
         span = etp * ep
@@ -160,56 +164,20 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     """The placement of every role and its memory per GPU; ConfigError (naming the key and the fix) when a
     layout does not fit the nodes. `cfg` must come from load_config (validated, defaults resolved)."""
     gib, gib_source = _gpu_memory(gpu_memory_gib)
-    t, a, r = cfg.trainer, cfg.actor, cfg.rollout
     hf = model_config(cfg)
     total = memory.rank_parameters(hf).total
-    actor_pool = Pool("actor", 0, t.nnodes, t.n_gpus_per_node, "trainer.nnodes", "trainer.n_gpus_per_node")
-    pools = [actor_pool]
-    layout = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.virtual_pipeline_model_parallel_size,
-              a.context_parallel_size, a.expert_model_parallel_size,
-              a.expert_tensor_parallel_size or a.tensor_model_parallel_size)
-    actor_pool.roles.append(_megatron_role("actor", "actor", actor_pool, *layout, hf, cfg, on_gpu, trained=True))
-
-    if r.placement == "separate":  # engines on devices of their own, after the actor's nodes
-        engine_pool = Pool("rollout", t.nnodes, r.nnodes, r.n_gpus_per_node, "rollout.nnodes", "rollout.n_gpus_per_node")
-        pools.append(engine_pool)
-    else:
-        engine_pool = actor_pool
-    engine_note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", engine_pool, "vLLM engine")
-    engine_pool.placement_notes.append(f"rollout: {engine_note}")
-    engines = engine_pool.world // r.tensor_parallel_size
-    engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size
-    if on_gpu:
-        engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
-        engine_note = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
-                       f"{_gib(engine_weights)} + KV cache")
-    else:
-        engine_bytes = engine_weights + r.kv_cache_bytes
-        engine_note = "weights + rollout.kv_cache_bytes"
-    engine_pool.roles.append(Role("rollout", "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines",
-                                  engine_bytes, engine_note))
+    specs, pools = worker_pools(cfg), []
+    for spec in specs:
+        first_node = sum(pool.nnodes for pool in pools)
+        pools.append(Pool(spec.name, first_node, spec.nnodes, spec.gpus_per_node, spec.nodes_key, spec.gpus_key))
     plan = ClusterPlan(pools, gib, gib_source, on_gpu, total, cfg.model.dtype)
-    if on_gpu and engine_weights >= engine_bytes:
-        plan.warnings.append(
-            f"the vLLM engine's weights ({_gib(engine_weights)} per GPU) do not fit its "
-            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
-            "rollout.gpu_memory_utilization or rollout.tensor_parallel_size.")
-
-    for name, role, used, trained in (("ref", cfg.ref, uses_reference(cfg), False),
-                                      ("critic", cfg.critic, cfg.critic.enable, True)):
-        if not used:
-            continue
-        role_hf = read_hf_config(cfg.critic.model_path) if name == "critic" else hf
-        if role.placement == "separate":
-            pool = Pool(name, plan.nnodes, role.nnodes, role.n_gpus_per_node, f"{name}.nnodes",
-                        f"{name}.n_gpus_per_node")
-            pools.append(pool)
-            sizes = (role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1, 1,
-                     role.tensor_model_parallel_size)
-        else:  # in the actor's processes: the actor's parallel layout
-            pool, sizes = actor_pool, layout
-        pool.roles.append(_megatron_role(name, name, pool, *sizes, role_hf, cfg, on_gpu, trained,
-                                         value_head=name == "critic"))
+    for spec, pool in zip(specs, pools):
+        for name in spec.roles:
+            if name == "rollout":
+                pool.roles.append(_engine_role(cfg, pool, total, gib, on_gpu, plan))
+            else:
+                role_hf = read_hf_config(cfg.critic.model_path) if name == "critic" else hf
+                pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
 
     for pool in pools:
         if on_gpu and pool.memory_bytes > gib * memory.GIB:
@@ -217,6 +185,29 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
                 f"the {pool.name} pool needs ~{_gib(pool.memory_bytes)} per GPU before activations, "
                 f"more than {gib:g} GiB: raise TP/PP of its roles, lower rollout.gpu_memory_utilization, or add GPUs.")
     return plan
+
+
+def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> Role:
+    """The vLLM engines in `pool`: their placement checked, their memory per GPU (a warning when the weights do
+    not fit the engine's share)."""
+    r = cfg.rollout
+    note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", pool, "vLLM engine")
+    pool.placement_notes.append(f"rollout: {note}")
+    engines = pool.world // r.tensor_parallel_size
+    engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size
+    if on_gpu:
+        engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
+        memory_note = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
+                       f"{_gib(engine_weights)} + KV cache")
+    else:
+        engine_bytes = engine_weights + r.kv_cache_bytes
+        memory_note = "weights + rollout.kv_cache_bytes"
+    if on_gpu and engine_weights >= engine_bytes:
+        plan.warnings.append(
+            f"the vLLM engine's weights ({_gib(engine_weights)} per GPU) do not fit its "
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
+            "rollout.gpu_memory_utilization or rollout.tensor_parallel_size.")
+    return Role("rollout", "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note)
 
 
 def format_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool = True) -> str:

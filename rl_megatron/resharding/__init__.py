@@ -47,10 +47,12 @@ class Resharder:
     """Moves this rank's `sources` into the `targets` of every rank (all ranks of the default group take part).
 
     `targets` is either this rank's target tensors or a function of every rank's source specs that returns
-    them (a full HF export needs to know what the other stages hold)."""
+    them (a full HF export needs to know what the other stages hold). With `phase_of` (target key -> phase
+    number, the same on every rank), `sync(phase)` fills one phase's targets at a time."""
 
     def __init__(self, sources: Held, source_errors: list[str], targets: Held | Callable[[list], Held],
-                 bucket_bytes: int, channel: str = "auto", verify: bool = False):
+                 bucket_bytes: int, channel: str = "auto", verify: bool = False,
+                 phase_of: Callable[[str], int] | None = None):
         self.rank = dist.get_rank()
         self.sources, self.verify_after_sync = sources, verify
         self.device = next((t.device for t, _ in sources.values()), torch.device("cpu"))
@@ -70,7 +72,7 @@ class Resharder:
         self.channel_name = channel
         self.channel = make_channel(channel, self.device, bucket_bytes)
         self.plan: Plan = build_plan(source_specs, target_specs, bucket_bytes // self.channel.slots,
-                                     hosts if read_in_place else None)
+                                     hosts if read_in_place else None, phase_of)
         # Peers' shared parameters this rank reads in place, mapped now (their files exist while they live).
         specs_by_rank = [{spec.key: spec for spec in specs} for specs in source_specs]
         self.peer_sources = {}
@@ -96,37 +98,41 @@ class Resharder:
         return self.targets[key][0]
 
     @torch.no_grad()
-    def sync(self) -> SyncStats:
+    def sync(self, phase: int | None = None) -> SyncStats:
+        """Fill the targets: every phase of the plan in order, or only `phase` (a collective either way)."""
         start = time.perf_counter()
         if self.plan.reads_peers:  # every rank's parameters are final before anyone reads them
             dist.barrier()
-        local, local_seconds, received = self.plan.local.get(self.rank, []), 0.0, 0
-        for i, round_ in enumerate(self.plan.rounds or [[]]):
-            outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
-            incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
-            if outgoing is not None:
-                buffer = self.channel.buffer_for(outgoing.dst_rank, outgoing.nbytes)
-                for piece, offset in zip(outgoing.pieces, outgoing.offsets):
-                    source = local_view(self._source(piece.src_key), piece.src)
-                    _window(buffer, offset, piece).copy_(source)
-                self.channel.send(outgoing.dst_rank, outgoing.nbytes)
-            if i == 0:  # while the first buckets travel
-                local_start = time.perf_counter()
-                for piece in local:
-                    local_view(self._target(piece.dst_key), piece.dst).copy_(
-                        local_view(self._source(piece.src_key, piece.src_rank), piece.src))
-                local_seconds = time.perf_counter() - local_start
-            if incoming is not None:
-                buffer = self.channel.receive(incoming.src_rank, incoming.nbytes)
-                for piece, offset in zip(incoming.pieces, incoming.offsets):
-                    local_view(self._target(piece.dst_key), piece.dst).copy_(_window(buffer, offset, piece))
-                self.channel.release(incoming.src_rank)
-                received += incoming.nbytes
-            self.channel.end_round()
+        copied, copy_seconds, received = 0, 0.0, 0
+        for current in self.plan.phases if phase is None else [self.plan.phases[phase]]:
+            local = current.local.get(self.rank, [])
+            for i, round_ in enumerate(current.rounds or [[]]):
+                outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
+                incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
+                if outgoing is not None:
+                    buffer = self.channel.buffer_for(outgoing.dst_rank, outgoing.nbytes)
+                    for piece, offset in zip(outgoing.pieces, outgoing.offsets):
+                        source = local_view(self._source(piece.src_key), piece.src)
+                        _window(buffer, offset, piece).copy_(source)
+                    self.channel.send(outgoing.dst_rank, outgoing.nbytes)
+                if i == 0:  # while the first buckets travel
+                    copy_start = time.perf_counter()
+                    for piece in local:
+                        local_view(self._target(piece.dst_key), piece.dst).copy_(
+                            local_view(self._source(piece.src_key, piece.src_rank), piece.src))
+                    copied += sum(p.nbytes for p in local)
+                    copy_seconds += time.perf_counter() - copy_start
+                if incoming is not None:
+                    buffer = self.channel.receive(incoming.src_rank, incoming.nbytes)
+                    for piece, offset in zip(incoming.pieces, incoming.offsets):
+                        local_view(self._target(piece.dst_key), piece.dst).copy_(_window(buffer, offset, piece))
+                    self.channel.release(incoming.src_rank)
+                    received += incoming.nbytes
+                self.channel.end_round()
         self.channel.finish()
         if self.plan.reads_peers:  # nobody changes its parameters while a peer may still read them
             dist.barrier()
-        stats = SyncStats(sum(p.nbytes for p in local), received, local_seconds, time.perf_counter() - start)
+        stats = SyncStats(copied, received, copy_seconds, time.perf_counter() - start)
         if self.verify_after_sync:
             self.verify()
         return stats

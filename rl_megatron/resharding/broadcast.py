@@ -1,7 +1,8 @@
 """Weights to rollout engines on workers of their own (rollout.placement=separate).
 
-The policy's full HF tensors are gathered on the actor's rank 0 (`export_hf_state_dict`) and broadcast in
-buckets over a process group of that rank and every engine worker (NCCL on GPU, gloo on CPU); each engine
+The policy's HF tensors are assembled on the actor's rank 0 one bucket at a time, straight into the buffer that
+is then broadcast over a process group of that rank and every engine worker (NCCL on GPU, gloo on CPU): the
+sender holds at most a bucket of them (the largest tensor when it is bigger), never the whole model. Each engine
 worker writes into its parameters the HF regions it keeps (`vllm_targets`: the same map the colocated sync and
 `engine_mismatches` use, so both placements give engines the same bits).
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from rl_megatron import platform
 from rl_megatron.models.weight_tables import hf_view, local_view
+from rl_megatron.resharding import Resharder
+from rl_megatron.resharding.specs import Held, hf_shapes, hf_target
 
 SENDER = 0  # the actor's rank 0 is rank 0 of the weight group; engine worker r is rank 1 + r
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -37,19 +40,27 @@ class Entry:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
-def bucket_manifest(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[Entry]]:
-    """The HF tensors, in name order, packed into buckets of at most `bucket_bytes` (a larger tensor travels
-    alone); offsets are 16-byte aligned so that every tensor can be viewed in its dtype."""
+def bucket_manifest(shapes: dict[str, tuple[tuple, torch.dtype]], bucket_bytes: int) -> list[list[Entry]]:
+    """The HF tensors (name -> shape, dtype), in name order, packed into buckets of at most `bucket_bytes` (a
+    larger tensor travels alone); offsets are 16-byte aligned so that every tensor can be viewed in its dtype."""
     buckets, current, used = [], [], 0
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        size = -(-tensor.numel() * tensor.element_size() // 16) * 16
+    for name in sorted(shapes):
+        shape, dtype = shapes[name]
+        size = -(-torch.Size(shape).numel() * dtype.itemsize // 16) * 16
         if current and used + size > bucket_bytes:
             buckets.append(current)
             current, used = [], 0
-        current.append(Entry(name, tuple(tensor.shape), tensor.dtype, used))
+        current.append(Entry(name, tuple(shape), dtype, used))
         used += size
     return buckets + ([current] if current else [])
+
+
+def _end(bucket: list[Entry]) -> int:
+    return bucket[-1].offset + bucket[-1].nbytes
+
+
+def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+    return buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
 
 
 def weight_group(host: str, port: int, rank: int, size: int):
@@ -78,28 +89,51 @@ def _broadcast_manifest(group, manifest: list[list[Entry]] | None) -> list[list[
     return manifest if manifest is not None else pickle.loads(buffer.cpu().numpy().tobytes())
 
 
-def _buckets(group, manifest: list[list[Entry]], state: dict | None) -> Iterator[dict[str, torch.Tensor]]:
-    device = platform.device()
-    for bucket in manifest:
-        last = bucket[-1]
-        buffer = torch.empty(last.offset + last.nbytes, dtype=torch.uint8, device=device)
-        views = {e.name: buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in bucket}
-        if state is not None:
-            for name, view in views.items():
-                view.copy_(state[name])
-        _broadcast(group, buffer)
-        yield views
+class BroadcastSender:
+    """The actor's side of separate-engine syncs, made once on every actor rank (a collective, as is `send`).
 
+    A `Resharder` from the actor's shards to full HF tensors on rank 0, in one phase per broadcast bucket, whose
+    targets on rank 0 are views into one bucket buffer: each phase assembles a bucket, which rank 0 broadcasts
+    before the next phase reuses the buffer."""
 
-def send_weights(group, state: dict[str, torch.Tensor], bucket_bytes: int) -> None:
-    """The sender's side of a sync: `state` (full HF tensors) to every engine worker, in buckets."""
-    for _ in _buckets(group, _broadcast_manifest(group, bucket_manifest(state, bucket_bytes)), state):
-        pass
+    def __init__(self, sources: Held, source_errors: list[str], group, bucket_bytes: int):
+        self.group = group  # the weight group on the actor's rank 0, None on its other ranks
+        self.bucket_bytes = bucket_bytes
+        self.manifest: list[list[Entry]] = []
+        self.bucket_of: dict[str, int] = {}
+        self.buffer = None
+        self.resharder = Resharder(sources, source_errors, self._targets, bucket_bytes,
+                                   phase_of=lambda name: self.bucket_of[name])
+
+    def _targets(self, source_specs: list) -> Held:
+        """Called by the resharder on every rank with every rank's shards: the manifest, and rank 0's targets."""
+        self.manifest = bucket_manifest(hf_shapes(source_specs), self.bucket_bytes)
+        self.bucket_of = {entry.name: i for i, bucket in enumerate(self.manifest) for entry in bucket}
+        if self.group is None:
+            return {}
+        self.buffer = torch.empty(max(map(_end, self.manifest)), dtype=torch.uint8, device=platform.device())
+        return {e.name: hf_target(e.name, _view(self.buffer, e)) for bucket in self.manifest for e in bucket}
+
+    def send(self) -> None:
+        """One sync: a collective over the actor's ranks (each bucket's gather); rank 0 broadcasts the buckets."""
+        if self.group is not None:
+            _broadcast_manifest(self.group, self.manifest)
+        for i, bucket in enumerate(self.manifest):
+            self.resharder.sync(phase=i)
+            if self.group is not None:
+                _broadcast(self.group, self.buffer[:_end(bucket)])
+
+    def close(self) -> None:
+        self.resharder.close()
 
 
 def receive_weights(group) -> Iterator[dict[str, torch.Tensor]]:
     """An engine worker's side of a sync: the tensors of each bucket by HF name, valid until the next."""
-    yield from _buckets(group, _broadcast_manifest(group, None), None)
+    manifest = _broadcast_manifest(group, None)
+    buffer = torch.empty(max(map(_end, manifest), default=0), dtype=torch.uint8, device=platform.device())
+    for bucket in manifest:
+        _broadcast(group, buffer[:_end(bucket)])
+        yield {entry.name: _view(buffer, entry) for entry in bucket}
 
 
 def write_engine_regions(targets: dict, tensors: dict[str, torch.Tensor]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -60,10 +61,30 @@ class Bucket:
 
 
 @dataclass
-class Plan:
+class Phase:
     # rank -> pieces that rank copies itself: from its own tensors, or from a peer's shared parameters
     local: dict[int, list[Piece]]
     rounds: list[list[Bucket]]  # in each round a rank sends at most one bucket and receives at most one
+
+
+@dataclass
+class Plan:
+    """The transfer, in phases that run one after the other (one phase unless the targets were split: a streamed
+    export fills one window of HF tensors per phase, in memory the next phase reuses)."""
+
+    phases: list[Phase]
+
+    @property
+    def local(self) -> dict[int, list[Piece]]:
+        merged = defaultdict(list)
+        for phase in self.phases:
+            for rank, pieces in phase.local.items():
+                merged[rank] += pieces
+        return dict(merged)
+
+    @property
+    def rounds(self) -> list[list[Bucket]]:
+        return [round_ for phase in self.phases for round_ in phase.rounds]
 
     @property
     def reads_peers(self) -> bool:
@@ -131,9 +152,10 @@ def _describe(box) -> str:
 
 
 def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]], bucket_bytes: int,
-               hosts: list[str] | None = None) -> Plan:
+               hosts: list[str] | None = None, phase_of: Callable[[str], int] | None = None) -> Plan:
     """`sources[r]` / `targets[r]`: what rank r holds / must be given. With `hosts` (rank -> machine), sources
-    that have a `location` are read in place by the ranks on their machine. Raises `PlanError` naming the tensor."""
+    that have a `location` are read in place by the ranks on their machine. With `phase_of` (target key -> phase
+    number), each target is filled in its phase. Raises `PlanError` naming the tensor."""
 
     def in_place(src_rank: int, src_spec: TensorSpec, dst_rank: int) -> bool:
         return src_rank == dst_rank or (hosts is not None and src_spec.location is not None
@@ -146,10 +168,12 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
                 holders[region.hf_name].append((rank, spec, region))
     errors: list[str] = []
     sent = defaultdict(int)  # bytes each rank sends so far: spread remote reads over the holders
-    local: dict[int, list[Piece]] = defaultdict(list)
-    remote: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    phases = 1 + max((phase_of(spec.key) for specs in targets for spec in specs), default=0) if phase_of else 1
+    local = [defaultdict(list) for _ in range(phases)]  # per phase, like `remote`
+    remote: list[dict[tuple[int, int], list[Piece]]] = [defaultdict(list) for _ in range(phases)]
     for dst_rank, specs in enumerate(targets):
         for spec in specs:
+            phase = phase_of(spec.key) if phase_of else 0
             for want in spec.regions:
                 candidates = holders.get(want.hf_name)
                 if not candidates:
@@ -177,9 +201,9 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
                         piece = Piece(src_rank, src_spec.key, _restrict(have, common), dst_rank, spec.key,
                                       _restrict(want, common), numel * element, src_spec.dtype)
                         if in_place(src_rank, src_spec, dst_rank):
-                            local[dst_rank].append(piece)
+                            local[phase][dst_rank].append(piece)
                         else:
-                            remote[(src_rank, dst_rank)].append(piece)
+                            remote[phase][(src_rank, dst_rank)].append(piece)
                             sent[src_rank] += piece.nbytes
                     uncovered = still
                     if not uncovered:
@@ -190,7 +214,7 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
     if errors:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise PlanError("Resharding plan: " + "; ".join(errors[:5]) + more)
-    return Plan(dict(local), _rounds(remote, bucket_bytes))
+    return Plan([Phase(dict(copies), _rounds(sends, bucket_bytes)) for copies, sends in zip(local, remote)])
 
 
 def _rounds(remote: dict[tuple[int, int], list[Piece]], bucket_bytes: int) -> list[list[Bucket]]:

@@ -126,15 +126,23 @@ def vllm_targets(model) -> Held:
     return held
 
 
-def hf_targets(sources: list[list[TensorSpec]]) -> Held:
-    """Every HF tensor the sources make up, whole, newly allocated on this rank (export, conversion)."""
+def hf_shapes(sources: list[list[TensorSpec]]) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Every HF tensor the sources make up: name -> (shape, dtype), in name order."""
     shapes: dict[str, tuple] = {}
     for specs in sources:
         for spec in specs:
             for region in spec.regions:
                 shapes.setdefault(region.hf_name, (tuple(region.hf_shape), spec.dtype))
-    held = {}
-    for name in sorted(shapes):
-        shape, dtype = shapes[name]
-        held[name] = (torch.empty(shape, dtype=dtype), TensorSpec(name, shape, dtype, (whole(name, shape),)))
-    return held
+    return dict(sorted(shapes.items()))
+
+
+def hf_target(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, TensorSpec]:
+    """`tensor` as the target of the whole HF tensor `name`."""
+    shape = tuple(tensor.shape)
+    return tensor, TensorSpec(name, shape, tensor.dtype, (whole(name, shape),))
+
+
+def hf_targets(sources: list[list[TensorSpec]]) -> Held:
+    """Every HF tensor the sources make up, whole, newly allocated on this rank (export, conversion)."""
+    return {name: hf_target(name, torch.empty(shape, dtype=dtype))
+            for name, (shape, dtype) in hf_shapes(sources).items()}

@@ -22,7 +22,7 @@ from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_con
                                     outcome_token_rewards, rollout_mismatch_metrics, truncated_importance_weights)
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import checkpointed_roles, choose_resume, finish_save, start_save
-from rl_megatron.config import Config, ConfigError, model_config, to_yaml, uses_reference
+from rl_megatron.config import Config, ConfigError, model_config, to_yaml, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.rewards import REGISTRY
@@ -51,46 +51,21 @@ class Timer:
         self.seconds[phase] = time.perf_counter() - start
 
 
-def pools(cfg: Config) -> list[tuple[tuple[str, ...], int, int, dict]]:
-    """(roles, nnodes, devices per node, Megatron layout) of each worker group; the actor's first. The rollout
-    engines run in the actor's workers, or with rollout.placement=separate in a pool of their own (no layout)."""
-    a = cfg.actor
-    actor_roles = ["actor"]
-    separate = []
-    if cfg.rollout.placement == "separate":
-        separate.append((("rollout",), cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node, {}))
-    for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
-        if not wanted:
-            continue
-        if role.placement == "colocated":
-            actor_roles.append(name)
-        else:
-            separate.append(((name,), role.nnodes, role.n_gpus_per_node,
-                             {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}))
-    actor_layout = {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
-                    "vpp": a.virtual_pipeline_model_parallel_size, "ep": a.expert_model_parallel_size,
-                    "etp": a.expert_tensor_parallel_size}
-    return [(tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, actor_layout), *separate]
-
-
 def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[str, WorkerGroup]:
     """The worker groups, by role ("actor", "rollout", "ref", "critic"; a colocated role maps to the actor's
     group); closed by `stack`."""
-    layouts = pools(cfg)
-    threads = max(1, cpus // sum(nnodes * devices for _, nnodes, devices, _ in layouts))
+    pools = worker_pools(cfg)
+    threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
     env = worker_env(threads, local_cluster=cfg.ray.address is None)
-    groups = {"rollout": None}
-    for roles, nnodes, devices, layout in layouts:
-        section = "trainer" if "actor" in roles else roles[0]  # the config keys that size this pool
-        pool = ResourcePool(nnodes, devices, config_keys=(f"{section}.nnodes", f"{section}.n_gpus_per_node"))
-        if roles == ("rollout",):
-            group = WorkerGroup(RolloutWorker, pool, cfg, hf_config, threads, env=env)
+    groups = {}
+    for pool in pools:
+        devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
+        if pool.name == "rollout":
+            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env)
         else:
-            group = WorkerGroup(HybridWorker, pool, cfg, hf_config, roles, layout, threads, env=env)
-        groups.update(dict.fromkeys(roles, stack.enter_context(group)))
-    if groups["rollout"] is None:
-        groups["rollout"] = groups["actor"]
-    else:
+            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, pool.roles, pool.layout, threads, env=env)
+        groups.update(dict.fromkeys(pool.roles, stack.enter_context(group)))
+    if groups["rollout"] is not groups["actor"]:
         connect_engines(groups["actor"], groups["rollout"])
     return groups
 

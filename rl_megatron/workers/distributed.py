@@ -34,10 +34,11 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     tp: int, pp: int, seed: int, vpp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+                     tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, ep: int = 1,
+                     etp: int | None = None) -> None:
     """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state (`vpp` model chunks per pipeline
-    stage, routed experts split over `ep` ranks and each expert over `etp` ranks, by default TP) + Megatron's RNG
-    seeds."""
+    stage, sequences split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp` ranks, by
+    default TP) + Megatron's RNG seeds."""
     from megatron.core import parallel_state, tensor_parallel
 
     platform.setup()
@@ -49,7 +50,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

@@ -21,7 +21,7 @@ from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import Resharder, SyncStats, vllm_targets
-from rl_megatron.resharding.broadcast import SENDER, send_weights, weight_group
+from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
 from rl_megatron.workers.distributed import init_distributed, owns_dp_output, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
@@ -40,7 +40,7 @@ class HybridWorker(EngineHost):
                  layout: dict, threads: int):
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
-        self.actor = self.ref = self.critic = self.resharder = self.weight_group = None
+        self.actor = self.ref = self.critic = self.resharder = self.sender = None
         self._init_engine_host()
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
@@ -61,7 +61,7 @@ class HybridWorker(EngineHost):
         if "critic" in self.roles:
             self.critic = MegatronCritic(cfg, self.hf_config, optimizer_steps(cfg, cfg.critic.ppo_mini_batch_size,
                                                                                cfg.critic.ppo_epochs))
-        if "actor" in self.roles and cfg.rollout.placement == "colocated":
+        if "rollout" in self.roles:
             self._start_engine()
             # The plan from the trainer's layout to the engines' is made (and checked) once, here.
             self.resharder = Resharder(*self.actor.weight_sources(), vllm_targets(self.engine.model()),
@@ -98,6 +98,8 @@ class HybridWorker(EngineHost):
         if self.resharder is not None:
             self.resharder.close()
             self.engine.close()
+        if self.sender is not None:
+            self.sender.close()
         unlink_shared_parameters()
 
     def mesh(self) -> dict:
@@ -139,18 +141,16 @@ class HybridWorker(EngineHost):
 
     @dispatch(axis=None)
     def join_weight_group(self, host: str, port: int, size: int) -> None:
-        """Separate engines: rank 0 sends the weights to them (the other ranks take part in its gather)."""
-        if self.rank == 0:
-            self.weight_group = weight_group(host, port, SENDER, size)
+        """Separate engines: rank 0 sends the weights to them (the other ranks take part in gathering each bucket)."""
+        group = weight_group(host, port, SENDER, size) if self.rank == 0 else None
+        self.sender = BroadcastSender(*self.actor.weight_sources(), group, self.cfg.resharding.bucket_mb << 20)
 
     @dispatch(axis=None)
     def sync_weights(self) -> SyncStats | None:
         """Write the policy's current weights into the engines: colocated, every worker sends and receives its part;
-        separate, rank 0 gathers the full weights and broadcasts them to the engine workers."""
-        if self.resharder is None:
-            state = self.actor.hf_state_dict()
-            if self.rank == 0:
-                send_weights(self.weight_group, state, self.cfg.resharding.bucket_mb << 20)
+        separate, rank 0 gathers the weights a bucket at a time and broadcasts each to the engine workers."""
+        if self.sender is not None:
+            self.sender.send()
             return None
         # The sync needs the actor's weights and the engine's weights, nothing else.
         for role, state in self.offloaders.items():

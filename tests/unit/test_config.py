@@ -486,6 +486,9 @@ def test_resharding_settings_are_checked(override):
     (["ref.placement=separate"], ["nothing uses the reference", "actor.use_kl_loss=true"]),
     (["ref.placement=separate", "actor.use_kl_loss=true"], ["model.random_init=true", "ref.placement=colocated"]),
     (["critic.placement=separate"], ["no critic", "critic.placement=colocated"]),
+    # a separate role's own layout against the model: its keys, not the actor's
+    (["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.n_gpus_per_node=4",
+      "critic.tensor_model_parallel_size=4"], ["critic.tensor_model_parallel_size=4 must divide the model's"]),
 ])
 def test_incompatible_algorithm_settings_are_named(overrides, words):
     message = config_error(*overrides)

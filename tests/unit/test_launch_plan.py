@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError, load_config, worker_pools
 from rl_megatron.launch import build_plan, format_plan
 from rl_megatron.launch.__main__ import check_environment
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
@@ -178,3 +178,22 @@ def test_separate_rollout_engines_get_a_pool_after_the_actors_nodes():
     engines = plan.pools[1].roles[0]
     assert engines.layout == "TP=2, 4 engines" and engines.memory_bytes == int(0.9 * 80 * 2 ** 30)
     assert "node 2: rollout pool, 1 x 8 = 8 GPUs" in format_plan(cfg, gpu_memory_gib=80)
+
+
+def test_worker_pools_are_the_plans_pools_with_each_roles_layout():
+    """The trainer's worker groups and the printed plan come from the same pools."""
+    cfg = cluster("actor.tensor_model_parallel_size=2", "actor.use_kl_loss=true", "model.random_init=false",
+                  "ref.placement=separate",
+                  "ref.nnodes=1", "ref.n_gpus_per_node=4", "ref.tensor_model_parallel_size=1",
+                  "rollout.placement=separate", "rollout.nnodes=1", "rollout.n_gpus_per_node=8")
+    pools = worker_pools(cfg)
+    assert [(p.name, p.roles, p.nnodes, p.gpus_per_node) for p in pools] == [
+        ("actor", ("actor",), 2, 8), ("rollout", ("rollout",), 1, 8), ("ref", ("ref",), 1, 4)]
+    assert pools[0].layout == {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 2}  # expert TP defaults to TP
+    assert pools[2].layout == {"tp": 1, "pp": 1} and pools[2].nodes_key == "ref.nnodes"
+    plan = build_plan(cfg, gpu_memory_gib=80)
+    assert [(pool.name, [role.name for role in pool.roles]) for pool in plan.pools] == [(p.name, list(p.roles))
+                                                                                         for p in pools]
+    assert [pool.first_node for pool in plan.pools] == [0, 2, 3]
+    # Colocated (the default): the engines and the colocated roles live in the actor's workers.
+    assert worker_pools(cluster("actor.use_kl_loss=true"))[0].roles == ("actor", "rollout", "ref")

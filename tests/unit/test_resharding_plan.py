@@ -52,6 +52,19 @@ def test_buckets_stay_within_their_size_and_large_pieces_are_cut():
     assert sum(p.nbytes for b in plan.buckets for p in b.pieces) == 256
 
 
+def test_phases_fill_their_own_targets_in_order():
+    """A streamed export: targets split into phases, each phase's local copies and buckets only its own."""
+    a, b, c = whole("a", (4, 2)), whole("b", (4, 2)), whole("c", (4, 2))
+    sources = [[spec("a", (4, 2), a)], [spec("b", (4, 2), b), spec("c", (4, 2), c)]]
+    targets = [[spec("a", (4, 2), a), spec("b", (4, 2), b), spec("c", (4, 2), c)], []]
+    plan = build_plan(sources, targets, 1 << 20, phase_of={"b": 0, "a": 1, "c": 1}.__getitem__)
+    first, second = plan.phases
+    assert first.local == {} and [p.dst_key for bucket in first.rounds[0] for p in bucket.pieces] == ["b"]
+    assert [p.dst_key for p in second.local[0]] == ["a"]
+    assert [p.dst_key for round_ in second.rounds for bucket in round_ for p in bucket.pieces] == ["c"]
+    assert plan.bytes_into(0) == 3 * 8 * 4 and len(plan.buckets) == 2  # the whole plan is their union
+
+
 def test_fused_target_gathers_pieces_from_separate_tensors():
     # vLLM's qkv on one rank = [q; k; v] from three HF tensors held by three ranks.
     q, k, v = (whole(n, (2, 3)) for n in "qkv")
