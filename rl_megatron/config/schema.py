@@ -83,6 +83,7 @@ class MoeConfig:
     token_dispatcher: Optional[str] = None  # allgather or alltoall (None: alltoall on GPU, allgather on CPU)
     router_dtype: Optional[str] = None  # fp32 or fp64: the router's logits and probabilities (None: model.dtype)
     freeze_router: bool = False  # keep the routers' weights fixed during training (requires_grad False)
+    grouped_gemm: bool = False  # a layer's experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; GPU + TE)
 
 
 @dataclass

@@ -39,6 +39,15 @@ def token_dispatcher(moe: MoeConfig) -> str:
     return moe.token_dispatcher
 
 
+def grouped_gemm(moe: MoeConfig) -> bool:
+    """moe.grouped_gemm: the experts of a layer as one Transformer-Engine grouped GEMM (TEGroupedMLP), which
+    exists only where models are built from TE layers."""
+    if moe.grouped_gemm and not uses_transformer_engine():
+        raise ValueError("moe.grouped_gemm=true needs Transformer Engine on a CUDA device (TEGroupedMLP); here "
+                         "models are built from Megatron's local layers: set moe.grouped_gemm=false.")
+    return moe.grouped_gemm
+
+
 def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
     """Megatron's MoE fields for an MoE config.json (none for a dense model), with the `moe` section's knobs
     (the expert count and top-k are config.json's, which `rl_megatron.config.model_config` overrides)."""
@@ -64,10 +73,9 @@ def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
         moe_token_drop_policy=moe.token_drop_policy,
         moe_router_dtype=moe.router_dtype,
         moe_token_dispatcher_type=token_dispatcher(moe),
-        # One linear layer per expert (SequentialMLP), on GPU too: the weight table maps its per-expert names
-        # (local_experts.<j>.linear_fc1.weight). TE's grouped GEMM (TEGroupedMLP) names them linear_fc1.weight<j>;
-        # it stays off until that mapping is checked on a GPU against transformers.
-        moe_grouped_gemm=False,
+        # One linear layer per expert (SequentialMLP: local_experts.<j>.linear_fc1.weight) unless moe.grouped_gemm
+        # (TEGroupedMLP: linear_fc1.weight<j>); the weight table maps both names to the same HF tensors.
+        moe_grouped_gemm=grouped_gemm(moe),
     )
 
 
@@ -120,14 +128,15 @@ def uses_transformer_engine() -> bool:
     return platform.has_cuda() and gpt_layer_specs.HAVE_TE
 
 
-def layer_spec(qk_layernorm: bool, num_experts: int | None = None):
+def layer_spec(qk_layernorm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False):
     """Transformer-Engine spec on GPU when TE imports, Megatron's local spec otherwise (MoE MLPs with
-    `num_experts`). Both name their parameters so that one weight table maps either (TE's fused norms are aliases)."""
+    `num_experts`, as TE's grouped GEMM with `moe_grouped_gemm`). All name their parameters so that one weight
+    table maps any of them (TE's fused norms and grouped experts are aliases)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if uses_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm)
     return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                     normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
@@ -175,7 +184,7 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
     config.batch_p2p_comm = vpp is None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_moe_experts),
+        transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm),
         vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, tp),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

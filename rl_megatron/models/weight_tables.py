@@ -177,8 +177,11 @@ _TE_ALIASES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# Megatron numbers the routed experts of a layer per expert-parallel rank; HF numbers them globally.
+# Megatron numbers the routed experts of a layer per expert-parallel rank; HF numbers them globally. One linear
+# layer per expert (SequentialMLP) or one grouped GEMM (TEGroupedMLP: TE's GroupedLinear names expert j's
+# weight `weight<j>`).
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 class DenseTable:
@@ -231,13 +234,15 @@ class DenseTable:
                 raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")
             return self.other[megatron_name]
         local, suffix = int(match.group(1)), _TE_ALIASES.get(match.group(2), match.group(2))
-        expert = _LOCAL_EXPERT.match(suffix)
-        if expert is not None:
-            suffix = "mlp.experts." + expert.group(2)
+        expert_index = None
+        if (expert := _LOCAL_EXPERT.match(suffix)) is not None:
+            expert_index, suffix = int(expert.group(1)), "mlp.experts." + expert.group(2)
+        elif (expert := _GROUPED_EXPERT.match(suffix)) is not None:
+            expert_index, suffix = int(expert.group(2)), f"mlp.experts.{expert.group(1)}.weight"
         if suffix not in self.layer:
             raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")
         entry = self.layer[suffix]
-        global_expert = expert_offset + int(expert.group(1)) if expert is not None else None
+        global_expert = expert_offset + expert_index if expert_index is not None else None
         names = tuple(n.format(i=local + layer_offset, e=global_expert) for n in entry.hf_names)
         return Entry(names, entry.layout, entry.hf_shapes)
 

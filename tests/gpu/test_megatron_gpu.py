@@ -1,6 +1,6 @@
 """One CUDA GPU, TP=1: Megatron's log-probs and a GRPO update (forward, backward, optimizer step) against Hugging
-Face transformers on the same weights, with Transformer-Engine layers when TE imports and Megatron's local layers
-otherwise. Needs torch with CUDA, megatron-core and transformers only: nothing on this path imports vLLM or Ray.
+Face transformers on the same weights, with Transformer-Engine layers when TE imports (MoE experts as TE's grouped
+GEMM) and Megatron's local layers otherwise. Needs torch with CUDA, megatron-core and transformers only: nothing on this path imports vLLM or Ray.
 
     pytest tests/gpu -m gpu -v -rA      (-rA prints which layer implementation ran)
 """
@@ -36,8 +36,10 @@ def log_probs_then_update(cfg, batch):
     layer = actor.chunks[0].decoder.layers[0]
     out = actor.log_probs({"input_ids": batch["input_ids"]})
     metrics = actor.update(batch)
+    experts = getattr(layer.mlp, "experts", None)
     return {"uses_transformer_engine": uses_transformer_engine(),
             "qkv_module": type(layer.self_attention.linear_qkv).__module__,
+            "experts_class": type(experts).__name__ if experts is not None else None,
             "device": str(next(layer.parameters()).device), "metrics": metrics, **out}
 
 
@@ -58,13 +60,21 @@ def hf_update_reference(model_dir: str, batch: dict, cfg) -> tuple[float, float]
     return loss.item(), grad_norm.item()
 
 
-# qwen2: QKV biases, separate output layer; qwen3: QK-norm, tied embeddings.
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen3", True)])
+TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+
+
+# qwen2: QKV biases, separate output layer; qwen3: QK-norm, tied embeddings; the MoE families (float32 only: in
+# bfloat16 near-tied router scores may pick other experts than transformers does) with TE's grouped GEMM
+# (TEGroupedMLP, moe.grouped_gemm) when TE is installed.
+@pytest.mark.parametrize("family,tied,dtype", [(family, tied, dtype) for family, tied in (("qwen2", False),
+                                                                                          ("qwen3", True))
+                                               for dtype in ("float32", "bfloat16")]
+                         + [("qwen3_moe", False, "float32"), ("mixtral", False, "float32")])
 def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
     model_dir = family_model_dir(tmp_path / family, family, tied)
+    moe = family in ("qwen3_moe", "mixtral")
     # 4 prompts x 2 samples per mini-batch: the whole batch of 8, so the update is one optimizer step on it.
-    cfg = config(model_dir, 1, 1, **{"model.dtype": dtype})
+    cfg = config(model_dir, 1, 1, **{"model.dtype": dtype, **({"moe.grouped_gemm": TE_INSTALLED} if moe else {})})
     batch = make_batch(18)
     ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, cfg.rollout.temperature)
     # The reference's log-probs are the update's old log-probs on both sides: both then compute the same loss.
@@ -76,8 +86,10 @@ def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
           f"device {result['device']}, dtype {dtype}")
     assert result["device"].startswith("cuda")
     # TE layers exactly when TE is installed (an installed TE that fails to import fails here, not silently).
-    assert te == (importlib.util.find_spec("transformer_engine") is not None)
+    assert te == TE_INSTALLED
     assert ("transformer_engine" in result["qkv_module"]) == te
+    if moe:
+        assert result["experts_class"] == ("TEGroupedMLP" if te else "SequentialMLP")
 
     mask = batch["response_mask"].bool()
     tolerance = LOG_PROB_TOLERANCE[dtype, te]

@@ -66,6 +66,13 @@ def test_alltoall_dispatcher_is_refused_on_the_cpu():
         moe_settings(model_config(cfg), cfg.moe)
 
 
+def test_grouped_gemm_is_refused_without_transformer_engine_layers():
+    cfg = load("moe.grouped_gemm=true")  # valid: GPU machines with TE build TEGroupedMLP
+    with pytest.raises(ValueError, match="moe.grouped_gemm=true needs Transformer Engine.*moe.grouped_gemm=false"):
+        moe_settings(model_config(cfg), cfg.moe)
+    assert moe_settings(model_config(load()), load().moe)["moe_grouped_gemm"] is False
+
+
 @pytest.mark.parametrize("key", ["moe.num_experts=8", "moe.top_k=1"])
 def test_shape_overrides_need_random_init(key):
     message = error(key, "model.random_init=false")

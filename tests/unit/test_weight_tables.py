@@ -104,6 +104,19 @@ def test_moe_table_names_experts_globally_from_the_expert_offset():
         table.lookup("decoder.layers.0.mlp.linear_fc1.weight", 0)
 
 
+@pytest.mark.parametrize("family, down", [("qwen3_moe", "down_proj"), ("mixtral", "w2")])
+def test_grouped_gemm_expert_names_map_to_the_same_tensors_as_per_expert_ones(family, down):
+    """TE's grouped GEMM (TEGroupedMLP, moe.grouped_gemm) names local expert j's weights `linear_fc1.weight<j>`."""
+    table = table_for(dict(MOE, model_type=family, intermediate_size=6), padded_vocab=16)
+    for fc in ("linear_fc1", "linear_fc2"):
+        grouped = table.lookup(f"decoder.layers.1.mlp.experts.{fc}.weight1", layer_offset=2, expert_offset=2)
+        assert grouped == table.lookup(f"decoder.layers.1.mlp.experts.local_experts.1.{fc}.weight", 2, 2)
+    prefix = "model.layers.3.mlp.experts.3." if family == "qwen3_moe" else "model.layers.3.block_sparse_moe.experts.3."
+    assert grouped.hf_names == (prefix + down + ".weight",)
+    with pytest.raises(KeyError, match="linear_fc1.bias1"):  # no biases (add_bias_linear=False)
+        table.lookup("decoder.layers.1.mlp.experts.linear_fc1.bias1", 0)
+
+
 @pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
 def test_moe_table_rejects_dense_layers_between_moe_layers(dense):
     with pytest.raises(ValueError, match="mlp_only_layers"):

@@ -1,0 +1,1 @@
+"""The controller: the training loop (`loop.py`), packing generations into batches, validation, stop signals."""

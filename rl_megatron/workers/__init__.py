@@ -1,0 +1,2 @@
+"""Ray workers and their groups: one worker per device hosting its share of the roles, process-group setup,
+offloading between phases."""
