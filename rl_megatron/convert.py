@@ -39,24 +39,17 @@ def _say(message: str) -> None:
     print(f"[convert] {message}", flush=True)
 
 
-def _check_layout(hf: dict, tp: int, pp: int, ep: int) -> None:
-    from rl_megatron.models.weight_tables import SUPPORTED_FAMILIES, moe_experts
+def _check_layout(hf: dict, source: str, tp: int, pp: int, ep: int) -> None:
+    """The model against the layout the command runs at: the trainer's check, naming the command's flags."""
+    from rl_megatron.config import ConfigError, check_model_layout
 
-    if hf.get("model_type") not in SUPPORTED_FAMILIES:
-        raise ConvertError(f"model_type {hf.get('model_type')!r} is not supported; supported: "
-                           f"{', '.join(SUPPORTED_FAMILIES)}.")
     for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
             raise ConvertError(f"{name}={value} must be at least 1.")
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    if heads % tp or groups % tp:
-        raise ConvertError(f"--tp={tp} must divide the model's {heads} attention heads and {groups} key/value heads.")
-    if hf["num_hidden_layers"] % pp:
-        raise ConvertError(f"--pp={pp} must divide the model's {hf['num_hidden_layers']} layers.")
-    experts = moe_experts(hf)
-    if ep > 1 and (not experts or experts % ep):
-        raise ConvertError(f"--ep={ep} must divide the model's routed experts ({experts or 'none: a dense model'}).")
+    try:
+        check_model_layout(hf, ("--tp", tp), ("--pp", pp), ("--ep", ep), source=source)
+    except ConfigError as err:
+        raise ConvertError(str(err)) from None
 
 
 def _new_output(path: str) -> str:
@@ -132,7 +125,7 @@ def from_hf(args) -> None:
         SafetensorsReader(args.hf)
     except FileNotFoundError as err:
         raise ConvertError(str(err)) from None
-    _check_layout(hf, args.tp, args.pp, args.ep)
+    _check_layout(hf, f"{args.hf}/config.json", args.tp, args.pp, args.ep)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else _hf_dtype(hf)
     if os.path.exists(args.out):
         raise ConvertError(f"'{args.out}' already exists; choose a new output folder.")
@@ -151,7 +144,7 @@ def to_hf(args) -> None:
 
     hf = stored_hf_config(args.ckpt) if os.path.isdir(args.ckpt) else {}
     metadata = check_checkpoint(args.ckpt, hf)  # a missing folder, metadata or shard fails here, clearly
-    _check_layout(hf, args.tp, args.pp, 1)
+    _check_layout(hf, f"{args.ckpt}/config.json", args.tp, args.pp, 1)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else metadata["dtype"]
     partial = _new_output(args.out)
     world = args.tp * args.pp

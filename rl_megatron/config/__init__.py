@@ -574,52 +574,67 @@ def _resolve_roles(cfg: Config) -> None:
 def _validate_model(hf: dict, role: str, tp: int, pp: int, vpp: int, ep: int, rollout_tp: int, max_model_len: int,
                     length_key: str) -> None:
     """The model against `role`'s layout (actor, or a separate ref / critic) and the engines'."""
+    check_model_layout(hf, (f"{role}.tensor_model_parallel_size", tp), (f"{role}.pipeline_model_parallel_size", pp),
+                       (f"{role}.expert_model_parallel_size", ep), (f"{role}.virtual_pipeline_model_parallel_size", vpp))
+    _check_heads(hf, "rollout.tensor_parallel_size", rollout_tp, MODEL_SOURCE)
+    positions = hf.get("max_position_embeddings")
+    if isinstance(positions, int) and max_model_len > positions:
+        raise ConfigError(f"{length_key} = {max_model_len} exceeds the model's max_position_embeddings="
+                          f"{positions} ({MODEL_SOURCE}); lower {length_key}.")
+
+
+MODEL_SOURCE = "model.path's config.json"
+
+
+def check_model_layout(hf: dict, tp: tuple[str, int], pp: tuple[str, int], ep: tuple[str, int],
+                       vpp: tuple[str, int] | None = None, source: str = MODEL_SOURCE) -> None:
+    """A model's config.json (read from `source`) against a parallel layout, before anything is built. Each size
+    comes with the name the user set it by (a config key, or a command-line flag), which the ConfigError names."""
     from rl_megatron.models.weight_tables import MOE_FAMILIES, SUPPORTED_FAMILIES, moe_experts
 
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in hf:
-            raise ConfigError(f"The model's config.json (model.path) lacks '{key}'; is it a decoder-only causal LM?")
+            raise ConfigError(f"The model's config.json ({source}) lacks '{key}'; is it a decoder-only causal LM?")
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "num_key_value_heads"):
         value = hf.get(key)
         if key in hf and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; it must be a positive "
-                              "integer.")
+            raise ConfigError(f"The model's config.json ({source}) has {key}={value!r}; it must be a positive integer.")
     if hf.get("model_type") not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"The model's config.json (model.path) has model_type={hf.get('model_type')!r}, which is not "
+        raise ConfigError(f"The model's config.json ({source}) has model_type={hf.get('model_type')!r}, which is not "
                           f"supported yet; supported: {', '.join(SUPPORTED_FAMILIES)}.")
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    for name, size in ((f"{role}.tensor_model_parallel_size", tp), ("rollout.tensor_parallel_size", rollout_tp)):
-        if heads % size or groups % size:
-            raise ConfigError(
-                f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads ({groups}) "
-                "(model.path's config.json). Choose a size that divides both.")
-    positions = hf.get("max_position_embeddings")
-    if isinstance(positions, int) and max_model_len > positions:
-        raise ConfigError(f"{length_key} = {max_model_len} exceeds the model's max_position_embeddings="
-                          f"{positions} (model.path's config.json); lower {length_key}.")
-    if hf["num_hidden_layers"] % (pp * vpp):
-        sizes = f"{role}.pipeline_model_parallel_size={pp}" + (
-            f" x {role}.virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else "")
-        raise ConfigError(f"{sizes} must divide the model's {hf['num_hidden_layers']} layers (model.path's "
-                          "config.json). Choose sizes whose product divides the layer count.")
+    _check_heads(hf, *tp, source)
+    (pp_name, pp_size), (vpp_name, vpp_size) = pp, vpp or ("", 1)
+    if hf["num_hidden_layers"] % (pp_size * vpp_size):
+        sizes = f"{pp_name}={pp_size}" + (f" x {vpp_name}={vpp_size}" if vpp_size > 1 else "")
+        raise ConfigError(f"{sizes} must divide the model's {hf['num_hidden_layers']} layers ({source}). Choose "
+                          "sizes whose product divides the layer count.")
     if hf["model_type"] in MOE_FAMILIES:
         experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
         for key in (experts_key, "num_experts_per_tok", MOE_FAMILIES[hf["model_type"]].width_key):
             value = hf.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"The model's config.json (model.path) has {key}={value!r}; an MoE model needs a "
+                raise ConfigError(f"The model's config.json ({source}) has {key}={value!r}; an MoE model needs a "
                                   "positive integer there.")
     try:
         experts = moe_experts(hf)
     except ValueError as err:
-        raise ConfigError(f"{err} Set model.path to such a model.") from None
-    if ep > 1 and not experts:
-        raise ConfigError(f"actor.expert_model_parallel_size={ep} needs an MoE model, but model.path's config.json has "
-                          f"model_type={hf['model_type']!r} (no experts); set actor.expert_model_parallel_size=1.")
-    if experts % ep:
-        raise ConfigError(f"actor.expert_model_parallel_size={ep} must divide the model's {experts} experts "
-                          "(model.path's config.json); choose a divisor.")
+        raise ConfigError(f"{source}: {err}") from None
+    ep_name, ep_size = ep
+    if ep_size > 1 and not experts:
+        raise ConfigError(f"{ep_name}={ep_size} needs an MoE model, but {source} has model_type={hf['model_type']!r} "
+                          f"(no experts); set {ep_name}=1.")
+    if experts % ep_size:
+        raise ConfigError(f"{ep_name}={ep_size} must divide the model's {experts} experts ({source}); choose a "
+                          "divisor.")
+
+
+def _check_heads(hf: dict, name: str, size: int, source: str) -> None:
+    """A tensor-parallel size must split the attention heads and the key/value heads evenly."""
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    if heads % size or groups % size:
+        raise ConfigError(f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads "
+                          f"({groups}) ({source}). Choose a size that divides both.")
 
 
 def _positive(*pairs) -> None:
