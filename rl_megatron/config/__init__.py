@@ -575,7 +575,8 @@ def _validate_model(hf: dict, role: str, tp: int, pp: int, vpp: int, ep: int, ro
                     length_key: str) -> None:
     """The model against `role`'s layout (actor, or a separate ref / critic) and the engines'."""
     check_model_layout(hf, (f"{role}.tensor_model_parallel_size", tp), (f"{role}.pipeline_model_parallel_size", pp),
-                       (f"{role}.expert_model_parallel_size", ep), (f"{role}.virtual_pipeline_model_parallel_size", vpp))
+                       (f"{role}.expert_model_parallel_size", ep),
+                       (f"{role}.virtual_pipeline_model_parallel_size", vpp))
     _check_heads(hf, "rollout.tensor_parallel_size", rollout_tp, MODEL_SOURCE)
     positions = hf.get("max_position_embeddings")
     if isinstance(positions, int) and max_model_len > positions:
