@@ -17,7 +17,8 @@ Role of this node, from (first match):
   SLURM_JOB_NODELIST (first host = head)              under srun, one task per node (slurm_train_3d.sbatch)
   nothing                                             a single node
 Settings (environment): RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_OBJECT_STORE_MEMORY (bytes; Ray's
-default), RAY_JOIN_TIMEOUT (600 s), GPUS_PER_NODE (default: SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or
+default), RAY_JOIN_TIMEOUT (600 s), RAY_WATCH_INTERVAL (10 s: how often the other nodes check that the head
+is up; they leave after 3 misses), GPUS_PER_NODE (default: SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or
 nvidia-smi), GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .venv/bin/python, else python3).
 
   --dry-run   check the config against this environment and print the plan (nodes, GPUs per role,

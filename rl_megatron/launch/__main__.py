@@ -19,6 +19,7 @@ from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_
 DEFAULT_RAY_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
 DEFAULT_JOIN_TIMEOUT_S = 600
+DEFAULT_WATCH_INTERVAL_S = 10  # a worker node checks the head this often; it leaves after 3 misses in a row
 # Ray's CLI from this interpreter's environment: `ray` need not be on PATH (an unactivated venv).
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         elif args.command == "wait-head":
             ray_cluster.wait_for_head(args.host, args.port, _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
         else:
-            ray_cluster.watch_head(args.host, args.port)
+            ray_cluster.watch_head(args.host, args.port, _env_int("RAY_WATCH_INTERVAL", DEFAULT_WATCH_INTERVAL_S))
     except (ConfigError, LaunchError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """`launch/train_3d.sh` as users run it: --dry-run under torchrun-style and SLURM variables prints the plan;
-a node count or layout that does not fit fails before Ray starts, naming the key and the fix."""
+a node count or layout that does not fit fails before Ray starts, naming the key and the fix; and the real
+thing, two nodes on this machine: Ray head and join, the wait for the cluster, training, and Ray's stop."""
 import os
 import subprocess
 import sys
@@ -10,14 +11,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor.tensor_model_parallel_size=2",
            "actor.pipeline_model_parallel_size=2", "actor.micro_batch_size=4", "model.dtype=bfloat16"]
 LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "GPUS_PER_NODE", "GPU_MEMORY_GIB", "CUDA_VISIBLE_DEVICES",
-                    "RAY_PORT", "RAY_ADDRESS")
+                    "RAY_PORT", "RAY_ADDRESS", "RAY_DASHBOARD_PORT", "RAY_JOIN_TIMEOUT", "RAY_WATCH_INTERVAL")
 
 
-def launch(tmp_path, env, *args):
+def launch(tmp_path, env, *args, timeout=60, wait=True):
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     clean.update(env, PYTHON=sys.executable)
     cmd = ["launch/train_3d.sh", *args[:-1], "configs/demo_cpu.yaml", f"trainer.log_dir={tmp_path}", *args[-1]]
-    return subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=60)
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=timeout)
 
 
 def test_help():
@@ -67,3 +70,35 @@ def test_bad_cluster_fails_before_ray_starts(tmp_path, env, overrides, expected)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: ") and expected in done.stderr, done.stderr
     assert "ray" not in done.stdout.lower() and not os.path.exists(tmp_path / "demo_cpu")
+
+
+def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
+    """Node 1 waits for the head and joins its Ray; node 0 starts the head, waits for both nodes, trains, saves
+    and stops Ray; node 1 then leaves. (Each node's `ray stop` ends every Ray process of this machine.)"""
+    import ray
+
+    from rl_megatron.workers.distributed import free_ports
+
+    if ray.is_initialized():
+        pytest.skip("this pytest process runs a Ray instance that the launcher's `ray stop` would end")
+    ray_port, dashboard_port = free_ports(2)
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "RAY_PORT": str(ray_port),
+           "RAY_DASHBOARD_PORT": str(dashboard_port), "RAY_JOIN_TIMEOUT": "120", "RAY_WATCH_INTERVAL": "1"}
+    overrides = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1",
+                 "trainer.total_steps=1", "trainer.progress_bar=false"]
+    worker = launch(tmp_path, dict(env, NODE_RANK="1"), overrides, wait=False)
+    try:
+        head = launch(tmp_path, dict(env, NODE_RANK="0"), overrides, timeout=300)
+        worker_output, _ = worker.communicate(timeout=60)  # it leaves once the head's port stops answering
+    finally:
+        worker.kill()
+    assert head.returncode == 0, head.stdout + head.stderr
+    assert "2 nodes and 0 GPUs joined the Ray cluster" in head.stdout  # waited for node 1
+    assert "node 0: training exited with status 0" in head.stdout
+    assert "step 1: checkpoint saved" in head.stdout and "node 0: stopping Ray" in head.stdout
+    assert worker.returncode == 0, worker_output
+    assert f"node 1: joined 127.0.0.1:{ray_port}" in worker_output and "node 1: stopping Ray" in worker_output
+    logs = tmp_path / "demo_cpu" / "logs"
+    assert "training exited with status 0" in (logs / "node0.log").read_text()
+    assert "joined" in (logs / "node1.log").read_text()
+    assert (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().count('"step": 1') == 1
