@@ -2,7 +2,8 @@
 
 The policy's HF tensors are assembled on the actor's rank 0 one bucket at a time, straight into the buffer that
 is then broadcast over a process group of that rank and every engine worker (NCCL on GPU, gloo on CPU): the
-sender holds at most a bucket of them (the largest tensor when it is bigger), never the whole model. Each engine
+sender holds one bucket of them (the largest tensor when it is bigger), plus the resharder's transfer buckets of
+what other actor ranks send it, never the whole model. Each engine
 worker writes into its parameters the HF regions it keeps (`vllm_targets`: the same map the colocated sync and
 `engine_mismatches` use, so both placements give engines the same bits).
 
