@@ -94,7 +94,7 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict:
         raise CheckpointError(f"'{ckpt_dir}' is not a folder; expected a checkpoint written by "
                               "`python -m rl_megatron.convert from-hf` or the trainer.")
     metadata = read_json(os.path.join(ckpt_dir, METADATA_FILE),
-                          "every rl_megatron checkpoint has it; a folder without it was not completely written")
+                         "every rl_megatron checkpoint has it; a folder without it was not completely written")
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"'{os.path.join(ckpt_dir, METADATA_FILE)}' says format {metadata.get('format')!r} version "

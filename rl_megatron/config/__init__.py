@@ -437,11 +437,11 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
     """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
     reference and critic), then the separate ones: engines, reference, critic. Roles in a pool: actor, rollout,
     ref, critic order."""
-    a, separate = cfg.actor, []
-    actor_roles = ["actor", "rollout"] if cfg.rollout.placement == "colocated" else ["actor"]
-    if cfg.rollout.placement == "separate":
-        separate.append(WorkerPool("rollout", ("rollout",), cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node,
-                                   "rollout", {}))
+    a, r = cfg.actor, cfg.rollout
+    engines_apart = r.placement == "separate"
+    actor_roles = ["actor"] if engines_apart else ["actor", "rollout"]
+    engine_pool = WorkerPool("rollout", ("rollout",), r.nnodes, r.n_gpus_per_node, "rollout", {})
+    separate = [engine_pool] if engines_apart else []
     for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
         if wanted and role.placement == "colocated":
             actor_roles.append(name)
@@ -595,14 +595,14 @@ def check_model_layout(hf: dict, tp: tuple[str, int], pp: tuple[str, int], ep: t
 
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         if key not in hf:
-            raise ConfigError(f"The model's config.json ({source}) lacks '{key}'; is it a decoder-only causal LM?")
+            raise ConfigError(f"{source} lacks '{key}'; is the model a decoder-only causal LM?")
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "num_key_value_heads"):
         value = hf.get(key)
         if key in hf and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"The model's config.json ({source}) has {key}={value!r}; it must be a positive integer.")
+            raise ConfigError(f"{source} has {key}={value!r}; it must be a positive integer.")
     if hf.get("model_type") not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"The model's config.json ({source}) has model_type={hf.get('model_type')!r}, which is not "
-                          f"supported yet; supported: {', '.join(SUPPORTED_FAMILIES)}.")
+        raise ConfigError(f"{source} has model_type={hf.get('model_type')!r}, which is not supported yet; "
+                          f"supported: {', '.join(SUPPORTED_FAMILIES)}.")
     _check_heads(hf, *tp, source)
     (pp_name, pp_size), (vpp_name, vpp_size) = pp, vpp or ("", 1)
     if hf["num_hidden_layers"] % (pp_size * vpp_size):
@@ -614,8 +614,7 @@ def check_model_layout(hf: dict, tp: tuple[str, int], pp: tuple[str, int], ep: t
         for key in (experts_key, "num_experts_per_tok", MOE_FAMILIES[hf["model_type"]].width_key):
             value = hf.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"The model's config.json ({source}) has {key}={value!r}; an MoE model needs a "
-                                  "positive integer there.")
+                raise ConfigError(f"{source} has {key}={value!r}; an MoE model needs a positive integer there.")
     try:
         experts = moe_experts(hf)
     except ValueError as err:

@@ -3,9 +3,9 @@
 The policy's HF tensors are assembled on the actor's rank 0 one bucket at a time, straight into the buffer that
 is then broadcast over a process group of that rank and every engine worker (NCCL on GPU, gloo on CPU): the
 sender holds one bucket of them (the largest tensor when it is bigger), plus the resharder's transfer buckets of
-what other actor ranks send it, never the whole model. Each engine
-worker writes into its parameters the HF regions it keeps (`vllm_targets`: the same map the colocated sync and
-`engine_mismatches` use, so both placements give engines the same bits).
+what other actor ranks send it, never the whole model. Each engine worker writes into its parameters the HF
+regions it keeps (`vllm_targets`: the same map the colocated sync and `engine_mismatches` use, so both
+placements give engines the same bits).
 
 The group is a process group of its own (its own store), beside each side's default group: the actor's ranks
 and the engines' ranks each already form a world for Megatron and for vLLM's tensor parallelism.
