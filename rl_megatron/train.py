@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         return report_error(err)
     from rl_megatron.checkpoint import CheckpointError
-    from rl_megatron.trainer.loop import train
+    from rl_megatron.trainer.trainer import train
     from rl_megatron.workers.cluster import ClusterError
 
     start = time.time()

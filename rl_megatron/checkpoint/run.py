@@ -26,6 +26,7 @@ import warnings
 
 from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
 from rl_megatron.config import Config, uses_reference
+from rl_megatron.roles import Role
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -39,10 +40,11 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged or partial) and an older one used instead."""
 
 
-def checkpointed_roles(cfg: Config) -> tuple[str, ...]:
-    """The models a checkpoint holds: the trainable ones, and the reference when model.path cannot rebuild it."""
-    return ("actor", *(("critic",) if cfg.critic.enable else ()),
-            *(("ref",) if uses_reference(cfg) and cfg.model.random_init else ()))
+def checkpointed_roles(cfg: Config) -> tuple[Role, ...]:
+    """The models a checkpoint holds (each in the folder of its role's name): the trainable ones, and the reference
+    when model.path cannot rebuild it."""
+    return (Role.ACTOR, *((Role.CRITIC,) if cfg.critic.enable else ()),
+            *((Role.REF,) if uses_reference(cfg) and cfg.model.random_init else ()))
 
 
 def step_dir(root: str, step: int) -> str:
@@ -140,7 +142,7 @@ def read_trainer_state(folder: str) -> dict:
     return state
 
 
-def check_step(folder: str, hf_config: dict, roles: tuple[str, ...], expert_parallel: int = 1) -> dict:
+def check_step(folder: str, hf_config: dict, roles: tuple[Role, ...], expert_parallel: int = 1) -> dict:
     """Everything checkable before loading a step folder for `roles` (each one's Megatron checkpoint: metadata,
     config against `hf_config`, shard files) into an actor of `expert_parallel` EP. Returns its trainer state."""
     if not os.path.isdir(folder):
@@ -149,7 +151,7 @@ def check_step(folder: str, hf_config: dict, roles: tuple[str, ...], expert_para
     state = read_trainer_state(folder)
     for role in roles:
         metadata = check_checkpoint(os.path.join(folder, role), hf_config)
-        if role != "ref" and not metadata.get("training_state"):
+        if role.trainable and not metadata.get("training_state"):
             raise CheckpointError(f"'{os.path.join(folder, role)}' holds weights only, no optimizer state.")
     saved_ep = read_json(os.path.join(folder, "actor", METADATA_FILE), "")["source_layout"]["ep"]
     # Megatron keeps the experts' Adam state in an optimizer of its own only at EP > 1, and its checkpoints do not
@@ -163,7 +165,7 @@ def check_step(folder: str, hf_config: dict, roles: tuple[str, ...], expert_para
     return state
 
 
-def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[str, ...],
+def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[Role, ...],
                   expert_parallel: int = 1) -> tuple[str, dict] | None:
     """(step folder, trainer state) to resume from, or None to start over (see the module's docstring)."""
     if resume == "off":

@@ -26,6 +26,7 @@ class TrainerConfig:
     keep_last: int = 2  # keep the newest this many checkpoints, delete older ones (0 keeps all)
     resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
+    imports: list[str] = field(default_factory=list)  # your modules (dotted names or .py paths) imported first in the controller, the workers and the scorer processes, e.g. for @rl_megatron.rewards.register
 
 
 @dataclass
@@ -117,6 +118,7 @@ class CriticConfig:
 
 @dataclass
 class RolloutConfig:
+    function: str = "rl_megatron.rollout.single_turn:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/single_turn.py)
     placement: str = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
     nnodes: int = 1  # separate placement: nodes of the engines' pool
     n_gpus_per_node: int = 1  # separate placement: devices per node of the engines' pool

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rl_megatron.batch import Prompt
+
 
 class PromptLoader:
     """Serves batches from a stream of shuffled epochs.
@@ -52,7 +54,7 @@ class PromptLoader:
             self._order_epoch = self.epoch
         return self._order
 
-    def next_batch(self) -> dict[str, list]:
+    def next_batch(self) -> list[Prompt]:
         indices: list[int] = []
         while len(indices) < self.batch_size:
             taken = self._epoch_order()[self.offset : self.offset + self.batch_size - len(indices)]
@@ -69,13 +71,9 @@ class PromptLoader:
         for start in range(0, len(self.rows), self.batch_size):
             yield self._batch(range(start, min(start + self.batch_size, len(self.rows))))
 
-    def _batch(self, indices) -> dict[str, list]:
-        return {
-            "prompt_ids": [self.prompt_ids[i] for i in indices],
-            "ground_truth": [self.rows[i]["ground_truth"] for i in indices],
-            "data_source": [self.rows[i]["data_source"] for i in indices],
-            "extra_info": [self.rows[i].get("extra_info", {}) for i in indices],
-        }
+    def _batch(self, indices) -> list[Prompt]:
+        return [Prompt(self.prompt_ids[i], self.rows[i]["data_source"], self.rows[i]["ground_truth"],
+                       self.rows[i].get("extra_info", {})) for i in indices]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "num_rows": len(self.rows), "seed": self.seed,

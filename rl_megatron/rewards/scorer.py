@@ -28,9 +28,11 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from rl_megatron.batch import Sample
+from rl_megatron.plugins import import_user_modules, with_absolute_path
 from rl_megatron.rewards import READS_PROMPT, REGISTRY, unknown_source_error
-from rl_megatron.rewards.custom import load_custom_fn, with_absolute_path
-from rl_megatron.rewards.worker import IDLE, PROGRESS_BYTES, progress_view
+from rl_megatron.rewards.custom import load_custom_fn
+from rl_megatron.rewards.worker import IDLE, PROGRESS_BYTES, ScorerCode, progress_view
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 class _ScorerProcess:
     """One worker process: its connection, its shared progress record, and the chunk it is scoring."""
 
-    def __init__(self, custom_fn_spec: str | None):
+    def __init__(self, code: ScorerCode):
         ours, theirs = socket.socketpair()
         progress_fd = os.memfd_create("rl_megatron-reward-progress")
         os.ftruncate(progress_fd, PROGRESS_BYTES)
@@ -55,7 +57,7 @@ class _ScorerProcess:
         command = [sys.executable, "-m", "rl_megatron.rewards.worker", str(theirs.fileno()), str(progress_fd)]
         try:
             # Its own session: Ctrl-C stays the controller's, and killing the group also ends a scorer's children.
-            self.process = subprocess.Popen(command + ([custom_fn_spec] if custom_fn_spec else []), env=env,
+            self.process = subprocess.Popen(command + [code.to_json()], env=env,
                                             pass_fds=(theirs.fileno(), progress_fd), stdin=subprocess.DEVNULL,
                                             start_new_session=True)
             self.progress = progress_view(progress_fd)
@@ -66,6 +68,7 @@ class _ScorerProcess:
         self.started_at = time.monotonic()
         self.ready = False
         self.chunk: tuple[int, list] | None = None  # (index of its first sample in the batch, samples)
+        self.hung_up = False  # its end of the connection closed: it died (maybe not yet reaped)
 
     def send(self, chunk: tuple[int, list]) -> None:
         self.chunk = chunk
@@ -122,17 +125,24 @@ class _BatchProblems:
 class RewardScorer:
     """Scores samples with the registered scorer of each one's data_source, or with `reward.custom_fn`.
 
-    with RewardScorer(cfg.reward) as scorer:
+    with RewardScorer(cfg.reward, cfg.trainer.imports) as scorer:
         scores, stats = scorer.score(data_sources, responses, ground_truths, extra_infos, prompts=prompts)
     """
 
-    def __init__(self, cfg):
-        """cfg: a RewardConfig (num_workers, timeout_s, custom_fn). A bad custom_fn raises ConfigError here."""
+    def __init__(self, cfg, imports: list[str] = ()):
+        """cfg: a RewardConfig (num_workers, timeout_s, custom_fn); `imports`: the user's modules (trainer.imports)
+        that the processes import first, so that the scorers they register exist there too. A bad custom_fn or
+        import raises ConfigError here."""
         self.timeout_s = float(cfg.timeout_s)
-        self.custom_fn_spec = with_absolute_path(cfg.custom_fn) if cfg.custom_fn else None
-        if self.custom_fn_spec:
-            load_custom_fn(self.custom_fn_spec)  # fail at start, in the controller, with the config key named
-        self._processes = [_ScorerProcess(self.custom_fn_spec) for _ in range(cfg.num_workers)]
+        self.code = ScorerCode(with_absolute_path(cfg.custom_fn) if cfg.custom_fn else None,
+                               [with_absolute_path(name) for name in imports])
+        # Fail at start, in the controller, with the config key named.
+        import_user_modules(self.code.imports)
+        if self.code.custom_fn:
+            load_custom_fn(self.code.custom_fn)
+        self.custom_fn_spec = self.code.custom_fn
+        self.sources: set[str] = set()  # the data sources the processes have a scorer for (they say when ready)
+        self._processes = [_ScorerProcess(self.code) for _ in range(cfg.num_workers)]
         # Kills the processes even if close() is never called (an exception, or the end of the interpreter).
         self._finalizer = weakref.finalize(self, _stop_all, self._processes)
         try:
@@ -154,6 +164,19 @@ class RewardScorer:
                                 None if extra_infos is None else list(extra_infos),
                                 None if prompts is None else list(prompts))
         return self._runner.submit(self._score_batch_or_reset, samples)
+
+    def submit_samples(self, samples: list[Sample], tokenizer) -> concurrent.futures.Future:
+        """`submit` for a step's samples, decoded with `tokenizer`. Prompts keep their special tokens: scorers look
+        for the chat template's markers (<|im_start|>assistant)."""
+        prompt_texts: dict[tuple[int, ...], str] = {}
+        for sample in samples:  # the n samples of a prompt share its text
+            ids = tuple(sample.prompt_ids)
+            if ids not in prompt_texts:
+                prompt_texts[ids] = tokenizer.decode(sample.prompt_ids)
+        return self.submit([s.data_source for s in samples],
+                           [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
+                           [s.ground_truth for s in samples], [s.extra_info for s in samples],
+                           prompts=[prompt_texts[tuple(s.prompt_ids)] for s in samples])
 
     def score(self, data_sources, solutions, ground_truths, extra_infos=None,
               prompts=None) -> tuple[torch.Tensor, dict[str, int]]:
@@ -180,7 +203,11 @@ class RewardScorer:
         extra_infos = extra_infos or [None] * n
         if self.custom_fn_spec is None:  # unknown sources are a data or config bug: stop before scoring
             for source in dict.fromkeys(data_sources):
-                if source not in REGISTRY:
+                if source in REGISTRY and source not in self.sources:
+                    raise KeyError(f"data_source {source!r} has a scorer registered in this process but not in the "
+                                   "scorer processes, which import only the built-in scorers and trainer.imports: "
+                                   "add the module that registers it to trainer.imports.")
+                if source not in self.sources:
                     raise unknown_source_error(source)
             with_prompt = [source in READS_PROMPT for source in data_sources]
             if any(with_prompt) and prompts is None:
@@ -209,6 +236,7 @@ class RewardScorer:
                 message = ("failed", f"it exited with code {process.process.wait()} (see its output above)")
             if message[0] != "ready":
                 raise RuntimeError(f"a reward scorer process failed to start: {message[1]}")
+            self.sources = set(message[1])
             process.ready = True
         elif time.monotonic() - process.started_at > STARTUP_TIMEOUT_S:
             raise RuntimeError(f"a reward scorer process did not start within {STARTUP_TIMEOUT_S:.0f}s (importing "
@@ -222,7 +250,7 @@ class RewardScorer:
             for slot, process in enumerate(self._processes):
                 if process.chunk is not None:
                     process.kill()
-                    self._processes[slot] = _ScorerProcess(self.custom_fn_spec)
+                    self._processes[slot] = _ScorerProcess(self.code)
             raise
 
     def _score_batch(self, samples: list[tuple]) -> tuple[torch.Tensor, dict[str, int]]:
@@ -268,6 +296,7 @@ class RewardScorer:
             answered = process.conn.poll()
             message = process.conn.recv() if answered else None
         except (EOFError, OSError):
+            process.hung_up = True
             return False
         if message is None:
             running = process.current_sample()
@@ -283,7 +312,7 @@ class RewardScorer:
         """Kill a timed-out or dead process, charge its current sample, re-queue the rest of its chunk (the
         scores it had finished died with it), and start a fresh process in its place."""
         running = process.current_sample()
-        alive = process.process.poll() is None
+        alive = process.process.poll() is None and not process.hung_up
         process.kill()
         start, chunk = process.chunk
         if running is None:  # died between samples: no sample to blame
@@ -299,4 +328,4 @@ class RewardScorer:
             for rest in ((start + index + 1, chunk[index + 1 :]), (start, chunk[:index])):
                 if rest[1]:
                     pending.appendleft(rest)
-        return _ScorerProcess(self.custom_fn_spec)
+        return _ScorerProcess(self.code)

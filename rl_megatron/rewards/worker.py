@@ -1,4 +1,4 @@
-"""A scorer process of `RewardScorer`: `python -m rl_megatron.rewards.worker CONN_FD PROGRESS_FD [CUSTOM_FN]`.
+"""A scorer process of `RewardScorer`: `python -m rl_megatron.rewards.worker CONN_FD PROGRESS_FD CODE_JSON`.
 
 It receives chunks of samples over the connection on CONN_FD and answers each chunk with one message (not one
 per sample, to keep the overhead of cheap scorers small). So that the controller can still time every sample
@@ -9,20 +9,41 @@ A fresh interpreter (not a fork of the controller, nor multiprocessing's spawn, 
 trainer's main module and torch with it) keeps the process small, fast to start and free of the
 controller's threads and locks.
 """
+from __future__ import annotations
+
 import ctypes
+import json
 import math
 import mmap
 import os
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
+from rl_megatron.plugins import import_user_modules
 from rl_megatron.rewards import REGISTRY
+from rl_megatron.rewards.custom import load_custom_fn
 
 PROGRESS_BYTES = 16
 IDLE = 0.0  # the progress start time while no sample is being scored
 ERROR_CHARS = 500  # an error message is cut to this length: it only goes into a warning
+
+
+@dataclass
+class ScorerCode:
+    """The user's code a scorer process loads: reward.custom_fn, and the modules of trainer.imports (whose
+    @register calls add scorers)."""
+    custom_fn: str | None
+    imports: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ScorerCode:
+        return cls(**json.loads(text))
 
 
 def progress_view(fd: int):
@@ -77,17 +98,14 @@ def exit_when_orphaned(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="orphan-watch").start()
 
 
-def serve(conn: Connection, progress, custom_fn_spec: str | None) -> None:
-    custom_fn = None
-    if custom_fn_spec:
-        from rl_megatron.rewards.custom import load_custom_fn
-
-        try:
-            custom_fn = load_custom_fn(custom_fn_spec)
-        except Exception as err:
-            conn.send(("failed", f"{type(err).__name__}: {err}"))
-            return
-    conn.send(("ready",))
+def serve(conn: Connection, progress, code: ScorerCode) -> None:
+    try:
+        import_user_modules(code.imports)
+        custom_fn = load_custom_fn(code.custom_fn) if code.custom_fn else None
+    except Exception as err:
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", sorted(REGISTRY)))
     while True:
         try:
             samples = conn.recv()
@@ -100,7 +118,7 @@ def serve(conn: Connection, progress, custom_fn_spec: str | None) -> None:
 
 def main(argv: list[str]) -> None:
     exit_when_orphaned()
-    serve(Connection(int(argv[0])), progress_view(int(argv[1])), argv[2] if len(argv) > 2 else None)
+    serve(Connection(int(argv[0])), progress_view(int(argv[1])), ScorerCode.from_json(argv[2]))
 
 
 if __name__ == "__main__":

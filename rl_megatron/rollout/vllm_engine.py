@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_megatron import platform
+from rl_megatron.batch import SampleStatus
 from rl_megatron.config.schema import RolloutConfig
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
@@ -107,10 +108,14 @@ WAKE_TAGS = ("weights", "kv_cache")  # what a sleeping engine reallocates, in vL
 
 
 @dataclass
-class Generation:
-    prompt_ids: list[int]
+class Completion:
+    """One sampled response: its tokens, their log-probs (after temperature), and how it ended."""
     response_ids: list[int]
-    response_log_probs: list[float]
+    log_probs: list[float]
+    status: SampleStatus
+
+
+FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # vLLM's finish_reason; else OK
 
 
 def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:
@@ -139,6 +144,7 @@ class VLLMEngine:
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
                   else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
         self.cfg, self.eos_token_id = cfg, eos_token_id
+        self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.llm = LLM(
             model=model_path,
@@ -156,7 +162,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
-            enable_sleep_mode=platform.has_cuda(),
+            enable_sleep_mode=self.sleeps,
             **memory,
         )
 
@@ -164,7 +170,7 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None,
-                 seeds: list[int] | None = None) -> list[Generation]:
+                 seeds: list[int] | None = None) -> list[Completion]:
         """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j). With `seeds`, prompt
         i's samples are drawn from seeds[i] (vLLM seeds sample j with seeds[i] + j): they then depend on nothing
         else, not on earlier calls nor on which engine runs them, so a resumed run samples as the original did."""
@@ -177,13 +183,13 @@ class VLLMEngine:
         per_prompt = (SamplingParams(**settings) if seeds is None
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
-        generations = []
-        for prompt, output in zip(prompts, outputs):
+        completions = []
+        for output in outputs:
             for sample in sorted(output.outputs, key=lambda s: s.index):
                 ids = list(sample.token_ids)
                 log_probs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                generations.append(Generation(prompt, ids, log_probs))
-        return generations
+                completions.append(Completion(ids, log_probs, FINISH_STATUS.get(sample.finish_reason, SampleStatus.OK)))
+        return completions
 
     def model(self) -> torch.nn.Module:
         """The engine's model on this rank (its parameters are what a weight sync writes)."""
@@ -201,7 +207,7 @@ class VLLMEngine:
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep(level={level}): use 1 (weights to host memory) or 2 (weights dropped; the next "
                              "weight sync rewrites them).")
-        if platform.has_cuda() and not self.asleep:
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=level)
             self.asleep = set(WAKE_TAGS)
 

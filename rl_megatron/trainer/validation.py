@@ -2,10 +2,38 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
+from rl_megatron.config import Config
+from rl_megatron.data.loader import PromptLoader
+from rl_megatron.rewards.scorer import RewardScorer
+from rl_megatron.batch import Prompt, Sample
+from rl_megatron.rollout.engines import Sampling
+
 CORRECT = 1.0 - 1e-6  # a sample counts as solved at the scorer's full score (partial credit, e.g. format, does not)
+
+
+def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_loader: PromptLoader,
+             scorer: RewardScorer, tokenizer, cfg: Config, step: int) -> tuple[dict[str, float], str]:
+    """One pass over the validation prompts through `rollout` (the run's rollout function): rollout.val_n answers
+    each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and a table of
+    the first samples."""
+    n = cfg.rollout.val_n
+    sources, scores, texts = [], [], []
+    for batch_index, prompts in enumerate(val_loader.in_order()):
+        sampling = Sampling(n, 0.0 if n == 1 else cfg.rollout.temperature, f"validation {batch_index}", step)
+        samples = rollout(prompts, sampling)
+        batch_scores, _ = scorer.submit_samples(samples, tokenizer).result()
+        sources += [p.data_source for p in prompts]
+        scores.append(batch_scores)
+        texts += [(tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                   tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
+    scores = torch.cat(scores)
+    rows = cfg.trainer.val_generations_to_log
+    table = generations_table([p for p, _ in texts], [r for _, r in texts], scores.tolist(), rows)
+    return validation_metrics(sources, scores, n), table
 
 
 def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) -> dict[str, float]:

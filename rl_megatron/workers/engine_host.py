@@ -3,8 +3,12 @@ by the actor's workers (`HybridWorker`, rollout.placement=colocated) or by worke
 rollout.placement=separate)."""
 from __future__ import annotations
 
+from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
+from rl_megatron.rollout.vllm_engine import VLLMEngine
+from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.worker_group import dispatch
 
 
@@ -21,9 +25,6 @@ class EngineHost:
         self.engine_index = self.rank // self.engine_tp
 
     def _start_engine(self) -> None:
-        from rl_megatron.config import moe_hf_overrides
-        from rl_megatron.rollout.vllm_engine import VLLMEngine
-
         cfg = self.cfg
         # The shards of one engine must sample alike: they share a seed.
         self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
@@ -34,22 +35,12 @@ class EngineHost:
         """(engine index, engines, whether this rank returns its engine's samples: the engine's first rank)."""
         return self.engine_index, self.world_size // self.engine_tp, self.rank % self.engine_tp == 0
 
-    def _for_generation(self) -> None:
-        self.engine.wake_up()
-
-    @dispatch(axis="rollout")
-    def generate(self, prompts: list[list[int]], seeds: list[int]):
-        """rollout.n samples per prompt; prompt i's are drawn from seeds[i] (see `VLLMEngine.generate`)."""
-        self._for_generation()
-        return self.engine.generate(prompts, n=self.cfg.rollout.n, seeds=seeds)
-
-    @dispatch(axis="rollout")
-    def generate_for_validation(self, prompts: list[list[int]], seeds: list[int]):
-        """rollout.val_n answers per prompt: greedy for one, sampled at rollout.temperature for more (pass@k)."""
-        self._for_generation()
-        n = self.cfg.rollout.val_n
-        return self.engine.generate(prompts, n=n, temperature=0.0 if n == 1 else self.cfg.rollout.temperature,
-                                    seeds=seeds)
+    @dispatch(axis="rollout", phase=GENERATE)
+    def generate(self, prompts: list[Prompt], seeds: list[int], *, n: int, temperature: float) -> list[Sample]:
+        """`n` samples per prompt, prompt-major; prompt i's are drawn from seeds[i] (see `VLLMEngine.generate`)."""
+        completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds)
+        return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status)
+                for i, c in enumerate(completions)]
 
     @dispatch(axis=None)
     def engine_mismatches(self, hf_state: dict) -> list[str]:

@@ -4,9 +4,9 @@
   policy (a copy of the initial actor, or loaded from model.path).
 - `MegatronCritic`: the same trunk with a scalar value head; values of given sequences, and value updates.
 
-Batches here are this data-parallel rank's slice. Sequences are right-padded, so plain causal attention needs no
-mask and position ids are 0..S-1. Position t of `response_mask` / `*log_probs` / `values` refers to the token at
-t + 1 (the label predicted at t; the value of the state before that token).
+Batches (`TrainBatch`) here are this data-parallel rank's slice. Sequences are right-padded, so plain causal
+attention needs no mask and position ids are 0..S-1. Position t of `response_mask` / `*log_probs` / `values` refers
+to the token at t + 1 (the label predicted at t; the value of the state before that token).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -25,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
 from rl_megatron.algorithms import LossScale, aggregate_loss, kl_divergence, policy_loss, value_loss
+from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
@@ -33,26 +33,8 @@ from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.workers.distributed import owns_dp_output
 
-Batch = dict[str, torch.Tensor]
 # loss_of(micro-batch, model output, the mini-batch's LossScale) -> (loss, detached stats to add up)
-LossOf = Callable[[Batch, torch.Tensor, LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    count = next(iter(batch.values())).shape[0]
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, count, size)]
-
-
-def labels_of(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
-    return torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), pad_id)], dim=1)
-
-
-def pad_sequences(batch: Batch, multiple: int, pad_id: int) -> Batch:
-    """Per-token ([B, S]) tensors right-padded to a length that is a multiple of `multiple`: pad tokens, and zeros
-    in masks and log-probs, so that the padding joins no loss."""
-    extra = -batch["input_ids"].shape[1] % multiple
-    return {key: F.pad(value, (0, extra), value=pad_id if key == "input_ids" else 0) if value.dim() == 2 else value
-            for key, value in batch.items()}
+LossOf = Callable[[TrainBatch, torch.Tensor, LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class MegatronModel:
@@ -65,7 +47,6 @@ class MegatronModel:
                  optimizer_steps: int = 0, value_head: bool = False, weights_path: str | None = None,
                  checkpoint: str | None = None, initial: MegatronModel | None = None):
         self.cfg, self.hf_config, self.micro_batch_size = cfg, hf_config, micro_batch_size
-        self.pad_id = hf_config.get("pad_token_id") or 0
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
@@ -122,20 +103,17 @@ class MegatronModel:
         load_checkpoint_into(self.chunks, ckpt_dir, self.hf_config, optimizer=self.optimizer,
                              scheduler=self.scheduler)
 
-    def _forward(self, micro: Batch, model):
-        ids = micro["input_ids"]
+    def _forward(self, micro: TrainBatch, model):
+        ids = micro.input_ids
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         return model(ids, positions, None)
 
-    def run(self, batch: Batch, loss_func, forward_only: bool) -> list:
+    def run(self, batch: TrainBatch, loss_func, forward_only: bool) -> list:
         """Megatron's pipeline schedule over `batch` in micro-batches; loss_func(micro, output) -> (loss, stats)
         runs on the last stage. Returns the stats of each micro-batch there."""
-        device = platform.device()
         size = self.micro_batch_size
-        batch = pad_sequences(batch, self.sequence_multiple, self.pad_id)
-        micros = [{k: v.to(device) for k, v in m.items()} for m in micro_batches(batch, size)]
-        for micro in micros:
-            micro["labels"] = labels_of(micro["input_ids"], self.pad_id)
+        batch = batch.padded_to_multiple(self.sequence_multiple)
+        micros = [micro.to(platform.device()) for micro in batch.chunks(size)]
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
@@ -146,20 +124,21 @@ class MegatronModel:
         # Every chunk runs every micro-batch, so each chunk reads the micro-batches through its own iterator.
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(micros) for _ in self.model], model=self.model,
-            num_microbatches=len(micros), seq_length=batch["input_ids"].shape[1], micro_batch_size=size,
+            num_microbatches=len(micros), seq_length=batch.input_ids.shape[1], micro_batch_size=size,
             forward_only=forward_only)
 
     @torch.no_grad()
-    def infer(self, batch: Batch, outputs_of: Callable[[Batch, torch.Tensor], Batch]) -> Batch | None:
+    def infer(self, batch: TrainBatch,
+              outputs_of: Callable[[TrainBatch, torch.Tensor], TokenOutputs]) -> TokenOutputs | None:
         """Per-token outputs of a forward pass, from the ranks that own them (None elsewhere)."""
         outputs = self.run(batch, lambda micro, output: (output.new_zeros(()), outputs_of(micro, output)),
                            forward_only=True)
         if not owns_dp_output():
             return None
-        length = batch["input_ids"].shape[1]  # without the sequence-parallel padding
-        return {key: torch.cat([o[key].cpu() for o in outputs])[:, :length] for key in outputs[0]}
+        # Without the sequence-parallel padding.
+        return TokenOutputs.cat([o.to("cpu") for o in outputs]).truncated(batch.input_ids.shape[1])
 
-    def train(self, batch: Batch, mini_batch_prompts: int, epochs: int, loss_of: LossOf) -> dict[str, float]:
+    def train(self, batch: TrainBatch, mini_batch_prompts: int, epochs: int, loss_of: LossOf) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_prompts` x rollout.n samples (over all DP
         ranks), one optimizer step each. `loss_of` normalises by the mini-batch's global `LossScale`, so the
         gradient is the same whatever the micro-batch and DP sizes.
@@ -172,8 +151,8 @@ class MegatronModel:
         grad_norms = []
         steps = 0
         for _ in range(epochs):
-            for mini in micro_batches(batch, mini_size):
-                counts = torch.tensor([mini["response_mask"].sum().item(), mini["response_mask"].shape[0]],
+            for mini in batch.chunks(mini_size):
+                counts = torch.tensor([mini.response_mask.sum().item(), mini.response_mask.shape[0]],
                                       dtype=torch.float64)
                 dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
                 scale = LossScale(tokens=max(counts[0].item(), 1.0), sequences=counts[1].item(),
@@ -230,37 +209,37 @@ class MegatronActor(MegatronModel):
     def _logits(self, output: torch.Tensor) -> torch.Tensor:
         return prepare_logits(output, self.cfg.rollout.temperature, self.hf_config["vocab_size"])
 
-    def log_probs(self, batch: Batch) -> Batch | None:
+    def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         """log p(token) and the policy's entropy at every position, under the sampling temperature."""
         def outputs_of(micro, output):
             logits = self._logits(output)
             ent = entropy(logits)
-            return {"log_probs": token_log_probs(logits, micro["labels"]), "entropy": ent}
+            return TokenOutputs(log_probs=token_log_probs(logits, micro.labels()), entropy=ent)
 
-        return self.infer({"input_ids": batch["input_ids"]}, outputs_of)
+        return self.infer(batch.select(), outputs_of)
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
         (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_is_cap."""
         actor = self.cfg.actor
 
         def loss_of(micro, output, scale):
-            mask = micro["response_mask"]
+            mask = micro.response_mask
             logits = self._logits(output)
             ent = entropy(logits) if actor.entropy_coeff else None
             # The entropy's backward needs the logits that token_log_probs overwrites: give it a copy then.
-            log_probs = token_log_probs(logits if ent is None else logits.clone(), micro["labels"])
+            log_probs = token_log_probs(logits if ent is None else logits.clone(), micro.labels())
             loss, stats = policy_loss(
-                log_probs, micro["old_log_probs"], micro["advantages"], mask, clip_ratio_low=actor.clip_ratio_low,
+                log_probs, micro.old_log_probs, micro.advantages, mask, clip_ratio_low=actor.clip_ratio_low,
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-                agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=micro.get("importance_weights"))
+                agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=micro.importance_weights)
             stats["pg_loss"] = loss.detach()
             if ent is not None:
                 entropy_term = aggregate_loss(ent, mask, actor.loss_agg_mode, scale)
                 loss = loss - actor.entropy_coeff * entropy_term
                 stats["entropy_loss"] = entropy_term.detach()
             if actor.use_kl_loss:
-                kl_term = aggregate_loss(kl_divergence(log_probs, micro["ref_log_probs"], actor.kl_loss_type), mask,
+                kl_term = aggregate_loss(kl_divergence(log_probs, micro.ref_log_probs, actor.kl_loss_type), mask,
                                          actor.loss_agg_mode, scale)
                 loss = loss + actor.kl_loss_coef * kl_term
                 stats["kl_loss"] = kl_term.detach()
@@ -287,17 +266,15 @@ class MegatronCritic(MegatronModel):
         super().__init__(cfg, hf_config, critic.micro_batch_size, optim=critic.optim, optimizer_steps=optimizer_steps,
                          value_head=True, weights_path=None if cfg.model.random_init else critic.model_path)
 
-    def values(self, batch: Batch) -> Batch | None:
-        return self.infer({"input_ids": batch["input_ids"]},
-                          lambda micro, output: {"values": output.squeeze(-1).float()})
+    def values(self, batch: TrainBatch) -> TokenOutputs | None:
+        return self.infer(batch.select(), lambda micro, output: TokenOutputs(values=output.squeeze(-1).float()))
 
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: TrainBatch) -> dict[str, float]:
         """Clipped value-loss updates. `batch`: input_ids, response_mask, values (at rollout time), returns."""
         critic = self.cfg.critic
 
         def loss_of(micro, output, scale):
-            loss, stats = value_loss(output.squeeze(-1).float(), micro["values"], micro["returns"],
-                                     micro["response_mask"], cliprange_value=critic.cliprange_value,
+            loss, stats = value_loss(output.squeeze(-1).float(), micro.values, micro.returns, micro.response_mask, cliprange_value=critic.cliprange_value,
                                      agg_mode=critic.loss_agg_mode, scale=scale)
             stats["vf_loss"] = loss.detach()
             return loss, stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rl_megatron.config.schema import Config
+from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
 from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
 from rl_megatron.workers.distributed import init_distributed, rendezvous_address
@@ -19,6 +20,7 @@ class RolloutWorker(EngineHost):
         self.weight_group = None
         self._init_engine_host()
         torch.set_num_threads(threads)  # before vLLM starts (see HybridWorker)
+        import_user_modules(cfg.trainer.imports)
 
     def rendezvous(self) -> tuple[str, int]:
         return rendezvous_address()
@@ -31,6 +33,14 @@ class RolloutWorker(EngineHost):
 
     def mesh(self) -> dict:
         return {"rollout": self._rollout_axis()}
+
+    # This engine has devices of its own: it never sleeps, and its weights change only when the trainer sends them
+    # (after every update, before the next generation), so no phase asks for a move here.
+    def enter(self, phase) -> None:
+        pass
+
+    def leave(self, phase) -> None:
+        pass
 
     @dispatch(axis=None)
     def join_weight_group(self, host: str, port: int, size: int) -> None:

@@ -1,9 +1,12 @@
 """Ray worker groups: one actor per device, placed node by node (see ResourcePool), and one dispatch mechanism.
 
-A worker method declares how the controller's batch reaches the ranks and how results come back:
+A worker method declares how the controller's batch reaches the ranks and how results come back, and the phase
+it needs (see `workers/phases.py`; the worker's `enter(phase)` / `leave(phase)` run around the call):
 
-    @dispatch(axis="dp")        # split the batch by data-parallel rank; TP/PP peers get the same slice;
-    def log_probs(self, batch)  # collect (concatenated, in DP order) from the ranks that own the result
+    @dispatch(axis="dp", phase=forward(Role.ACTOR))  # split the positional arguments (a TrainBatch, a list) by
+    def log_probs(self, batch)                       # data-parallel rank, TP/PP peers get the same slice, keyword
+                                                     # arguments go to all; collect (concatenated, in DP order)
+                                                     # from the ranks that own the result
 
     @dispatch(axis=None)        # every rank gets the same arguments; all results come back as a list
 
@@ -18,32 +21,38 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
-import torch
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_megatron.batch import RowTensors
 from rl_megatron.workers.cluster import ClusterError, describe_cluster, device_resource, groups_that_fit
+from rl_megatron.workers.phases import Phase
 
 logger = logging.getLogger(__name__)
 
 
-def dispatch(axis: str | None) -> Callable:
+def dispatch(axis: str | None, phase: Phase | None = None) -> Callable:
     def mark(method):
-        method.dispatch_axis = axis
-        return method
+        if phase is None:
+            dispatched = method
+        else:
+            @functools.wraps(method)
+            def dispatched(worker, *args, **kwargs):
+                worker.enter(phase)
+                result = method(worker, *args, **kwargs)
+                worker.leave(phase)
+                return result
+        dispatched.dispatch_axis = axis
+        return dispatched
 
     return mark
 
 
 def split_batch(batch: Any, parts: int) -> list:
-    """Split a dict of tensors (or a list) into `parts` equal, contiguous slices."""
-    if isinstance(batch, dict):
-        count = next(iter(batch.values())).shape[0]
-        if count % parts:
-            raise ValueError(f"A batch of {count} samples does not split into {parts} equal parts.")
-        chunks = {k: torch.chunk(v, parts) for k, v in batch.items()}
-        return [{k: c[i] for k, c in chunks.items()} for i in range(parts)]
+    """Split a batch of tensors (or a list) into `parts` equal, contiguous slices."""
+    if isinstance(batch, RowTensors):
+        return batch.split(parts)
     if len(batch) % parts:
         raise ValueError(f"A batch of {len(batch)} items does not split into {parts} equal parts.")
     size = len(batch) // parts
@@ -51,8 +60,8 @@ def split_batch(batch: Any, parts: int) -> list:
 
 
 def concat_batches(parts: list) -> Any:
-    if isinstance(parts[0], dict) and all(isinstance(v, torch.Tensor) for v in parts[0].values()):
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    if isinstance(parts[0], RowTensors):
+        return type(parts[0]).cat(parts)
     if isinstance(parts[0], list):
         return [item for part in parts for item in part]
     return parts
@@ -165,17 +174,17 @@ class WorkerGroup:
         """Rank 0's node address and a free port there (where a process group led by rank 0 meets)."""
         return ray.get(self.workers[0].rendezvous.remote())
 
-    def call_async(self, name: str, *args) -> list:
+    def call_async(self, name: str, *args, **kwargs) -> list:
         """Start method `name` on every worker with the same arguments; returns the Ray object refs (for calls
         that must run while another group takes part in the same collective)."""
-        return [getattr(w, name).remote(*args) for w in self.workers]
+        return [getattr(w, name).remote(*args, **kwargs) for w in self.workers]
 
-    def _call(self, name: str, axis: str | None, *args):
+    def _call(self, name: str, axis: str | None, *args, **kwargs):
         if axis is None:
-            return ray.get(self.call_async(name, *args))
+            return ray.get(self.call_async(name, *args, **kwargs))
         shards = self.meshes[0][axis][1]
         inputs = [split_batch(a, shards) for a in args]
-        refs = [getattr(w, name).remote(*(part[mesh[axis][0]] for part in inputs))
+        refs = [getattr(w, name).remote(*(part[mesh[axis][0]] for part in inputs), **kwargs)
                 for w, mesh in zip(self.workers, self.meshes)]
         results = ray.get(refs)
         owned = sorted((mesh[axis][0], out) for mesh, out in zip(self.meshes, results) if mesh[axis][2])

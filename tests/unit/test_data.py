@@ -3,6 +3,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
+from rl_megatron.batch import Prompt
 from rl_megatron.data.arithmetic import arithmetic_rows
 from rl_megatron.data.loader import PromptLoader
 
@@ -21,7 +22,7 @@ def make_loader(tokenizer, rows=None, batch_size=8, max_prompt_length=8, seed=0)
 
 
 def take_prompts(loader, num_batches):
-    return [tuple(ids) for _ in range(num_batches) for ids in loader.next_batch()["prompt_ids"]]
+    return [tuple(ids) for _ in range(num_batches) for ids in (p.ids for p in loader.next_batch())]
 
 
 def test_arithmetic_rows_are_every_single_digit_sum():
@@ -37,14 +38,14 @@ def test_arithmetic_rows_are_every_single_digit_sum():
 def test_batches_hold_tokenized_prompts_with_their_answers(tokenizer):
     loader = make_loader(tokenizer, batch_size=NUM_ROWS)
     batch = loader.next_batch()
-    assert set(batch) == {"prompt_ids", "ground_truth", "data_source", "extra_info"}
+    assert all(isinstance(prompt, Prompt) for prompt in batch)
     assert len(loader.rows) == NUM_ROWS and loader.dropped == 0
-    for ids, answer, source in zip(batch["prompt_ids"], batch["ground_truth"], batch["data_source"]):
+    for ids, answer, source in ((p.ids, p.ground_truth, p.data_source) for p in batch):
         # [<bos>, a, '+', b, '='] with digit d at id d + 4
         assert ids[0] == 1 and ids[2] == 14 and ids[4] == 16
         assert answer == str((ids[1] - 4) + (ids[3] - 4))
         assert source == "arithmetic"
-    assert batch["extra_info"] == [{}] * NUM_ROWS  # built-in rows have none; parquet rows carry theirs
+    assert [p.extra_info for p in batch] == [{}] * NUM_ROWS  # built-in rows have none; parquet rows carry theirs
 
 
 def test_long_prompts_are_dropped_and_counted(tokenizer):
@@ -113,5 +114,5 @@ def test_resume_onto_different_data_is_an_error(tokenizer, saved, message):
 def test_unshuffled_loader_serves_rows_in_order_and_batch_size_none_serves_all(tokenizer):
     loader = PromptLoader(arithmetic_rows(), tokenizer, None, 8, 0, shuffle=False)
     first, second = loader.next_batch(), loader.next_batch()
-    assert first == second and len(first["prompt_ids"]) == NUM_ROWS
-    assert first["ground_truth"] == [row["ground_truth"] for row in arithmetic_rows()]
+    assert first == second and len(first) == NUM_ROWS
+    assert [p.ground_truth for p in first] == [row["ground_truth"] for row in arithmetic_rows()]

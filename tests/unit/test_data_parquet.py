@@ -63,9 +63,8 @@ def test_message_prompts_go_through_the_chat_template_and_rows_keep_their_fields
     path = write_parquet(tmp_path / "train.parquet", sum_rows(PAIRS))
     loader = build_prompt_loader(data_config(train_files=[path], train_batch_size=12), chat_tokenizer, seed=0)
     batch = loader.next_batch()
-    assert sorted(map(tuple, batch["prompt_ids"])) == sorted(tuple(digit_ids(f"{a}+{b}=")) for a, b in PAIRS)
-    for ids, truth, info, source in zip(batch["prompt_ids"], batch["ground_truth"], batch["extra_info"],
-                                        batch["data_source"]):
+    assert sorted(tuple(p.ids) for p in batch) == sorted(tuple(digit_ids(f"{a}+{b}=")) for a, b in PAIRS)
+    for ids, truth, info, source in ((p.ids, p.ground_truth, p.extra_info, p.data_source) for p in batch):
         a, b = ids[1] - 4, ids[3] - 4  # one BOS only: the template's, not a second from the tokenizer
         assert truth == {"target": a + b, "numbers": [a, b]}
         assert info == {"index": PAIRS.index((a, b)), "split": "train"}
@@ -107,10 +106,10 @@ def test_files_are_read_in_order_and_validation_is_unshuffled(tmp_path, chat_tok
     cfg = data_config(val_files=[first, second])
     loader = build_prompt_loader(cfg, chat_tokenizer, seed=3, split="val")
     batch = loader.next_batch()
-    assert batch["prompt_ids"] == [digit_ids(f"{a}+{b}=") for a, b in PAIRS]
+    assert [p.ids for p in batch] == [digit_ids(f"{a}+{b}=") for a, b in PAIRS]
     assert loader.next_batch() == batch  # all of it, every time
     loader = build_prompt_loader(replace(cfg, val_batch_size=5), chat_tokenizer, seed=3, split="val")
-    assert [len(loader.next_batch()["prompt_ids"]) for _ in range(3)] == [5, 5, 5]
+    assert [len(loader.next_batch()) for _ in range(3)] == [5, 5, 5]
     with pytest.raises(ConfigError, match="data.val_files is empty"):
         build_prompt_loader(data_config(), chat_tokenizer, seed=0, split="val")
 
@@ -120,7 +119,7 @@ def test_training_order_is_seeded_and_resumes_exactly_over_the_same_files(tmp_pa
     cfg = data_config(train_files=[path], train_batch_size=5)
 
     def batches(loader, count):
-        return [loader.next_batch()["prompt_ids"] for _ in range(count)]
+        return [[p.ids for p in loader.next_batch()] for _ in range(count)]
 
     loader = build_prompt_loader(cfg, chat_tokenizer, seed=0)
     assert batches(loader, 3) != batches(build_prompt_loader(cfg, chat_tokenizer, seed=1), 3)

@@ -121,9 +121,9 @@ def test_countdown_files_load_for_training(countdown_dir):
     cfg = DataConfig(train_files=[str(countdown_dir / "train.parquet")],
                      val_files=[str(countdown_dir / "test.parquet")], train_batch_size=8, max_prompt_length=1024)
     batch = build_prompt_loader(cfg, tokenizer, seed=0).next_batch()
-    assert all(set(truth) == {"target", "numbers"} for truth in batch["ground_truth"])
-    assert all(info["split"] == "train" for info in batch["extra_info"])
-    assert len(build_prompt_loader(cfg, tokenizer, seed=0, split="val").next_batch()["prompt_ids"]) == 60
+    assert all(set(truth) == {"target", "numbers"} for truth in (p.ground_truth for p in batch))
+    assert all(p.extra_info["split"] == "train" for p in batch)
+    assert len(build_prompt_loader(cfg, tokenizer, seed=0, split="val").next_batch()) == 60
 
 
 def test_impossible_request_is_reported():

@@ -2,6 +2,7 @@
 cost their sample (0, counted, logged), never the run; a custom scorer loads from a module of the user's."""
 import logging
 import os
+import sys
 import textwrap
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from rl_megatron.config import ConfigError
+from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
 
 # The user's reward module: the solution text says how to misbehave.
@@ -209,3 +211,42 @@ def test_config_accepts_a_custom_fn_that_imports(user_module):
     cfg = load_config(os.path.join(REPO, "configs", "demo_cpu.yaml"), [f"model.path={model}",
                                                                        f"reward.custom_fn={user_module}"])
     assert cfg.reward.custom_fn == user_module and cfg.reward.timeout_s == 10.0
+
+
+REGISTERING_MODULE = '''
+from rl_megatron.rewards import register
+
+@register("shouting_task")
+def score_shouting(solution_str, ground_truth):
+    return 1.0 if solution_str == ground_truth.upper() else 0.0
+'''
+
+
+@pytest.fixture
+def registering_module(tmp_path, monkeypatch):
+    """A user module that registers a scorer for data_source 'shouting_task' when imported."""
+    (tmp_path / "user_registry_for_test.py").write_text(textwrap.dedent(REGISTERING_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_registry_for_test"
+    REGISTRY.pop("shouting_task", None)
+    sys.modules.pop("user_registry_for_test", None)
+
+
+def test_a_scorer_registered_by_a_module_of_trainer_imports_scores_in_the_processes(registering_module):
+    with RewardScorer(reward_cfg(num_workers=2), imports=[registering_module]) as scorer:
+        scores, stats = scorer.score(["shouting_task"] * 3, ["HI", "hi", "YO"], ["hi", "hi", "yo"])
+    assert scores.tolist() == [1.0, 0.0, 1.0] and stats == {"reward/timeouts": 0, "reward/errors": 0}
+
+
+def test_a_scorer_registered_only_in_the_controller_names_trainer_imports(registering_module):
+    import importlib
+
+    importlib.import_module(registering_module)  # registered here, but the processes never import it
+    with RewardScorer(reward_cfg(num_workers=1)) as scorer:
+        with pytest.raises(KeyError, match="'shouting_task' has a scorer registered in this process.*trainer.imports"):
+            scorer.score(["shouting_task"], ["HI"], ["hi"])
+
+
+def test_a_bad_import_fails_at_start_naming_the_key():
+    with pytest.raises(ConfigError, match="trainer.imports entry 'no_such_module_xyz': module 'no_such_module_xyz'"):
+        RewardScorer(reward_cfg(num_workers=1), imports=["no_such_module_xyz"])

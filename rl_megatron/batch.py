@@ -1,0 +1,171 @@
+"""The data of a step, typed: what the rollout hands to the rewards and the Megatron workers, and what they return.
+
+    Prompt      one row of the data: token ids, data source, ground truth, extra info
+    Sample      one trajectory: a prompt, the response the engine sampled, its log-probs, a per-token loss mask,
+                how it ended, which policy version made it, and (once scored) its reward
+    TrainBatch  the samples as right-padded [B, S] tensors, plus what the step adds (log-probs, values, advantages)
+    TokenOutputs what a forward pass returns per token (log-probs, entropy, values)
+
+Position t of every per-token tensor refers to the token at t + 1, i.e. the label predicted at position t: a
+response of R tokens after a prompt of P tokens occupies label positions P-1 .. P+R-2.
+
+A leaf module: it imports nothing from the project, so every package can use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+
+
+class SampleStatus(str, enum.Enum):
+    OK = "ok"  # the response ended with a stop token
+    TRUNCATED = "truncated"  # the response ran into rollout.max_tokens
+    ABORTED = "aborted"  # generation was cut off (e.g. a stopped multi-turn episode); the sample may be partial
+
+
+@dataclass
+class Sample:
+    """One trajectory. `loss_mask` has one entry per response token: 1 where the token is the policy's own (it joins
+    the loss), 0 where it is not (e.g. a tool's output spliced into a multi-turn response)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]  # the engine's log-probs of the response tokens, after temperature
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+    loss_mask: list[int] | None = None  # None: every response token joins the loss
+    status: SampleStatus = SampleStatus.OK
+    policy_version: int = 0  # the number of policy updates behind the weights that sampled it
+    reward: float | None = None  # set by the reward function
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+        if not len(self.loss_mask) == len(self.rollout_log_probs) == len(self.response_ids):
+            raise ValueError(f"a sample's response has {len(self.response_ids)} tokens but "
+                             f"{len(self.rollout_log_probs)} log-probs and a loss mask of {len(self.loss_mask)}")
+
+    @classmethod
+    def answering(cls, prompt: Prompt, response_ids: list[int], rollout_log_probs: list[float], **fields) -> Sample:
+        """A sample that answers `prompt` (its ids, data source, ground truth and extra info)."""
+        return cls(prompt.ids, response_ids, rollout_log_probs, prompt.data_source, prompt.ground_truth,
+                   prompt.extra_info, **fields)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The token that pads sequences: the tokenizer's pad token, else its end-of-sequence token. Decided here only;
+    every padded tensor carries it (`TrainBatch.pad_id`). Padding never joins a loss (the mask is 0 there) and
+    causal attention keeps it out of the real tokens' outputs."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+Rows = TypeVar("Rows", bound="RowTensors")
+
+
+@dataclass
+class RowTensors:
+    """Per-row tensors (fields of type Tensor, some None) and plain fields shared by all rows. The worker groups'
+    dispatch cuts them into equal contiguous parts by data-parallel rank and puts the results back together."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: value for f in dataclasses.fields(self)
+                if isinstance(value := getattr(self, f.name), Tensor)}
+
+    def rows(self) -> int:
+        return next(iter(self.tensors().values())).shape[0]
+
+    def _with(self: Rows, tensors: dict[str, Tensor]) -> Rows:
+        return dataclasses.replace(self, **tensors)
+
+    def chunks(self: Rows, size: int) -> list[Rows]:
+        """Consecutive parts of `size` rows (the last may be shorter)."""
+        return [self._with({k: v[i:i + size] for k, v in self.tensors().items()}) for i in range(0, self.rows(), size)]
+
+    def split(self: Rows, parts: int) -> list[Rows]:
+        """`parts` equal, contiguous parts."""
+        if self.rows() % parts:
+            raise ValueError(f"A batch of {self.rows()} samples does not split into {parts} equal parts.")
+        return self.chunks(self.rows() // parts)
+
+    @classmethod
+    def cat(cls: type[Rows], parts: list[Rows]) -> Rows:
+        """The rows of `parts`, in order (their plain fields are the first part's)."""
+        return parts[0]._with({k: torch.cat([p.tensors()[k] for p in parts]) for k in parts[0].tensors()})
+
+    def to(self: Rows, device) -> Rows:
+        return self._with({k: v.to(device) for k, v in self.tensors().items()})
+
+    def truncated(self: Rows, length: int) -> Rows:
+        """The first `length` positions of every per-token tensor."""
+        return self._with({k: v[:, :length] for k, v in self.tensors().items()})
+
+
+@dataclass
+class TokenOutputs(RowTensors):
+    """Per-token outputs of a forward pass ([B, S], position t for the token at t + 1)."""
+    log_probs: Tensor | None = None  # log p(token) under the sampling temperature
+    entropy: Tensor | None = None  # the policy's entropy at each position
+    values: Tensor | None = None  # the critic's value of the state before each token
+
+
+@dataclass
+class TrainBatch(RowTensors):
+    """The step's samples as right-padded tensors, and what the step computes about them ([B, S] each; None until
+    computed or when the run does not need it)."""
+    input_ids: Tensor  # long, prompt + response tokens, then pad_id
+    response_mask: Tensor  # float 0/1: the label positions that join the loss (the samples' loss masks)
+    pad_id: int
+    rollout_log_probs: Tensor | None = None  # the engine's, at sampling time
+    old_log_probs: Tensor | None = None  # Megatron's, before this step's update
+    ref_log_probs: Tensor | None = None  # the reference policy's (KL)
+    values: Tensor | None = None  # the critic's, before this step's update
+    advantages: Tensor | None = None
+    returns: Tensor | None = None  # the critic's targets
+    importance_weights: Tensor | None = None  # rollout correction p_train / p_rollout, truncated
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        count = len(samples)
+        input_ids = torch.full((count, length), pad_id, dtype=torch.long)
+        response_mask = torch.zeros(count, length)
+        rollout_log_probs = torch.zeros(count, length)
+        for row, s in enumerate(samples):
+            prompt, response = len(s.prompt_ids), len(s.response_ids)
+            input_ids[row, : prompt + response] = torch.tensor(s.prompt_ids + s.response_ids)
+            response_mask[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.loss_mask, dtype=torch.float)
+            rollout_log_probs[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.rollout_log_probs)
+        return cls(input_ids, response_mask, pad_id, rollout_log_probs=rollout_log_probs)
+
+    def select(self, *names: str) -> TrainBatch:
+        """The sequences with only the computed fields `names` (what one worker call reads: less to send)."""
+        return TrainBatch(self.input_ids, self.response_mask, self.pad_id,
+                          **{name: getattr(self, name) for name in names})
+
+    def labels(self) -> Tensor:
+        """The token each position predicts (pad at the last position)."""
+        ids = self.input_ids
+        return torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), self.pad_id)], dim=1)
+
+    def padded_to_multiple(self, multiple: int) -> TrainBatch:
+        """Right-padded to a length that is a multiple of `multiple`: pad tokens, and zeros in the masks and
+        log-probs, so that the padding joins no loss."""
+        extra = -self.input_ids.shape[1] % multiple
+        if not extra:
+            return self
+        return self._with({k: F.pad(v, (0, extra), value=self.pad_id if k == "input_ids" else 0)
+                           for k, v in self.tensors().items() if v.dim() == 2})

@@ -1,0 +1,37 @@
+"""The roles a worker can host, and what each one needs. A leaf module: config, workers, checkpoints and the
+launch planner all name roles through it."""
+from __future__ import annotations
+
+import enum
+
+
+class Role(str, enum.Enum):
+    """A role's value is its name in configs, logs and checkpoint folders."""
+    ACTOR = "actor"  # the policy's Megatron shard, trained by PPO
+    ROLLOUT = "rollout"  # a vLLM engine (or its TP shard) sampling from the policy
+    REF = "ref"  # the frozen reference policy (KL)
+    CRITIC = "critic"  # the value model (GAE)
+
+    @property
+    def section(self) -> str:
+        """The config section of its settings (the actor's devices are trainer.nnodes x trainer.n_gpus_per_node)."""
+        return self.value
+
+    @property
+    def has_model(self) -> bool:
+        """It holds a Megatron model (and saves it in checkpoints)."""
+        return self is not Role.ROLLOUT
+
+    @property
+    def trainable(self) -> bool:
+        return self in (Role.ACTOR, Role.CRITIC)
+
+    @property
+    def value_head(self) -> bool:
+        return self is Role.CRITIC
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MODEL_ROLES = tuple(role for role in Role if role.has_model)

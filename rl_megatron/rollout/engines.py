@@ -1,0 +1,42 @@
+"""The controller's handle on the rollout engines, which a rollout function (`rollout.function`) calls."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rl_megatron.batch import Prompt, Sample
+from rl_megatron.rollout.vllm_engine import request_seeds
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one rollout call samples: `n` answers per prompt at `temperature` (0: greedy), with seeds drawn from
+    (trainer.seed, `purpose`, `step`) alone, so that a resumed run samples as the original did."""
+    n: int
+    temperature: float
+    purpose: str  # "train", or "validation <batch>"
+    step: int
+
+
+class RolloutEngines:
+    """`generate` spreads prompts over the engines (a worker group hosting them) and returns their samples, each
+    stamped with the policy version the engines hold (`policy_version`, kept current by the trainer)."""
+
+    def __init__(self, group, run_seed: int):
+        self.group, self.run_seed = group, run_seed
+        self.count = group.meshes[0]["rollout"][1]  # engines
+        self.policy_version = 0
+
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
+        """`sampling.n` samples per prompt, prompt-major (sample j of prompt i at i * n + j)."""
+        padded = prompts + prompts[:1] * (-len(prompts) % self.count)  # every engine gets as many prompts
+        seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(padded))
+        samples = self.group.generate(padded, seeds, n=sampling.n, temperature=sampling.temperature)
+        samples = samples[:len(prompts) * sampling.n]
+        for sample in samples:
+            sample.policy_version = self.policy_version
+        return samples
+
+
+# fn(engines, prompts, sampling) -> len(prompts) * sampling.n samples, prompt-major: what rollout.function names.
+RolloutFn = Callable[[RolloutEngines, list[Prompt], Sampling], list[Sample]]

@@ -1,0 +1,58 @@
+"""What a step reports: its timings, and the metrics of its batch (verl's names)."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rl_megatron.algorithms import masked_mean, rollout_mismatch_metrics
+from rl_megatron.batch import Sample, TrainBatch
+
+REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = time.perf_counter() - start
+
+
+def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor,
+                 seconds: dict[str, float]) -> dict[str, float]:
+    mask = batch.response_mask
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    metrics = {
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item(),
+        "response_length/mean": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float).mean().item(),
+        "actor/entropy": masked_mean(entropy, mask).item(),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
+        # vLLM's sampling log-probs against Megatron's for the same tokens (1 and 0 when both agree).
+        **rollout_mismatch_metrics(batch.old_log_probs, batch.rollout_log_probs, mask),
+        **{f"timing_s/{phase}": s for phase, s in seconds.items()},
+        "perf/tokens_per_s": tokens / seconds["step"],
+    }
+    if batch.values is not None:
+        values, returns = batch.values, batch.returns
+        residual_var = torch.var((returns - values)[mask.bool()])
+        metrics.update({"critic/values/mean": masked_mean(values, mask).item(),
+                        "critic/returns/mean": masked_mean(returns, mask).item(),
+                        # 1 - Var(returns - values) / Var(returns): how much of the returns the critic predicts.
+                        "critic/vf_explained_var": (1 - residual_var / torch.var(returns[mask.bool()])).item()})
+    return metrics
+
+
+def window_mean(rewards: list[float]) -> float:
+    """The mean reward of the last REWARD_WINDOW steps."""
+    recent = rewards[-REWARD_WINDOW:]
+    return sum(recent) / len(recent)
+
+
+def reached_target(rewards: list[float], target: float | None) -> bool:
+    return target is not None and len(rewards) >= REWARD_WINDOW and window_mean(rewards) >= target

@@ -1,0 +1,274 @@
+"""The training loop: one single controller driving the workers, step by step.
+
+    prompts -> generate (rollout.function over the vLLM engines) -> score (reward scorers, in the background)
+            -> old log-probs [-> reference log-probs, values] (Megatron) -> advantages (GRPO, GAE, ...)
+            -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> vLLM) -> log
+
+Everything parallel hides behind the worker groups; everything numeric is a pure function (`rl_megatron.algorithms`);
+the data between the stages is typed (`rl_megatron.batch`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from rl_megatron import platform
+from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, outcome_token_rewards,
+                                    truncated_importance_weights)
+from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
+from rl_megatron.checkpoint import CheckpointError, check_checkpoint
+from rl_megatron.checkpoint.run import checkpointed_roles, choose_resume, finish_save, start_save
+from rl_megatron.config import Config, ConfigError, model_config, to_yaml
+from rl_megatron.data.build import build_prompt_loader
+from rl_megatron.launch import format_plan
+from rl_megatron.plugins import import_user_modules, load_callable
+from rl_megatron.rewards import REGISTRY
+from rl_megatron.rewards.scorer import RewardScorer
+from rl_megatron.roles import Role
+from rl_megatron.rollout.engines import RolloutEngines, Sampling
+from rl_megatron.tracking import Tracker
+from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
+from rl_megatron.trainer.stopping import StopSignals
+from rl_megatron.trainer.validation import validate
+from rl_megatron.trainer.workers import build_workers, sync_weights
+from rl_megatron.workers.cluster import start_ray
+
+
+def train(cfg: Config) -> dict:
+    """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
+    return Trainer(cfg).fit()
+
+
+class Trainer:
+    """Everything a run reads before a worker starts (config, model config, data, user code, the checkpoint to
+    resume from) is read and checked in the constructor, so bad input costs seconds, not a cluster's start-up."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        import_user_modules(cfg.trainer.imports)  # before anything looks up what they register
+        self.rollout_fn = load_callable(cfg.rollout.function, "rollout.function")
+        self.hf_config = model_config(cfg)  # config.json with the moe section's overrides
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed)
+        validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val")
+                           if validating else None)
+        self._check_scorers()
+        self.run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.reward_history: list[float] = []
+        self.timer = Timer()
+        if cfg.model.checkpoint is not None:
+            check_checkpoint(cfg.model.checkpoint, self.hf_config)
+        self.checkpoint_root = cfg.trainer.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
+        self.resume = choose_resume(self.checkpoint_root, cfg.trainer.resume, self.hf_config, checkpointed_roles(cfg),
+                                    cfg.actor.expert_model_parallel_size)
+        self.start_step = self._restore_controller_state() if self.resume else 0
+
+    # -- the run ---------------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        cfg, total = self.cfg.trainer, self.cfg.trainer.total_steps
+        print(format_plan(self.cfg, on_gpu=platform.has_cuda()), flush=True)
+        with ExitStack() as stack:
+            self._start_workers(stack)
+            if self.start_step == 0:
+                self.maybe_validate(0)
+            done = self.start_step >= total or reached_target(self.reward_history, cfg.target_reward)
+            bar = tqdm(range(self.start_step + 1, total + 1), desc=self.cfg.algorithm.adv_estimator.upper(),
+                       unit="step", initial=self.start_step, total=total, disable=not cfg.progress_bar or done)
+            for step in ([] if done else bar):
+                metrics = self.train_step(step)
+                done = step == total or reached_target(self.reward_history, cfg.target_reward)
+                metrics |= self.maybe_validate(step, last=done)
+                self.tracker.log(metrics, step)  # before the checkpoint: a run resumed from it has logged this step
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", avg5=f"{window_mean(self.reward_history):.3f}",
+                                step_s=f"{metrics['timing_s/step']:.2f}")
+                if (cfg.save_every > 0 and step % cfg.save_every == 0) or (
+                        cfg.save_every >= 0 and (done or self.stop.received)):
+                    self.save_checkpoint(step)
+                if done or self.stop.received:
+                    break
+        return self._summary(done)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One RL step: generate -> score -> forward passes -> advantages -> update -> sync."""
+        timer = self.timer
+        timer.seconds.clear()
+        with timer("step"):
+            prompts = self.loader.next_batch()
+            with timer("gen"):
+                samples = self.rollout(prompts, Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, "train",
+                                                         step))
+            scoring = self.scorer.submit_samples(samples, self.tokenizer)  # scored while Megatron computes
+            batch = TrainBatch.from_samples(samples, self.pad_id)
+            entropy = self.forward_passes(batch)
+            with timer("reward"):  # what scoring adds to the step after the forward passes
+                scores, metrics = scoring.result()
+            for sample, score in zip(samples, scores.tolist()):
+                sample.reward = score
+            metrics |= self.advantages(batch, scores)
+            metrics |= self.update(batch, step)
+        self.reward_history.append(scores.mean().item())
+        return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds)
+
+    # -- the stages of a step --------------------------------------------------------------------------------------
+
+    def rollout(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
+        """The run's rollout function (rollout.function) over the engines, its result checked."""
+        samples = self.rollout_fn(self.engines, prompts, sampling)
+        expected = len(prompts) * sampling.n
+        if not isinstance(samples, list) or len(samples) != expected or not all(isinstance(s, Sample)
+                                                                                for s in samples):
+            got = f"{len(samples)} items" if isinstance(samples, list) else f"a {type(samples).__name__}"
+            raise ConfigError(f"rollout.function={self.cfg.rollout.function!r} returned {got} for {len(prompts)} "
+                              f"prompts x n={sampling.n}; it must return a list of {expected} "
+                              "rl_megatron.batch.Sample, the n samples of each prompt together, in prompt order.")
+        return samples
+
+    def forward_passes(self, batch: TrainBatch) -> torch.Tensor:
+        """The policy's log-probs (and entropy, returned), the reference's log-probs and the critic's values of the
+        step's sequences, before any update."""
+        with self.timer("old_log_prob"):
+            old = self.actor.log_probs(batch.select())
+        batch.old_log_probs = old.log_probs
+        if self.ref is not None:
+            with self.timer("ref"):
+                batch.ref_log_probs = self.ref.ref_log_probs(batch.select()).log_probs
+        if self.critic is not None:
+            with self.timer("values"):
+                batch.values = self.critic.values(batch.select()).values
+        return old.entropy
+
+    def advantages(self, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
+        """Token rewards (with the in-reward KL penalty when on), advantages and returns, rollout-correction
+        weights; written into `batch`."""
+        alg, mask, metrics = self.cfg.algorithm, batch.response_mask, {}
+        token_rewards = outcome_token_rewards(scores, mask)
+        if alg.use_kl_in_reward:
+            token_rewards, kl = apply_kl_penalty(token_rewards, batch.old_log_probs, batch.ref_log_probs, mask,
+                                                 self.kl_ctrl.value, alg.kl_penalty)
+            metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
+            self.kl_ctrl.update(kl, n_steps=batch.rows())
+        group_ids = torch.arange(batch.rows()) // self.cfg.rollout.n  # samples of a prompt are adjacent
+        batch.advantages, returns = compute_advantages(
+            alg.adv_estimator, token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+            norm_by_std=alg.norm_adv_by_std)
+        if alg.rollout_is_cap is not None:
+            batch.importance_weights = truncated_importance_weights(batch.old_log_probs, batch.rollout_log_probs,
+                                                                    alg.rollout_is_cap)
+        if self.critic is not None:
+            batch.returns = returns
+        return metrics
+
+    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """The critic's update, then (after its warm-up) the actor's, and the new weights into the engines."""
+        metrics = {}
+        if self.critic is not None:
+            with self.timer("update_critic"):
+                metrics |= self.critic.update_critic(batch.select("values", "returns"))[0]
+        if step > self.cfg.critic.warmup_steps:  # the actor waits for the critic's warm-up
+            with self.timer("update_actor"):
+                metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
+                                                          "importance_weights"))[0]
+            self.engines.policy_version += 1
+            with self.timer("sync_weights"):
+                sync_weights(self.actor, self.engine_group)
+        return metrics
+
+    # -- around the steps ------------------------------------------------------------------------------------------
+
+    def maybe_validate(self, step: int, last: bool = False) -> dict[str, float]:
+        """Validate when it is due (before the first step, every trainer.val_every steps, after the last); returns
+        the time it took, as a metric of the step."""
+        every = self.cfg.trainer.val_every
+        due = (step == 0 and self.cfg.trainer.val_before_train) or (every and step > 0 and (step % every == 0 or last))
+        if self.val_loader is None or not due:
+            return {}
+        with self.timer("validate"):
+            metrics, table = validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step)
+        self.tracker.log(metrics, step)
+        self.tracker.log_text("val/generations", table, step)
+        tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+        return {"timing_s/validate": self.timer.seconds["validate"]}
+
+    def save_checkpoint(self, step: int) -> None:
+        start = time.perf_counter()
+        partial = start_save(self.checkpoint_root, step)
+        for group in self.model_groups:
+            group.save_checkpoint(partial)
+        state = {"data_loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value,
+                 "reward_history": self.reward_history}
+        folder = finish_save(self.checkpoint_root, step, state, to_yaml(self.cfg), self.cfg.trainer.keep_last)
+        tqdm.write(f"step {step}: checkpoint saved to {folder} in {time.perf_counter() - start:.1f} s")
+
+    def load_checkpoint(self) -> None:
+        resume_dir = self.resume[0]
+        rng_restored = all(done for group in self.model_groups for done in group.load_checkpoint(resume_dir))
+        tqdm.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
+            "" if rng_restored else "; the workers' RNG states were saved under another parallel layout and start "
+            "afresh (sampling seeds depend only on trainer.seed and the step, so rollouts are unaffected)"))
+
+    def _restore_controller_state(self) -> int:
+        """The controller's part of the checkpoint to resume from (data position, KL coefficient, rewards); returns
+        its step."""
+        resume_dir, state = self.resume
+        try:
+            self.loader.load_state_dict(state["data_loader"])
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint '{resume_dir}' cannot resume this run's data: {err}.") from None
+        self.kl_ctrl.value, self.reward_history = state["kl_coef"], state["reward_history"]
+        return state["step"]
+
+    def _start_workers(self, stack: ExitStack) -> None:
+        """The worker groups, the scorer processes and the run's log, closed by `stack`; resumed, and the engines
+        given the policy's weights (they start from dummy ones)."""
+        cfg = self.cfg
+        groups = build_workers(cfg, self.hf_config, start_ray(cfg), stack)
+        self.actor, self.engine_group = groups[Role.ACTOR], groups[Role.ROLLOUT]
+        self.ref, self.critic = groups.get(Role.REF), groups.get(Role.CRITIC)
+        # The groups hosting Megatron models (what a checkpoint saves), each once.
+        self.model_groups = list({id(g): g for role, g in groups.items() if role.has_model}.values())
+        self.engines = RolloutEngines(self.engine_group, cfg.trainer.seed)
+        # Actor updates so far: one a step after the critic's warm-up.
+        self.engines.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
+        self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
+        # A resumed run rewrites the steps after its checkpoint: their old records go.
+        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=self.start_step if self.resume else None))
+        self.scorer = stack.enter_context(RewardScorer(cfg.reward, cfg.trainer.imports))
+        if self.resume:
+            self.load_checkpoint()
+        sync_weights(self.actor, self.engine_group)
+
+    def _check_scorers(self) -> None:
+        """Every row's data source needs a scorer: find out now, not at its first batch."""
+        if self.cfg.reward.custom_fn is not None:
+            return
+        loaders = [loader for loader in (self.loader, self.val_loader) if loader is not None]
+        unknown = {row["data_source"] for loader in loaders for row in loader.rows} - set(REGISTRY)
+        if unknown:
+            raise ConfigError(f"The data's data_source {', '.join(map(repr, sorted(unknown)))} has no reward function "
+                              f"(known: {', '.join(sorted(REGISTRY))}). Set reward.custom_fn=pkg.module:fn, or "
+                              "register one with @rl_megatron.rewards.register in a module listed in trainer.imports.")
+
+    def _summary(self, done: bool) -> dict:
+        steps = len(self.reward_history)
+        if self.start_step and self.start_step == steps:
+            tqdm.write(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
+                       "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
+        elif self.stop.received and not done:
+            tqdm.write(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
+                       "checkpoint.")
+        first = self.reward_history[:REWARD_WINDOW]
+        return {"steps": steps, "reward_first": sum(first) / len(first), "reward_last": window_mean(self.reward_history),
+                "reward_window": len(first), "run_dir": self.run_dir}

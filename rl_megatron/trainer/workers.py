@@ -1,0 +1,60 @@
+"""Starting the worker groups of a run: one per pool of `config.worker_pools`, each role mapped to its group."""
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+
+import ray
+import torch
+
+from rl_megatron.config import Config, worker_pools
+from rl_megatron.roles import Role
+from rl_megatron.rollout.vllm_engine import CPU_ENGINE_ENV, ENGINE_ENV
+from rl_megatron.workers.hybrid_worker import HybridWorker
+from rl_megatron.workers.rollout_worker import RolloutWorker
+from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
+
+
+def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[Role, WorkerGroup]:
+    """The worker groups, by role (a colocated role maps to the actor's group); closed by `stack`."""
+    pools = worker_pools(cfg)
+    threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
+    env = worker_env(threads, local_cluster=cfg.ray.address is None)
+    groups: dict[Role, WorkerGroup] = {}
+    for pool in pools:
+        roles = tuple(Role(role) for role in pool.roles)
+        devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
+        if roles == (Role.ROLLOUT,):
+            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env)
+        else:
+            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, env=env)
+        groups.update(dict.fromkeys(roles, stack.enter_context(group)))
+    if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:
+        connect_engines(groups[Role.ACTOR], groups[Role.ROLLOUT])
+    return groups
+
+
+def connect_engines(actor: WorkerGroup, rollout: WorkerGroup) -> None:
+    """Separate engines: the actor's rank 0 and every engine worker form the group the weights are broadcast in."""
+    host, port = actor.rank0_address()
+    size = 1 + rollout.pool.world_size
+    joining = rollout.call_async("join_weight_group", host, port, size)
+    actor.join_weight_group(host, port, size)
+    ray.get(joining)
+
+
+def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
+    """The policy's current weights into the engines: colocated, each actor worker writes its engines' share;
+    separate, the actor's rank 0 broadcasts them and the engine workers receive (both at once)."""
+    receiving = [] if rollout is actor else rollout.call_async("sync_weights")
+    actor.sync_weights()
+    ray.get(receiving)
+
+
+def worker_env(threads: int, local_cluster: bool) -> dict:
+    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads)}
+    if not torch.cuda.is_available():
+        env.update(CPU_ENGINE_ENV)
+        if local_cluster:  # everything on this machine: keep gloo on the loopback interface
+            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env

@@ -1,0 +1,153 @@
+"""Where a worker's state lives between phases, as an explicit state machine.
+
+A hybrid worker takes turns: the vLLM engine generates, then Megatron computes (forward passes, updates) for each
+role, then the new weights go into the engine. On GPU each turn wants the device memory the others hold, so:
+
+- a role's Megatron state ("params", "grads", "optimizer") waits in host memory while others use the device
+  (only for roles given an `Offloader`: the actor and critic with actor.offload, the reference with
+  ref.param_offload);
+- the engine sleeps at level 2 while Megatron computes, which frees its KV cache *and discards its weights*.
+
+`PhaseMachine` knows what is where and turns "I need phase P" into the moves that get there. It is pure logic:
+it returns `Move`s and the worker carries them out (offloaders, engine, resharder), so every sequence the trainer
+can produce is tested on CPU as plain state transitions. Its invariant: **the engine never generates with weights
+older than the policy**. An actor update or a level-2 sleep makes the engine's weights stale; entering generation
+with stale weights syncs them first (a save, a critic warm-up step or a validation pass between an update and the
+next generation all go through here). This is the hybrid engine's offload/sleep pattern as verl's
+ActorRolloutRefWorker and its sharding manager run it on GPU (wake weights -> sync -> wake KV cache; sleep before
+training).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl_megatron.roles import Role
+
+STATE = ("params", "grads", "optimizer")  # a role's state, in Offloader's categories
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a dispatched method needs. kind: "generate" (the engine, with current weights), "sync" (write the
+    policy's weights into the engine), "forward" (role's params on the device), "save" (role's whole state on the
+    device, read), "train" (role's whole state on the device, changed: an update, or a checkpoint loaded; a changed
+    actor makes the engine's weights stale)."""
+    kind: str
+    role: Role | None = None
+
+    def state(self) -> tuple[str, ...]:
+        return ("params",) if self.kind == "forward" else STATE
+
+
+GENERATE = Phase("generate")
+SYNC = Phase("sync")
+
+
+def forward(role: Role) -> Phase:
+    return Phase("forward", role)
+
+
+def train(role: Role) -> Phase:
+    return Phase("train", role)
+
+
+def save(role: Role) -> Phase:
+    return Phase("save", role)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One step the worker carries out. kind: "to_host" / "to_device" (a role's `parts` of its state), "sleep" (the
+    engine, level 2), "wake" (the engine's `parts`: "weights", "kv_cache"), "sync" (the policy's weights into the
+    engine)."""
+    kind: str
+    role: Role | None = None
+    parts: tuple[str, ...] = ()
+
+
+@dataclass
+class PhaseMachine:
+    """`offloaded`: roles whose state moves between device and host; `engine`: the worker hosts an engine;
+    `engine_sleeps`: the engine frees its memory during Megatron phases (GPU; vLLM's CPU backend cannot)."""
+    offloaded: tuple[Role, ...] = ()
+    engine: bool = False
+    engine_sleeps: bool = False
+    on_host: dict[Role, set[str]] = field(default_factory=dict)  # the parts of each role's state in host memory
+    engine_asleep: set[str] = field(default_factory=set)  # the engine's parts a sleep freed and no wake restored
+    policy_version: int = 0  # actor updates made in this worker
+    engine_version: int | None = None  # the policy version the engine's weights hold; None: none (dummy, discarded)
+
+    def __post_init__(self):
+        for role in self.offloaded:
+            self.on_host.setdefault(role, set())
+        # A frozen reference waits in host memory from the start: it computes once per step.
+        if Role.REF in self.offloaded:
+            self.on_host[Role.REF] = set(STATE)
+
+    @property
+    def engine_current(self) -> bool:
+        return self.engine_version == self.policy_version
+
+    def enter(self, phase: Phase) -> list[Move]:
+        """The moves that make `phase` possible, applied to the machine's state."""
+        if phase.kind == "generate":
+            moves = [] if self.engine_current else self._sync_moves()
+            moves += [self._to_host(role, STATE) for role in self.offloaded]
+            return self._done(moves + [self._wake(("weights", "kv_cache"))])
+        if phase.kind == "sync":
+            return self._done(self._sync_moves())
+        if phase.kind in ("forward", "save", "train"):
+            moves = [self._sleep()]
+            if phase.role in self.offloaded:
+                moves.append(self._to_device(phase.role, phase.state()))
+            return self._done(moves)
+        raise ValueError(f"unknown phase {phase.kind!r}")
+
+    def leave(self, phase: Phase) -> list[Move]:
+        """The moves after `phase`: a changed actor makes the engine's weights stale; the frozen reference goes back
+        to host memory until its next use."""
+        if phase == train(Role.ACTOR):
+            self.policy_version += 1
+        if phase.role is Role.REF and Role.REF in self.offloaded:
+            return self._done([self._to_host(Role.REF, STATE)])
+        return []
+
+    def _sync_moves(self) -> list[Move]:
+        """What a weight sync needs: the actor's params on the device (nothing else of Megatron's), the engine's
+        weights awake (not yet its KV cache: the peak stays lower while the trainer's state leaves the device)."""
+        if self.engine_current:
+            return []
+        moves = [self._to_host(role, ("grads", "optimizer") if role is Role.ACTOR else STATE)
+                 for role in self.offloaded]
+        if Role.ACTOR in self.offloaded:
+            moves.append(self._to_device(Role.ACTOR, ("params",)))
+        moves += [self._wake(("weights",)), Move("sync")]
+        self.engine_version = self.policy_version
+        return moves
+
+    def _to_host(self, role: Role, parts: tuple[str, ...]) -> Move | None:
+        moving = tuple(p for p in parts if p not in self.on_host[role])
+        self.on_host[role] |= set(moving)
+        return Move("to_host", role, moving) if moving else None
+
+    def _to_device(self, role: Role, parts: tuple[str, ...]) -> Move | None:
+        moving = tuple(p for p in parts if p in self.on_host[role])
+        self.on_host[role] -= set(moving)
+        return Move("to_device", role, moving) if moving else None
+
+    def _sleep(self) -> Move | None:
+        # Like vLLM, a sleep while any part is still asleep does nothing: the engine must wake fully first.
+        if not (self.engine and self.engine_sleeps) or self.engine_asleep:
+            return None
+        self.engine_asleep = {"weights", "kv_cache"}
+        self.engine_version = None  # level 2 discards the weights
+        return Move("sleep")
+
+    def _wake(self, parts: tuple[str, ...]) -> Move | None:
+        waking = tuple(part for part in parts if part in self.engine_asleep)
+        self.engine_asleep -= set(waking)
+        return Move("wake", parts=waking) if waking else None
+
+    @staticmethod
+    def _done(moves: list[Move | None]) -> list[Move]:
+        return [move for move in moves if move is not None]
