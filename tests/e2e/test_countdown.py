@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_train_cli import REPO, train
+from helpers.runs import REPO, train
 
 
 @pytest.fixture(scope="module")

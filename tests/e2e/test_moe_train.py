@@ -4,7 +4,7 @@ import glob
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from test_train_cli import train
+from helpers.runs import train
 
 ROUTER_METRICS = {"moe/layer0/load_min", "moe/layer1/load_max", "moe/layer1/load_std", "moe/load_std",
                   "moe/dropped_tokens", "moe/load_balancing_loss", "moe/z_loss", "moe/layer0/z_loss"}
