@@ -11,7 +11,7 @@ setup(
     description="RL post-training of LLMs (GRPO, PPO) on Megatron-core 3D parallelism, Ray and vLLM",
     python_requires=">=3.11",
     # Every folder of code has an __init__.py: find_packages skips one without, and pip would install no code from
-    # it (tests/unit/test_packaging.py).
+    # it (tests/process/test_packaging.py).
     packages=find_packages(include=["rl_megatron", "rl_megatron.*"]),
     # The stack shared by CPU and GPU installs. torch is not listed: pip must never replace the
     # torch already installed (the CPU build here, the CUDA build in GPU images).

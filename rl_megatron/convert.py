@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
+
+from rl_megatron.checkpoint.atomic import finish_partial, start_partial
+from rl_megatron.cli import run_command
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_VOCAB_DIVISOR = 128  # the trainer's default model.make_vocab_size_divisible_by
@@ -53,12 +55,11 @@ def _check_layout(hf: dict, source: str, tp: int, pp: int, ep: int) -> None:
 
 
 def _new_output(path: str) -> str:
-    """The temporary folder to write into, renamed to `path` at the end (so `path` is whole or absent)."""
+    """The temporary folder to write into (not yet created), renamed to `path` at the end (so `path` is whole or
+    absent)."""
     if os.path.exists(path):
         raise ConvertError(f"'{path}' already exists; choose a new output folder.")
-    partial = path.rstrip("/") + ".incomplete"
-    shutil.rmtree(partial, ignore_errors=True)
-    return partial
+    return start_partial(path, create=False)  # the first rank creates it
 
 
 def _rank_from_hf(hf_dir: str, hf: dict, ckpt_dir: str, dtype: str, vocab_divisor: int) -> None:
@@ -155,7 +156,7 @@ def to_hf(args) -> None:
     run_distributed(_rank_to_hf, world, args.tp, args.pp,
                     args=(args.ckpt, hf, partial, dtype, args.make_vocab_size_divisible_by,
                           int(args.max_shard_size_gb * (1 << 30))))
-    os.rename(partial, args.out)
+    finish_partial(args.out)
     _say(f"done in {time.perf_counter() - start:.1f} s: {args.out}")
 
 
@@ -202,12 +203,7 @@ def main(argv=None) -> int:
     from rl_megatron.checkpoint import CheckpointError
 
     args = parser().parse_args(argv)
-    try:
-        args.run(args)
-    except (ConvertError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: args.run(args), ConvertError, CheckpointError)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
 
 EPILOG = """\
@@ -26,27 +27,23 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def report_error(err: Exception) -> int:
-    """Report a problem with the input or the cluster as one `error: ...` line on stderr (no traceback)."""
-    print(f"error: {one_line(err)}", file=sys.stderr)
-    return 2
-
-
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        return report_error(err)
+    # A config error is reported before the trainer (Ray, Megatron, vLLM) is even imported.
+    return run_command(lambda: _train(load_config(args.config, args.overrides)), ConfigError, message=one_line)
+
+
+def _train(cfg) -> int:
     from rl_megatron.checkpoint import CheckpointError
     from rl_megatron.trainer.trainer import train
     from rl_megatron.workers.cluster import ClusterError
 
     start = time.time()
-    try:
-        summary = train(cfg)
-    except (ConfigError, CheckpointError, ClusterError) as err:  # found once data and checkpoints are read, or Ray starts
-        return report_error(err)
+    # Found once data and checkpoints are read, or Ray starts (a ConfigError goes to main's runner).
+    return run_command(lambda: _report(cfg, train(cfg), start), CheckpointError, ClusterError, message=one_line)
+
+
+def _report(cfg, summary: dict, start: float) -> int:
     window = summary["reward_window"]
     print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "
           f"{summary['reward_first']:.3f} (first {window} steps) -> {summary['reward_last']:.3f} (last {window} steps).")

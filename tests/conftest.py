@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny HF model with weights (built locally), and one local Ray for the session."""
+"""Shared fixtures: a tiny HF model with weights (built locally), and one local Ray for the session.
+
+The tiers: unit (in-process and fast), process (starts processes: the CLIs as subprocesses, the reward scorer's
+process pool, a fresh interpreter), distributed (Megatron ranks on gloo), integration (Ray, vLLM engines), e2e
+(whole training runs and benchmarks), gpu. What several files share lives in tests/helpers, imported as
+`helpers.<module>` (this folder is on sys.path through this conftest)."""
 import os
 
 import pytest

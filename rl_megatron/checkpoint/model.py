@@ -18,6 +18,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
 from rl_megatron.models.weight_tables import MOE_FAMILIES, has_qk_layernorm, has_qkv_bias, moe_experts
 
 METADATA_FILE = "rl_megatron_checkpoint.json"
@@ -183,18 +184,17 @@ def _all_ranks_agree_on_error(error: str | None) -> None:
 def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files_dir: str | None = None, *,
                           optimizer=None, scheduler=None) -> None:
     """Save this rank's model chunks (a collective over every rank) as a self-contained checkpoint in `ckpt_dir`,
-    which must not exist. Written into `<ckpt_dir>.incomplete` and renamed at the end, so `ckpt_dir` either holds a
-    whole checkpoint or nothing. `hf_files_dir`: the HF folder whose generation config and tokenizer to copy.
+    which must not exist. Written into `<ckpt_dir>.incomplete`, fsynced and renamed at the end, so `ckpt_dir` either
+    holds a whole checkpoint or nothing. `hf_files_dir`: the HF folder whose generation config and tokenizer to copy.
     With `optimizer` (and its LR `scheduler`) the training state is saved too, to resume training from."""
     from megatron.core import dist_checkpointing
 
-    partial = ckpt_dir.rstrip("/") + ".incomplete"
+    partial = partial_path(ckpt_dir)
     error = None
     if os.path.exists(ckpt_dir):
         error = f"'{ckpt_dir}' already exists; choose a new folder (checkpoints are never overwritten)."
     elif dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
-        os.makedirs(partial)
+        start_partial(ckpt_dir)  # emptied of what an interrupted save left
     _all_ranks_agree_on_error(error)
     dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, scheduler), partial)
     dist.barrier()
@@ -216,7 +216,7 @@ def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files
         # Written last: a folder with the metadata file holds everything else.
         with open(os.path.join(partial, METADATA_FILE), "w") as f:
             json.dump(metadata, f, indent=2)
-        os.rename(partial, ckpt_dir)
+        finish_partial(ckpt_dir)
     dist.barrier()
 
 

@@ -24,6 +24,7 @@ import re
 import shutil
 import warnings
 
+from rl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, finish_partial, partial_path, replace_file, start_partial
 from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
 from rl_megatron.config import Config, uses_reference
 from rl_megatron.roles import Role
@@ -32,7 +33,6 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = "rl_megatron.trainer_state"
 STATE_VERSION = 1
-PARTIAL_SUFFIX = ".incomplete"
 _STEP_FOLDER = re.compile(r"global_step_(\d+)")
 
 
@@ -73,58 +73,23 @@ def latest_step(root: str) -> int | None:
 
 def start_save(root: str, step: int) -> str:
     """The folder to write step `step` into (empty; a leftover of an interrupted save is removed)."""
-    partial = step_dir(root, step) + PARTIAL_SUFFIX
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    return partial
-
-
-def _fsync_tree(folder: str) -> None:
-    for parent, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(parent)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: str, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees either the old or the new content, never a part."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    return start_partial(step_dir(root, step))
 
 
 def finish_save(root: str, step: int, trainer_state: dict, config_yaml: str, keep_last: int) -> str:
     """Complete step `step` (whose workers' parts are in `start_save`'s folder): write the controller's state,
     make it all durable, rename, point `latest` at it, then delete complete steps beyond the newest `keep_last`
     (0 keeps all) and what interrupted saves left. Returns the step folder."""
-    partial, final = step_dir(root, step) + PARTIAL_SUFFIX, step_dir(root, step)
+    final = step_dir(root, step)
+    partial = partial_path(final)
     with open(os.path.join(partial, "config.yaml"), "w") as f:
         f.write(config_yaml)
     with open(os.path.join(partial, STATE_FILE), "w") as f:  # written last: its presence says the rest is there
         json.dump({"format": STATE_FORMAT, "format_version": STATE_VERSION, "step": step, **trainer_state}, f,
                   indent=1)
-    _fsync_tree(partial)
-    if os.path.exists(final):  # the same step saved again (e.g. a resumed run stopped at once): the new one wins
-        shutil.rmtree(final)
-    os.rename(partial, final)
-    _fsync_dir(root)
-    _write_durably(os.path.join(root, LATEST_FILE), f"{step}\n")
+    # The same step saved again (e.g. a resumed run stopped at once): the new one wins.
+    finish_partial(final, replace=True)
+    replace_file(os.path.join(root, LATEST_FILE), f"{step}\n")
     stale = [name for name in os.listdir(root) if name.endswith(PARTIAL_SUFFIX)]  # left by interrupted saves
     if keep_last > 0:
         stale += [os.path.basename(step_dir(root, old)) for old in saved_steps(root)[keep_last:]]

@@ -13,6 +13,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
 
@@ -146,27 +147,26 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(lambda: _run(args), ConfigError, LaunchError, message=one_line)
+
+
+def _run(args) -> None:
     from rl_megatron.launch import ray_cluster
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if args.command == "prepare":
-            launch = plan_node(args.config, args.overrides)
-            if args.dry_run:
-                print(launch.plan_text + "\n" + describe_node(launch) + "\nDry run: nothing was started.")
-            else:  # the script prints PLAN once its per-node log is open
-                print(shell_assignments(launch))
-        elif args.command == "wait-cluster":
-            timeout = _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S)
-            print(ray_cluster.wait_for_cluster("auto", args.nodes, args.gpus, timeout), file=sys.stderr)
-        elif args.command == "wait-head":
-            ray_cluster.wait_for_head(args.host, args.port, _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
-        else:
-            ray_cluster.watch_head(args.host, args.port, _env_int("RAY_WATCH_INTERVAL", DEFAULT_WATCH_INTERVAL_S))
-    except (ConfigError, LaunchError) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return 2
-    return 0
+    if args.command == "prepare":
+        launch = plan_node(args.config, args.overrides)
+        if args.dry_run:
+            print(launch.plan_text + "\n" + describe_node(launch) + "\nDry run: nothing was started.")
+        else:  # the script prints PLAN once its per-node log is open
+            print(shell_assignments(launch))
+    elif args.command == "wait-cluster":
+        timeout = _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S)
+        print(ray_cluster.wait_for_cluster("auto", args.nodes, args.gpus, timeout), file=sys.stderr)
+    elif args.command == "wait-head":
+        ray_cluster.wait_for_head(args.host, args.port, _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
+    else:
+        ray_cluster.watch_head(args.host, args.port, _env_int("RAY_WATCH_INTERVAL", DEFAULT_WATCH_INTERVAL_S))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import family_model_dir, hf_greedy
+from helpers.parity import family_model_dir, hf_greedy
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint, stored_hf_config
 from rl_megatron.convert import main
 from rl_megatron.workers.spawn import run_distributed

@@ -6,41 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import config, family_model_dir, hf_reference, make_batch
+from helpers.parity import config, family_model_dir, hf_reference, make_batch
+from helpers.ranks import log_probs_and_export, update_and_export
 from rl_megatron.workers.spawn import run_distributed
-
-
-def _build(cfg):
-    from rl_megatron.config import read_hf_config
-    from rl_megatron.workers.megatron_actor import MegatronActor
-
-    return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
-
-
-def log_probs_and_export(cfg, batch):
-    actor = _build(cfg)
-    return actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
-
-
-def update_and_export(cfg, batch):
-    """One update in which each data-parallel rank takes its slice of `batch`."""
-    from megatron.core import parallel_state
-
-    actor = _build(cfg)
-    batch = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
-    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    metrics = actor.update({key: value.chunk(dp)[rank] for key, value in batch.items()})
-    return metrics, actor.hf_state_dict()
-
-
-def actor_log_probs_everywhere(actor, batch):
-    """Old log-probs for the update: computed on the owning ranks, shared so every rank has them."""
-    import torch.distributed as dist
-
-    out = actor.log_probs({"input_ids": batch["input_ids"]})
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, out["log_probs"] if out is not None else None)
-    return next(x for x in gathered if x is not None)
 
 
 # Interleaving (vpp=2) needs a layer per model chunk: 2 stages x 2 chunks.

@@ -3,10 +3,10 @@ transformers, and the trainer's experts resharded into real vLLM engines."""
 import pytest
 import torch
 
-from parity import config, family_model_dir, hf_reference, make_batch
+from helpers.parity import config, family_model_dir, hf_reference, make_batch
+from helpers.ranks import (actor_log_probs_everywhere, build_actor, check_engines_hold_the_trainer_weights,
+                           log_probs_and_export, saved_checkpoint, update_and_export)
 from rl_megatron.workers.spawn import run_distributed
-from test_megatron_parity import log_probs_and_export, update_and_export
-from test_resharding import check_engines_hold_the_trainer_weights, saved_checkpoint
 
 
 def odd_length_batch() -> dict:
@@ -61,11 +61,9 @@ def test_engines_hold_the_expert_parallel_trainer_weights_exactly(tmp_path, fami
 def layout_parity_then_knobs_update(plain, knobs, batch):
     """Log-probs and HF export at the `plain` config; then, built at the `knobs` config from the same weights, one
     update: its metrics, and the weights before and after it as HF tensors."""
-    from test_megatron_parity import _build, actor_log_probs_everywhere
-
-    actor = _build(plain)
+    actor = build_actor(plain)
     log_probs, exported = actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
-    actor = _build(knobs)
+    actor = build_actor(knobs)
     metrics = actor.update(dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch)))
     return log_probs, exported, metrics, actor.hf_state_dict()
 
@@ -110,9 +108,7 @@ def updates_around_a_checkpoint(cfg, batch, ckpt: str, save: bool):
     second update. Returns the second update's metrics and the weights after it."""
     from megatron.core import parallel_state
 
-    from test_megatron_parity import _build, actor_log_probs_everywhere
-
-    actor = _build(cfg)
+    actor = build_actor(cfg)
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
 
     def update():

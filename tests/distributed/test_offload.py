@@ -4,7 +4,7 @@ bitwise, and the next update is the one the same actor makes without the round t
 import pytest
 import torch
 
-from parity import config, make_batch
+from helpers.parity import config, make_batch
 from rl_megatron.workers.spawn import run_distributed
 
 TP = 2

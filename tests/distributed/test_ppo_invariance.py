@@ -5,7 +5,7 @@ the Dr.GRPO constant normaliser for the critic, KL loss, entropy bonus, dual-cli
 import pytest
 import torch
 
-from parity import BATCH, config, family_model_dir, hf_reference, make_batch
+from helpers.parity import BATCH, config, family_model_dir, hf_reference, make_batch
 from rl_megatron.workers.spawn import run_distributed
 
 PPO_OPTIONS = {"actor.loss_agg_mode": "seq-mean-token-mean", "actor.entropy_coeff": 0.01,

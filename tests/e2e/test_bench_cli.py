@@ -7,6 +7,15 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A figure measured against a plain matrix multiply (or copy) of the same machine and run: a model pass (or a weight
+# sync, which copies every byte at least once) cannot beat it by much. A figure timed over the wrong span, or in the
+# wrong unit, can.
+RATIO_BOUND = 1.5
+# The model of the small benchmarks: hidden 128 = 2 heads of 64, 1 KV head, MLP 352, vocabulary 256, one layer.
+# The weights outside the embedding: QKV 128x256 + bias 256, output 128x128, MLP 128x704 + 352x128, two norms of
+# 128, the final norm, the output layer 128x256.
+SMALL_MODEL_WEIGHTS = 128 * 256 + 256 + 128 * 128 + 128 * 704 + 352 * 128 + 2 * 128 + 128 + 128 * 256
+SMALL_ARGS = ("--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "4", "--seq", "32", "--threads", "1")
 
 
 def bench(*args: str) -> dict:
@@ -18,32 +27,41 @@ def bench(*args: str) -> dict:
 
 @pytest.mark.parametrize("name", ["generate", "log_probs", "update"])
 def test_bench_prints_one_json_line(name):
-    result = bench(name, "--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "4", "--seq", "32",
-                   "--threads", "1")
+    """The figure is the model's FLOP/s: 2 FLOPs per weight and token forward (log-probs, and each generated token),
+    6 with the backward pass (update)."""
+    result = bench(name, *SMALL_ARGS)
     assert result["bench"] == name
     assert result["value"] > 0 and result["limit"] > 0
-    assert result["ratio"] == pytest.approx(result["value"] / result["limit"])
+    assert 0 < result["ratio"] <= RATIO_BOUND
+    flops_per_token = (6 if name == "update" else 2) * SMALL_MODEL_WEIGHTS
+    assert result["value"] == pytest.approx(flops_per_token * result["tokens_per_s"])
+    tokens = result["tokens_per_s"] * result["seconds"]
+    if name == "generate":  # at most the 16 response tokens of each of the 4 prompts
+        assert 0 < tokens <= 4 * 16 + 1e-6
+    else:  # the whole batch of 4 x 32 tokens
+        assert tokens == pytest.approx(4 * 32)
 
 
 def test_train_bench_reports_tokens_per_s_and_mfu():
     """Training steps of a small model on the CPU: both limits are reported, and the FLOP count is PaLM's
     6 * N + 12 * L * Hq * S per token (N: the weights of the matrix multiplies)."""
-    result = bench("train", "--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "4", "--seq", "32",
-                   "--threads", "1", "--repeats", "2")
+    result = bench("train", *SMALL_ARGS, "--repeats", "2")
     assert result["bench"] == "train" and result["dtype"] == "float32" and result["layers_impl"] == "local"
     for key in ("value", "limit", "tokens_per_s", "seconds", "flops_per_token"):
         assert result[key] > 0, key
-    assert 0 < result["ratio"] <= 1.5
-    assert result["ratio"] == pytest.approx(result["value"] / result["limit"])
-    assert result["value"] == pytest.approx(result["flops_per_token"] * result["tokens_per_s"])
-    # hidden 128 = 2 heads of 64, 1 KV head, MLP 352: QKV 128x256, output 128x128, MLP 128x704 + 352x128, head 128x256
+    assert 0 < result["ratio"] <= RATIO_BOUND
+    # SMALL_MODEL_WEIGHTS' matrices (no biases, no norms): QKV 128x256, output 128x128, MLP 128x704 + 352x128, head
+    # 128x256
     assert result["matmul_weights"] == 128 * 256 + 128 * 128 + 128 * 704 + 352 * 128 + 128 * 256
     assert result["flops_per_token"] == 6 * result["matmul_weights"] + 12 * 1 * 128 * 32
+    assert result["value"] == pytest.approx(result["flops_per_token"] * result["tokens_per_s"])
+    assert result["tokens_per_s"] * result["seconds"] == pytest.approx(4 * 32)  # one step takes the whole batch
     # No nominal peak on a CPU: MFU is unknown, not a guess.
     assert result["mfu"] is None and result["nominal_peak_flops"] is None
 
 
-# The shared_memory bucket channel moves the same buckets as process_group (exactness of both: test_resharding).
+# The shared_memory bucket channel moves the same buckets as process_group (exactness of both:
+# tests/distributed/test_resharding.py).
 @pytest.mark.parametrize("channel", ["auto", "process_group"])
 def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     """TP=2 x PP=2 -> engines of TP=2, ~31 MB of weights, read in place (auto) or through 1 MiB buckets: a sync
@@ -54,7 +72,7 @@ def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     assert result["exact"] is True and result["channel"] == channel
     for key in ("bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "peak_extra_bytes", "bucket_bytes"):
         assert key in result, key
-    assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
+    assert 0 < result["ratio"] <= RATIO_BOUND
     assert result["bytes"] > 4 * (result["bucket_bytes"] + result["largest_tensor_bytes"])
     assert result["peak_extra_bytes"] <= result["bucket_bytes"] + result["largest_tensor_bytes"]
     assert (result["in_place_fraction"] == 1.0) == (channel == "auto")
@@ -71,7 +89,7 @@ def test_reshard_of_an_moe_model_reports_the_same_fields():
     assert dense_fields <= set(result) and result["model"] == "qwen3_moe"
     assert result["layout"] == {"tp": 1, "pp": 1, "ep": 2, "engine_tp": 1}
     assert result["exact"] is True and result["in_place_fraction"] == 1.0
-    assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
+    assert 0 < result["ratio"] <= RATIO_BOUND
 
 
 def test_reshard_to_separate_engines_reports_the_same_fields():
@@ -81,7 +99,7 @@ def test_reshard_to_separate_engines_reports_the_same_fields():
                    "--layers", "1", "--vocab", "512", "--repeats", "2", "--bucket-mb", "1")
     assert result["exact"] is True and result["channel"] == "broadcast" and result["in_place_fraction"] == 0.0
     assert result["layout"] == {"tp": 2, "pp": 1, "ep": 1, "engine_tp": 1, "engine_processes": 1}
-    assert result["ratio"] == pytest.approx(result["gbps"] / result["memcpy_gbps"])
+    assert 0 < result["ratio"] <= RATIO_BOUND
     # The sender holds one bucket (the largest tensor when it is bigger), not the 13 MB of weights.
     bound = max(result["bucket_bytes"], result["largest_tensor_bytes"]) + result["bucket_bytes"]
     assert result["peak_extra_bytes"] <= bound < result["bytes"]

@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from test_train_cli import REPO, train
-
+from helpers.runs import REPO, train
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.checkpoint.run import (LATEST_FILE, CheckpointWarning, choose_resume, finish_save, saved_steps,
                                         start_save, step_dir)

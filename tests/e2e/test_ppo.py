@@ -2,7 +2,7 @@
 its own workers), KL in the loss or in the reward, and the loss options, on the demo task."""
 import pytest
 
-from test_train_cli import train
+from helpers.runs import train
 
 # Four steps of the PPO demo with checks of every stage's metrics and of the adaptive in-reward KL coefficient
 # run in test_checkpoint_resume.py; REINFORCE++ runs end to end in test_countdown.py.

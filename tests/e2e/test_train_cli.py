@@ -3,26 +3,14 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.runs import REPO, train
+
 STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
                 "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/entropy", "mismatch/token_mult_prob_error",
                 "mismatch/max_abs_logprob_diff", "critic/advantages/mean",
                 "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/sync_weights",
                 "timing_s/step", "perf/tokens_per_s"}
-
-
-def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
-    cmd = [sys.executable, "-m", "rl_megatron.train", "--config", f"configs/{config}.yaml",
-           f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
-    run_dir = os.path.join(tmp_path, os.path.basename(config))  # configs name their run after the file
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return done.stdout, rows, run_dir
 
 
 def test_demo_learns_arithmetic_from_reward(tmp_path):

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from parity import config, family_model_dir, hf_model, hf_reference, hf_token_log_probs, make_batch
+from helpers.parity import config, family_model_dir, hf_model, hf_reference, hf_token_log_probs, make_batch
 from rl_megatron.workers.spawn import run_distributed
 
 pytestmark = [pytest.mark.gpu,

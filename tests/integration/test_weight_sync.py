@@ -5,7 +5,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from parity import hf_greedy
+from helpers.parity import hf_greedy
 
 PROMPTS = ["3+4=", "1+1=", "0+9=", "5+2="]
 NEW_TOKENS = 6

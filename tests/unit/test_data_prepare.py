@@ -3,8 +3,6 @@ import itertools
 import json
 import os
 import re
-import subprocess
-import sys
 from fractions import Fraction
 
 import pyarrow as pa
@@ -188,12 +186,3 @@ def test_split_must_be_given_when_the_file_name_does_not_tell(tmp_path, capsys):
     assert "--split train or --split test" in capsys.readouterr().err
     assert run_prepare("gsm8k", "--input", tmp_path / "absent.jsonl", "--out", tmp_path / "out") == 2
     assert "does not exist" in capsys.readouterr().err
-
-
-def test_help_and_argument_errors_from_the_command_line():
-    command = [sys.executable, "-m", "rl_megatron.data.prepare"]
-    helped = subprocess.run(command + ["countdown", "--help"], capture_output=True, text=True, cwd=REPO)
-    assert helped.returncode == 0 and "--num-operands" in helped.stdout and "qwen-instruct" in helped.stdout
-    bad = subprocess.run(command + ["countdown", "--out", "x", "--num-operands", "1..4"], capture_output=True,
-                         text=True, cwd=REPO)
-    assert bad.returncode == 2 and "need 2 <= LOW <= HIGH" in bad.stderr

@@ -1,0 +1,107 @@
+"""What the distributed tests run on each rank (through rl_megatron.workers.spawn.run_distributed: functions of an
+importable module, so that the spawned ranks can unpickle them) and the checks several of them make: the actor's
+log-probs, update and HF export; the trainer's weights resharded into real vLLM engines."""
+import glob
+
+import torch
+from safetensors.torch import load_file
+
+from helpers.parity import config, hf_greedy, hf_model
+from rl_megatron.workers.spawn import run_distributed
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
+NEW_TOKENS = 5
+
+
+def sync_into_engine(cfg, channel: str, bucket_bytes: int):
+    import torch.distributed as dist
+
+    from rl_megatron.config import read_hf_config
+    from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    hf = read_hf_config(cfg.model.path)
+    actor = MegatronActor(cfg, hf, optimizer_steps=10)
+    engine_index = dist.get_rank() // cfg.rollout.tensor_parallel_size
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=engine_index, eos_token_id=hf["eos_token_id"])
+    try:
+        # A first generation with the dummy weights: nothing the engine derives from its weights (packed copies,
+        # cached KV) may outlive the sync.
+        engine.generate(PROMPTS, n=1, temperature=0.0)
+        resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=bucket_bytes,
+                              channel=channel, verify=True)
+        stats = resharder.sync()
+        resharder.close()
+        engine.weights_updated()
+        state = [export_hf_state_dict(actor.chunks, actor.table)]
+        dist.broadcast_object_list(state, src=0)
+        greedy = [g.response_ids for g in engine.generate(PROMPTS, n=1, temperature=0.0)]
+        return engine_mismatches(engine.model(), state[0]), greedy, state[0], stats
+    finally:
+        engine.close()
+
+
+def build_actor(cfg):
+    from rl_megatron.config import read_hf_config
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
+
+
+def log_probs_and_export(cfg, batch):
+    actor = build_actor(cfg)
+    return actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
+
+
+def update_and_export(cfg, batch):
+    """One update in which each data-parallel rank takes its slice of `batch`."""
+    from megatron.core import parallel_state
+
+    actor = build_actor(cfg)
+    batch = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    metrics = actor.update({key: value.chunk(dp)[rank] for key, value in batch.items()})
+    return metrics, actor.hf_state_dict()
+
+
+def actor_log_probs_everywhere(actor, batch):
+    """Old log-probs for the update: computed on the owning ranks, shared so every rank has them."""
+    import torch.distributed as dist
+
+    out = actor.log_probs({"input_ids": batch["input_ids"]})
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out["log_probs"] if out is not None else None)
+    return next(x for x in gathered if x is not None)
+
+
+def saved_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    """The tensors transformers' save_pretrained wrote: the HF names a trainer export must reproduce (per-expert
+    tensors for MoE models, where the loaded model fuses them; no lm_head with tied embeddings)."""
+    tensors = {}
+    for path in glob.glob(f"{model_dir}/*.safetensors"):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp: int, ep: int, engine_tp: int,
+                                           channel: str) -> None:
+    """Train layout TP x PP (x VPP) with `ep` data-parallel ranks that split the experts -> engines of `engine_tp`."""
+    same_layout = tp == engine_tp and pp == 1 and ep == 1
+    # vLLM pads the vocabulary to a multiple of 64; with Megatron padding the same way, every rank already
+    # holds its engine shard and nothing should cross ranks.
+    padding = {"model.make_vocab_size_divisible_by": 64 // tp} if same_layout else {}
+    cfg = config(model_dir, tp, pp, vpp, **{"rollout.tensor_parallel_size": engine_tp,
+                                            "rollout.max_tokens": NEW_TOKENS, "actor.expert_model_parallel_size": ep,
+                                            "trainer.n_gpus_per_node": tp * pp * ep, **padding})
+    # Small buckets: many of them, and pieces cut across bucket boundaries.
+    results = run_distributed(sync_into_engine, tp * pp * ep, tp, pp, vpp, ep, args=(cfg, channel, 16 << 10))
+    reference = hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)
+    saved = saved_checkpoint(model_dir)
+    exported = results[0][2]
+    assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
+    for rank, (mismatches, greedy, _, stats) in enumerate(results):
+        assert mismatches == [], f"rank {rank}: {mismatches[:3]}"
+        assert greedy == reference, f"rank {rank}"
+        if same_layout:
+            assert stats.bytes_received == 0 and stats.bytes_in_place > 0

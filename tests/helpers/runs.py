@@ -1,0 +1,20 @@
+"""The training command as a user runs it: `python -m rl_megatron.train --config configs/NAME.yaml key=value ...`
+from the repository's root, in a process of its own."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
+    """Run it with its outputs under `tmp_path`; it must succeed. Returns (stdout, metrics.jsonl rows, run folder)."""
+    cmd = [sys.executable, "-m", "rl_megatron.train", "--config", f"configs/{config}.yaml",
+           f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = os.path.join(tmp_path, os.path.basename(config))  # configs name their run after the file
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return done.stdout, rows, run_dir
