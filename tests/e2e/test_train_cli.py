@@ -40,16 +40,53 @@ def demo_model_with_layers(folder, layers: int) -> str:
     return str(folder)
 
 
-def test_interleaved_pipeline_parallel_run(tmp_path):
+# The user's own code, named in the config by file path: a scorer registered for the demo's data source (which
+# replaces the built-in one, in the scorer processes too: 0.5 where it gives 1, 0.25 where it gives 0) and a rollout function that wraps the default one and
+# records what it was asked and what it returned.
+USER_PLUGIN = """
+import json, os
+
+from rl_megatron.rewards import arithmetic, register
+from rl_megatron.rollout import single_turn
+
+CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout_calls.jsonl")
+
+
+@register("arithmetic")
+def half_credit(solution_str, ground_truth):
+    return 0.5 if arithmetic.compute_score(solution_str, ground_truth) else 0.25
+
+
+def recording_rollout(engines, prompts, sampling):
+    samples = single_turn.generate(engines, prompts, sampling)
+    with open(CALLS, "a") as f:
+        f.write(json.dumps({"purpose": sampling.purpose, "prompts": len(prompts), "n": sampling.n,
+                            "samples": len(samples), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
+    return samples
+"""
+
+
+def test_interleaved_pipeline_parallel_run_with_the_users_scorer_and_rollout_function(tmp_path):
     """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards, each
     stage holding two interleaved model chunks (one layer each). (Two stages without interleaving run end to end
-    in test_checkpoint_resume.py, resumed at TP=1 x PP=2.)"""
+    in test_checkpoint_resume.py, resumed at TP=1 x PP=2.) The same run takes its scorer and its rollout function
+    from a file of the user's (trainer.imports, rollout.function)."""
     vpp = 2
     model = demo_model_with_layers(tmp_path / "model", layers=2 * vpp)
+    plugin = tmp_path / "user_plugin.py"
+    plugin.write_text(USER_PLUGIN)
     _, rows, _ = train(tmp_path, "trainer.total_steps=3", "actor.tensor_model_parallel_size=1",
                        "actor.pipeline_model_parallel_size=2", f"actor.virtual_pipeline_model_parallel_size={vpp}",
-                       f"model.path={model}", "rollout.max_tokens=3")
+                       f"model.path={model}", "rollout.max_tokens=3", f"trainer.imports=[{plugin}]",
+                       f"rollout.function={plugin}:recording_rollout")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     # The engine samples from the weights the trainer exported from its stages and chunks.
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-5
+    # Every sample was scored by the user's scorer (0.25 or 0.5; the built-in one gives 0 or 1, near 0 at first).
+    assert all(0.25 <= r["reward/mean"] <= 0.5 and r["reward/errors"] == 0 for r in rows)
+    with open(tmp_path / "rollout_calls.jsonl") as f:
+        calls = [json.loads(line) for line in f]
+    # One call per step, each answered in full, by engines holding the policy of the step (one update a step).
+    assert calls == [{"purpose": "train", "prompts": 32, "n": 8, "samples": 256, "versions": [step]}
+                     for step in range(3)]
