@@ -12,21 +12,17 @@ import os
 import sys
 from collections.abc import Callable
 
+from rl_megatron.errors import ConfigError
+
 CustomRewardFn = Callable[[str, str, object, object], float]
 KEY = "reward.custom_fn"
-
-
-def _config_error(message: str) -> Exception:
-    from rl_megatron.config import ConfigError  # imported here so scorer processes skip the config package
-
-    return ConfigError(message)
 
 
 def load_custom_fn(spec: str) -> CustomRewardFn:
     """The function `spec` names; raises ConfigError naming reward.custom_fn and what was not found."""
     module_name, colon, function_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
     if not colon or not module_name or not function_name:
-        raise _config_error(f"{KEY}={spec!r} must be 'package.module:function' or 'path/to/file.py:function', "
+        raise ConfigError(f"{KEY}={spec!r} must be 'package.module:function' or 'path/to/file.py:function', "
                             "e.g. my_pkg.my_reward:compute_score.")
     if module_name.endswith(".py"):
         module = _module_from_file(spec, module_name)
@@ -34,24 +30,24 @@ def load_custom_fn(spec: str) -> CustomRewardFn:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
-            raise _config_error(f"{KEY}={spec!r}: module {err.name!r} was not found. Install it or put its folder on "
+            raise ConfigError(f"{KEY}={spec!r}: module {err.name!r} was not found. Install it or put its folder on "
                                 "PYTHONPATH (the scorer processes inherit it).") from None
         except Exception as err:
-            raise _config_error(f"{KEY}={spec!r}: importing module {module_name!r} failed with "
+            raise ConfigError(f"{KEY}={spec!r}: importing module {module_name!r} failed with "
                                 f"{type(err).__name__}: {err}. Fix the module.") from None
     function = getattr(module, function_name, None)
     if function is None:
-        raise _config_error(f"{KEY}={spec!r}: module {module_name!r} has no attribute {function_name!r}. Check the "
+        raise ConfigError(f"{KEY}={spec!r}: module {module_name!r} has no attribute {function_name!r}. Check the "
                             "name after the ':'.")
     if not callable(function):
-        raise _config_error(f"{KEY}={spec!r}: {function_name!r} in {module_name!r} is a "
+        raise ConfigError(f"{KEY}={spec!r}: {function_name!r} in {module_name!r} is a "
                             f"{type(function).__name__}, not a function.")
     return function
 
 
 def _module_from_file(spec: str, path: str):
     if not os.path.isfile(path):
-        raise _config_error(f"{KEY}={spec!r}: file {path!r} was not found (relative paths start from "
+        raise ConfigError(f"{KEY}={spec!r}: file {path!r} was not found (relative paths start from "
                             f"{os.getcwd()}). Give an existing .py file.")
     name = "_rl_megatron_custom_reward_" + os.path.splitext(os.path.basename(path))[0]
     loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -61,7 +57,7 @@ def _module_from_file(spec: str, path: str):
         loader_spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise _config_error(f"{KEY}={spec!r}: running {path!r} failed with {type(err).__name__}: {err}. "
+        raise ConfigError(f"{KEY}={spec!r}: running {path!r} failed with {type(err).__name__}: {err}. "
                             "Fix the file.") from None
     return module
 
