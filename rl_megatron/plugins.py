@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from rl_megatron.config import ConfigError
+from rl_megatron.errors import ConfigError
 
 
 def import_module(name: str, key: str) -> ModuleType:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
-from rl_megatron.models.weight_tables import MOE_FAMILIES, has_qk_layernorm, has_qkv_bias, moe_experts
+from rl_megatron.errors import CheckpointError
+from rl_megatron.models.family import family_fields
 
 METADATA_FILE = "rl_megatron_checkpoint.json"
 FORMAT = "rl_megatron.model_checkpoint"
@@ -33,17 +34,13 @@ HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.j
                  "chat_template.json")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked, worded for the user: the path and what is wrong."""
-
-
 def config_fields(hf_config: dict) -> dict:
     """The config.json fields (resolved to their effective values) that decide the model's tensors or its
     computation: two configs that agree on these describe the same model."""
     from rl_megatron.models.gpt import rope_theta
 
     heads = hf_config["num_attention_heads"]
-    fields = {
+    return {
         "model_type": hf_config.get("model_type"),
         "num_hidden_layers": hf_config["num_hidden_layers"],
         "hidden_size": hf_config["hidden_size"],
@@ -53,16 +50,10 @@ def config_fields(hf_config: dict) -> dict:
         "head_dim": hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
         "vocab_size": hf_config["vocab_size"],
         "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
-        "qkv_bias": has_qkv_bias(hf_config),
-        "qk_layernorm": has_qk_layernorm(hf_config),
         "rms_norm_eps": hf_config.get("rms_norm_eps", 1e-6),
         "rope_theta": rope_theta(hf_config),
-        "num_experts": moe_experts(hf_config),
+        **family_fields(hf_config),
     }
-    family = MOE_FAMILIES.get(hf_config.get("model_type"))
-    if family is not None:
-        fields.update(expert_width=hf_config[family.width_key], num_experts_per_tok=hf_config["num_experts_per_tok"])
-    return fields
 
 
 def config_sha256(fields: dict) -> str:

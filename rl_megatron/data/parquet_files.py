@@ -16,7 +16,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rl_megatron.config import ConfigError, one_line
+from rl_megatron.errors import ConfigError, one_line
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 LAYOUT_HINT = ("verl's layout has the columns data_source (string), prompt (list of {role, content} messages, or a "
@@ -38,17 +38,15 @@ class DataFileError(ConfigError):
         self.key, self.path, self.row, self.column = key, path, row, column
 
 
-def data_file_paths(value, key: str) -> list[str]:
-    """The config value of data.train_files / data.val_files as a list of existing files (one path is accepted too,
-    as verl's command lines pass it)."""
+def path_list(value, key: str) -> list[str]:
+    """The config value of data.train_files / data.val_files as a list (one path is accepted too, as verl's command
+    lines pass it); `check_data_file` checks each."""
     if value is None:
         return []
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, (list, tuple)):
         raise ConfigError(f"{key}={value!r} must be a list of parquet paths (or one path), e.g. "
                           f"{key}=[data/train.parquet].")
-    for index, path in enumerate(paths):
-        check_data_file(path, f"{key}[{index}]")
     return list(paths)
 
 

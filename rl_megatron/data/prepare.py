@@ -12,7 +12,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rl_megatron.config import ConfigError, one_line
+from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.data.countdown import TEMPLATES, countdown_rows, generate_countdown_problems
 from rl_megatron.data.parquet_files import DataFileError, check_data_file
 from rl_megatron.rewards.gsm8k import extract_answer as gsm8k_final_answer

@@ -8,9 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-
-class LaunchError(ValueError):
-    """The launch environment does not match the config; the message names the variable or key and the fix."""
+from rl_megatron.errors import LaunchError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Parameter counts and per-device memory, from a Hugging Face config.json and a parallel layout.
 
-Counts come from the Megatron <-> HF weight tables (`models/weight_tables.py`): every Megatron parameter's HF
-shapes and how tensor parallelism splits it, so the count is the one the trainer's shards really have.
+Counts come from the model family's Megatron <-> HF weight table (`models/family.py`): every Megatron parameter
+the model has, its HF shapes and how tensor parallelism splits it, so the count is the one the trainer's shards
+really have.
 
 Memory per device (bytes), what the plan prints; activations, the CUDA context and fragmentation are NOT
 included, so keep a margin:
@@ -25,8 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rl_megatron.models.weight_tables import (has_qk_layernorm, has_qkv_bias, moe_experts, padded_vocab_size,
-                                              table_for)
+from rl_megatron.models.family import moe_experts, table_for
+from rl_megatron.models.weight_tables import padded_vocab_size
 
 GIB = 1024 ** 3
 WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
@@ -47,14 +48,6 @@ class RankParameters:
         return self.dense + self.expert
 
 
-def _optional_entry_present(name: str, hf: dict) -> bool:
-    if name == "self_attention.linear_qkv.bias":
-        return has_qkv_bias(hf)
-    if name in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
-        return has_qk_layernorm(hf)
-    return True
-
-
 def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divisible_by: int = 1,
                     value_head: bool = False, etp: int | None = None) -> RankParameters:
     """One rank's parameter count on its fullest pipeline stage. `value_head`: the critic, whose output layer
@@ -64,8 +57,6 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
     experts_per_rank = moe_experts(hf) // ep
     dense_per_layer = expert_per_layer = 0
     for name, entry in table.layer.items():
-        if not _optional_entry_present(name, hf):
-            continue
         if name.startswith("mlp.experts."):  # one entry stands for every routed expert of the layer
             expert_per_layer += math.prod(entry.local_shape(etp or tp)) * experts_per_rank
         else:

@@ -12,8 +12,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
-from rl_megatron.models.weight_tables import (MOE_FAMILIES, DenseTable, has_qk_layernorm, has_qkv_bias, moe_experts,
-                                              padded_vocab_size, shard_from_hf, table_for)
+from rl_megatron.models.family import family_of, moe_experts, table_for
+from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -49,22 +49,15 @@ def grouped_gemm(moe: MoeConfig) -> bool:
 
 
 def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
-    """Megatron's MoE fields for an MoE config.json (none for a dense model), with the `moe` section's knobs
-    (the expert count and top-k are config.json's, which `rl_megatron.config.model_config` overrides)."""
-    experts = moe_experts(hf)
-    if not experts:
+    """Megatron's MoE fields for an MoE config.json (none for a dense model): the family's router and experts
+    (the expert count and top-k are config.json's, which `rl_megatron.config.model_config` overrides) with the
+    `moe` section's knobs."""
+    family = family_of(hf)
+    if not family.experts(hf):
         return {}
     moe = moe or MoeConfig()
-    family = MOE_FAMILIES[hf["model_type"]]
     return dict(
-        num_moe_experts=experts,
-        moe_router_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf[family.width_key],
-        # transformers (and vLLM) route with softmax over all experts, then top-k, then with norm_topk_prob divide
-        # the k weights by their sum. Megatron's pre-softmax router is softmax then top-k; its default router is
-        # softmax over the top-k logits, which is the renormalised form.
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", family.renormalises_top_k),
+        **family.moe_fields(hf),
         # By default no load-balancing loss: RL post-training keeps the pretrained router objective-free.
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
@@ -97,8 +90,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=has_qkv_bias(hf),
-        qk_layernorm=has_qk_layernorm(hf),
+        **family_of(hf).attention_fields(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,

@@ -4,7 +4,8 @@ engine and checkpoint conversion all use.
 A `Layout` says which parts of the HF tensor(s) one tensor-parallel shard of a Megatron parameter holds, and
 where: a list of `Region`s. Everything that moves weights (HF -> shards at load, shards -> vLLM at every
 sync, shards -> HF files) copies regions; no code path has its own notion of a fused layout. A family table
-lists, for each Megatron parameter name, its HF name(s) and layout. Adding a family = adding a table.
+lists, for each Megatron parameter name, its HF name(s) and layout; each model family (`models/family.py`)
+builds its table from these.
 """
 from __future__ import annotations
 
@@ -185,9 +186,10 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 class DenseTable:
-    """Llama, Qwen2 (QKV bias) and Qwen3 (QK-norm): they share names, differing only in optional parameters."""
+    """Llama, Qwen2 and Qwen3: they share names, differing only in optional parameters (the q/k/v biases and the
+    per-head q/k norms), which the table holds when its family's model has them."""
 
-    def __init__(self, hf_config: dict, padded_vocab: int):
+    def __init__(self, hf_config: dict, padded_vocab: int, qkv_bias: bool = True, qk_layernorm: bool = True):
         hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
         groups = hf_config.get("num_key_value_heads") or heads
         head_dim = hf_config.get("head_dim") or hidden // heads
@@ -204,10 +206,6 @@ class DenseTable:
             "input_layernorm.weight": entry(["model.layers.{i}.input_layernorm.weight"], Replicated(), [(hidden,)]),
             "self_attention.linear_qkv.weight": entry([attn + p + "_proj.weight" for p in "qkv"], qkv,
                                                       [(q, hidden), (kv, hidden), (kv, hidden)]),
-            "self_attention.linear_qkv.bias": entry([attn + p + "_proj.bias" for p in "qkv"], qkv,
-                                                    [(q,), (kv,), (kv,)]),
-            "self_attention.q_layernorm.weight": entry([attn + "q_norm.weight"], Replicated(), [(head_dim,)]),
-            "self_attention.k_layernorm.weight": entry([attn + "k_norm.weight"], Replicated(), [(head_dim,)]),
             "self_attention.linear_proj.weight": entry([attn + "o_proj.weight"], Split(dim=1), [(hidden, q)]),
             "pre_mlp_layernorm.weight": entry(["model.layers.{i}.post_attention_layernorm.weight"], Replicated(),
                                               [(hidden,)]),
@@ -215,6 +213,14 @@ class DenseTable:
                                            [(ffn, hidden), (ffn, hidden)]),
             "mlp.linear_fc2.weight": entry([mlp + "down_proj.weight"], Split(dim=1), [(hidden, ffn)]),
         }
+        if qkv_bias:
+            self.layer["self_attention.linear_qkv.bias"] = entry([attn + p + "_proj.bias" for p in "qkv"], qkv,
+                                                                 [(q,), (kv,), (kv,)])
+        if qk_layernorm:
+            self.layer["self_attention.q_layernorm.weight"] = entry([attn + "q_norm.weight"], Replicated(),
+                                                                    [(head_dim,)])
+            self.layer["self_attention.k_layernorm.weight"] = entry([attn + "k_norm.weight"], Replicated(),
+                                                                    [(head_dim,)])
         # With tied embeddings the last pipeline stage keeps its own copy of the embedding as output layer.
         output_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         vocab_layout = PaddedVocab(padded_vocab)
@@ -248,61 +254,36 @@ class DenseTable:
 
 
 @dataclass(frozen=True)
-class MoeFamily:
-    """How an MoE family names its router and experts in HF checkpoints, and how its router weighs the top-k."""
+class ExpertNames:
+    """How an MoE family names a layer's router and experts in HF checkpoints."""
 
     block: str  # the layer's MoE module
     gate: str
     up: str
     down: str
-    width_key: str  # config.json key of an expert's hidden width
-    renormalises_top_k: bool  # default of norm_topk_prob: the top-k weights divided by their sum
-
-
-MOE_FAMILIES = {
-    "qwen3_moe": MoeFamily("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", False),
-    "mixtral": MoeFamily("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", True),
-}
-
-
-def moe_experts(hf_config: dict) -> int:
-    """Routed experts per layer of an MoE family, 0 for a dense one. The MoE tables map every layer's MLP as
-    experts, so a model with dense MLP layers in between is rejected."""
-    if hf_config.get("model_type") not in MOE_FAMILIES:
-        return 0
-    dense, step = hf_config.get("mlp_only_layers") or [], hf_config.get("decoder_sparse_step", 1)
-    if dense or step != 1:
-        raise ValueError(f"The model's config.json has mlp_only_layers={dense} and decoder_sparse_step={step}: MoE "
-                         "models with dense MLP layers are not supported yet (every layer must be MoE: "
-                         "mlp_only_layers=[] and decoder_sparse_step=1).")
-    # Qwen's configs say num_experts; transformers >= 5 writes the same number as num_local_experts.
-    return hf_config.get("num_experts", hf_config.get("num_local_experts"))
 
 
 class MoeTable(DenseTable):
-    """Qwen3-MoE and Mixtral: the dense family's attention and norms; every layer's MLP is a router and routed
-    experts, no shared expert. Experts are stored per expert under HF names (what transformers' save_pretrained
-    writes and vLLM loads). They split over tensor-parallel ranks like a dense MLP: Megatron's expert-TP size
-    defaults to the TP size, and nothing here sets it."""
+    """Qwen3-MoE and Mixtral: the dense family's attention and norms; every layer's MLP is a router and `experts`
+    routed experts of width `expert_width`, no shared expert. Experts are stored per expert under HF names (what
+    transformers' save_pretrained writes and vLLM loads). They split over tensor-parallel ranks like a dense MLP:
+    Megatron's expert-TP size defaults to the TP size, and nothing here sets it."""
 
-    def __init__(self, hf_config: dict, padded_vocab: int):
-        super().__init__(hf_config, padded_vocab)
-        family = MOE_FAMILIES[hf_config["model_type"]]
-        hidden, ffn, experts = hf_config["hidden_size"], hf_config[family.width_key], moe_experts(hf_config)
-        block = f"model.layers.{{i}}.{family.block}."
+    def __init__(self, hf_config: dict, padded_vocab: int, names: ExpertNames, experts: int, expert_width: int,
+                 qkv_bias: bool, qk_layernorm: bool):
+        super().__init__(hf_config, padded_vocab, qkv_bias, qk_layernorm)
+        hidden = hf_config["hidden_size"]
+        block = f"model.layers.{{i}}.{names.block}."
         expert = block + "experts.{e}."
         del self.layer["mlp.linear_fc1.weight"], self.layer["mlp.linear_fc2.weight"]
         self.layer.update({
             "mlp.router.weight": Entry((block + "gate.weight",), Replicated(), ((experts, hidden),)),
             "mlp.experts.linear_fc1.weight": Entry(
-                (expert + family.gate + ".weight", expert + family.up + ".weight"), FusedGateUp(),
-                ((ffn, hidden), (ffn, hidden))),
-            "mlp.experts.linear_fc2.weight": Entry((expert + family.down + ".weight",), Split(dim=1),
-                                                   ((hidden, ffn),)),
+                (expert + names.gate + ".weight", expert + names.up + ".weight"), FusedGateUp(),
+                ((expert_width, hidden), (expert_width, hidden))),
+            "mlp.experts.linear_fc2.weight": Entry((expert + names.down + ".weight",), Split(dim=1),
+                                                   ((hidden, expert_width),)),
         })
-
-
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", *MOE_FAMILIES)
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -310,20 +291,3 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
 
-
-def has_qkv_bias(hf_config: dict) -> bool:
-    """Whether the family's q/k/v projections carry a bias (Qwen2 always; others when config.json says so)."""
-    return hf_config["model_type"] == "qwen2" or bool(hf_config.get("attention_bias", False))
-
-
-def has_qk_layernorm(hf_config: dict) -> bool:
-    """Whether the family normalises queries and keys per head (Qwen3, Qwen3-MoE)."""
-    return hf_config["model_type"] in ("qwen3", "qwen3_moe")
-
-
-def table_for(hf_config: dict, padded_vocab: int) -> DenseTable:
-    family = hf_config.get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"Model family '{family}' (config.json model_type) is not supported yet; "
-                         f"supported: {', '.join(SUPPORTED_FAMILIES)}.")
-    return (MoeTable if family in MOE_FAMILIES else DenseTable)(hf_config, padded_vocab)

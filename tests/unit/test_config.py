@@ -463,9 +463,10 @@ def test_max_model_len_beyond_the_model_positions():
     assert "rollout.max_model_len = 513" in message and "max_position_embeddings=512" in message
 
 
-@pytest.mark.parametrize("override", ["resharding.channel=carrier_pigeon", "resharding.bucket_mb=0"])
-def test_resharding_settings_are_checked(override):
-    assert override in config_error(override)
+@pytest.mark.parametrize("override, words", [("resharding.channel=carrier_pigeon", "resharding.channel='carrier_pigeon'"),
+                                             ("resharding.bucket_mb=0", "resharding.bucket_mb=0")])
+def test_resharding_settings_are_checked(override, words):
+    assert words in config_error(override)
 
 
 # The algorithm's settings: ranges and combinations that cannot work are refused before anything starts.
@@ -474,7 +475,7 @@ def test_resharding_settings_are_checked(override):
     (["critic.enable=true"], ["critic.enable=true", "algorithm.adv_estimator=gae"]),
     (["algorithm.kl_ctrl.type=adaptive"], ["algorithm.use_kl_in_reward=true"]),
     (["actor.clip_ratio_c=0.5"], ["actor.clip_ratio_c=0.5", "> 1"]),
-    (["algorithm.rollout_is_cap=0.5"], ["algorithm.rollout_is_cap=0.5", ">= 1"]),
+    (["algorithm.rollout_is_cap=0.5"], ["algorithm.rollout_is_cap=0.5", "at least 1"]),
     (["algorithm.gamma=1.5"], ["algorithm.gamma=1.5", "[0, 1]"]),
     (["actor.entropy_coeff=-0.1"], ["actor.entropy_coeff=-0.1"]),
     (["critic.warmup_steps=2"], ["critic.warmup_steps=2", "critic.warmup_steps=0"]),

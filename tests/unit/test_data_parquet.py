@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 from rl_megatron.config import ConfigError, load_config
 from rl_megatron.config.schema import DataConfig
-from rl_megatron.data.build import build_prompt_loader, validate_data_config
+from rl_megatron.data.build import build_prompt_loader
+from rl_megatron.data.section import check_data_section, resolve_data_section
 from rl_megatron.data.parquet_files import DataFileError
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
@@ -201,16 +202,16 @@ def test_malformed_files_fail_at_load_naming_file_row_and_column(tmp_path, chat_
 
 def test_task_and_train_files_exclude_each_other(tmp_path):
     path = write_parquet(tmp_path / "train.parquet", sum_rows(PAIRS))
-    cfg = data_config(train_files=path)  # one path, as verl's command lines give it
-    validate_data_config(cfg)
+    cfg = resolve_data_section(data_config(train_files=path))  # one path, as verl's command lines give it
+    check_data_section(cfg)
     assert cfg.train_files == [path] and cfg.task is None and cfg.val_files == []
-    cfg = data_config()
-    validate_data_config(cfg)
+    cfg = resolve_data_section(data_config())
+    check_data_section(cfg)
     assert cfg.task == "arithmetic"  # the built-in default when no files are given
     with pytest.raises(ConfigError, match="data.task='arithmetic' and data.train_files are both set.*data.task=null"):
-        validate_data_config(data_config(task="arithmetic", train_files=[path]))
+        check_data_section(resolve_data_section(data_config(task="arithmetic", train_files=[path])))
     with pytest.raises(ConfigError, match=r"data.train_files=\{'a': 1\} must be a list"):
-        validate_data_config(data_config(train_files={"a": 1}))
+        resolve_data_section(data_config(train_files={"a": 1}))
 
 
 def test_config_keys_are_checked_when_the_config_loads(tmp_path):

@@ -1,0 +1,162 @@
+"""A resolved config's parallel layouts: the actor's sizes against its devices and batches, the rollout engines',
+the reference's and critic's, and the model (config.json) against each of them."""
+from __future__ import annotations
+
+import dataclasses
+
+from rl_megatron.config.schema import Config, MoeConfig
+from rl_megatron.errors import ConfigError
+from rl_megatron.models.checks import check_heads, check_model_layout, check_moe_model, check_sequence_length
+from rl_megatron.models.family import moe_experts
+
+
+def check_actor_layout(cfg: Config) -> None:
+    """The actor's TP/PP/VPP/CP/EP sizes against its devices, and its batches against its data-parallel ranks."""
+    t, a, r, d = cfg.trainer, cfg.actor, cfg.rollout, cfg.data
+    world = t.nnodes * t.n_gpus_per_node
+    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+    vpp = a.virtual_pipeline_model_parallel_size
+    if cp != 1:
+        raise ConfigError(f"actor.context_parallel_size={cp}: only 1 is supported yet; set "
+                          "actor.context_parallel_size=1.")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"actor.virtual_pipeline_model_parallel_size={vpp} needs pipeline stages to interleave: set "
+                          "actor.pipeline_model_parallel_size > 1, or actor.virtual_pipeline_model_parallel_size=1.")
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"The actor has {world} devices (trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node="
+            f"{t.n_gpus_per_node}), which actor.tensor_model_parallel_size={tp} x "
+            f"actor.pipeline_model_parallel_size={pp} x actor.context_parallel_size={cp} = {tp * pp * cp} does not "
+            "divide. Choose sizes whose product divides the device count; the rest becomes data parallelism.")
+    dp = world // (tp * pp * cp)
+    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
+    if etp > tp:
+        raise ConfigError(f"actor.expert_tensor_parallel_size={etp} exceeds actor.tensor_model_parallel_size={tp}: "
+                          "experts split over at most the attention's TP ranks. Lower it (1 is common: whole experts, "
+                          "spread by actor.expert_model_parallel_size).")
+    if world % (etp * ep * pp):
+        raise ConfigError(
+            f"actor.expert_model_parallel_size={ep} x actor.expert_tensor_parallel_size={etp} x "
+            f"actor.pipeline_model_parallel_size={pp} = {etp * ep * pp} must divide the actor's {world} devices (the "
+            f"experts' layout; with expert TP = TP, EP must divide the data-parallel size {dp}). Choose a smaller "
+            "actor.expert_model_parallel_size, or a smaller actor.expert_tensor_parallel_size.")
+    _check_engines(cfg, world)
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(f"data.train_batch_size={d.train_batch_size} is not a multiple of "
+                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it a multiple.")
+    samples = a.ppo_mini_batch_size * r.n
+    if samples % (dp * a.micro_batch_size):
+        raise ConfigError(
+            f"A mini-batch holds actor.ppo_mini_batch_size x rollout.n = {samples} samples, which is not a multiple "
+            f"of data-parallel size {dp} x actor.micro_batch_size={a.micro_batch_size}. Change one of them.")
+    micro_per_mini = samples // (dp * a.micro_batch_size)
+    # Megatron-core 0.16.1's interleaved schedule runs micro-batches in groups of PP per model chunk and
+    # rejects a count that does not split into such groups.
+    if vpp > 1 and micro_per_mini % pp:
+        raise ConfigError(
+            f"actor.virtual_pipeline_model_parallel_size={vpp} needs the micro-batches of a mini-batch on one "
+            f"data-parallel rank (actor.ppo_mini_batch_size x rollout.n / (data-parallel size {dp} x "
+            f"actor.micro_batch_size={a.micro_batch_size}) = {micro_per_mini}) to be a multiple of "
+            f"actor.pipeline_model_parallel_size={pp}. Change actor.micro_batch_size or actor.ppo_mini_batch_size.")
+
+
+def _check_engines(cfg: Config, actor_devices: int) -> None:
+    """The rollout engines: TP within a node of their pool, and the step's samples split evenly over them."""
+    r, d = cfg.rollout, cfg.data
+    if r.placement == "separate":
+        engine_devices = r.nnodes * r.n_gpus_per_node
+        whose = ("rollout pool's", "rollout.nnodes x rollout.n_gpus_per_node")
+        if r.n_gpus_per_node % r.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide "
+                              f"rollout.n_gpus_per_node={r.n_gpus_per_node}: an engine's shards stay on one node.")
+    else:
+        engine_devices, whose = actor_devices, ("actor's", "trainer.nnodes x trainer.n_gpus_per_node")
+    if engine_devices % r.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the {whose[0]} "
+                          f"{engine_devices} devices ({whose[1]}); choose a divisor.")
+    engines = engine_devices // r.tensor_parallel_size
+    if (d.train_batch_size * r.n) % engines:
+        raise ConfigError(
+            f"data.train_batch_size x rollout.n = {d.train_batch_size * r.n} samples do not split evenly over "
+            f"{engines} rollout engines (devices / rollout.tensor_parallel_size). "
+            "Change data.train_batch_size or rollout.n.")
+    if d.max_prompt_length + r.max_tokens > r.max_model_len:
+        raise ConfigError(f"data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens} "
+                          f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
+
+
+def check_role_layouts(cfg: Config) -> None:
+    """The reference's and critic's layouts: colocated ones share the actor's processes (so its parallel layout);
+    separate ones get their own devices. The reference runs forward over the step's whole batch; the critic trains
+    on mini-batches."""
+    a, c = cfg.actor, cfg.critic
+    for name, role in (("ref", cfg.ref), ("critic", c)):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            mine, actors = getattr(role, key), getattr(a, key)
+            if role.placement == "colocated" and mine != actors:
+                raise ConfigError(f"{name}.{key}={mine} differs from actor.{key}={actors}, but {name}.placement="
+                                  f"colocated runs the {name} in the actor's processes (its layout). Set "
+                                  f"{name}.placement=separate, or remove {name}.{key}.")
+    if cfg.data.train_batch_size % c.ppo_mini_batch_size:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
+                          f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size}; make it a multiple.")
+    for name, role, prompts in (("ref", cfg.ref, cfg.data.train_batch_size), ("critic", c, c.ppo_mini_batch_size)):
+        if role.placement == "colocated":
+            world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        else:
+            world = role.nnodes * role.n_gpus_per_node
+        model_parallel = role.tensor_model_parallel_size * role.pipeline_model_parallel_size
+        if world % model_parallel:
+            raise ConfigError(f"{name}: {world} devices ({name}.nnodes x {name}.n_gpus_per_node) are not divisible "
+                              f"by {name}.tensor_model_parallel_size x {name}.pipeline_model_parallel_size = "
+                              f"{model_parallel}. Choose sizes whose product divides the device count.")
+        dp = world // model_parallel
+        samples = prompts * cfg.rollout.n
+        if samples % (dp * role.micro_batch_size):
+            raise ConfigError(f"{name}: a batch of {samples} samples (prompts x rollout.n) does not "
+                              f"split into data-parallel size {dp} x {name}.micro_batch_size={role.micro_batch_size}. "
+                              f"Change {name}.micro_batch_size or the mini-batch size.")
+
+
+def check_model_against_layouts(cfg: Config, hf: dict) -> None:
+    """The model (config.json with the moe section's overrides) against the actor's layout, the engines', each
+    separate role's, and the moe section."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
+    length_key = "rollout.max_model_len"
+    if r.max_model_len == d.max_prompt_length + r.max_tokens:  # its default: name what it is made of
+        length_key += " = data.max_prompt_length + rollout.max_tokens"
+    layouts = [("actor", a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                a.virtual_pipeline_model_parallel_size, a.expert_model_parallel_size)]
+    layouts += [(name, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1)
+                for name, role in (("ref", cfg.ref), ("critic", cfg.critic)) if role.placement == "separate"]
+    for index, (role, tp, pp, vpp, ep) in enumerate(layouts):
+        check_model_layout(hf, (f"{role}.tensor_model_parallel_size", tp), (f"{role}.pipeline_model_parallel_size", pp),
+                           (f"{role}.expert_model_parallel_size", ep),
+                           (f"{role}.virtual_pipeline_model_parallel_size", vpp))
+        check_heads(hf, ("rollout.tensor_parallel_size", r.tensor_parallel_size))
+        check_sequence_length(hf, (length_key, r.max_model_len))
+        if index == 0:  # the experts exist in the actor's layout only (separate roles run at EP 1)
+            _check_moe_section(cfg, hf)
+
+
+def _check_moe_section(cfg: Config, hf: dict) -> None:
+    """The moe section and the expert layout against the (overridden) model config."""
+    a = cfg.actor
+    if not moe_experts(hf):
+        changed = [f.name for f in dataclasses.fields(MoeConfig) if getattr(cfg.moe, f.name) != f.default]
+        if changed or a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size):
+            key = f"moe.{changed[0]}" if changed else "actor.expert_tensor_parallel_size"
+            raise ConfigError(f"{key} is set, but model.path's config.json has model_type={hf['model_type']!r}, a "
+                              f"dense model without experts; remove {key} or use an MoE model (qwen3_moe, mixtral).")
+        return
+    check_moe_model(hf, ("actor.expert_tensor_parallel_size",
+                         a.expert_tensor_parallel_size or a.tensor_model_parallel_size))
+
+
+def check_moe_knobs(cfg: Config) -> None:
+    """moe.num_experts and moe.top_k reshape the model, so they need weights that do not come from model.path."""
+    for key, value in (("moe.num_experts", cfg.moe.num_experts), ("moe.top_k", cfg.moe.top_k)):
+        if value is not None and not cfg.model.random_init:
+            raise ConfigError(f"{key}={value} changes the model's shape, but model.random_init=false loads "
+                              f"model.path's weights, which have config.json's; set model.random_init=true, or "
+                              f"remove {key}.")

@@ -1,0 +1,52 @@
+"""The model a config names: model.path's config.json, with the moe section's overrides applied."""
+from __future__ import annotations
+
+import json
+import os
+
+from rl_megatron.config.schema import Config
+from rl_megatron.errors import ConfigError, one_line
+from rl_megatron.models.family import FAMILIES
+
+
+def read_hf_config(model_path: str) -> dict:
+    if not os.path.isdir(model_path):
+        raise ConfigError(
+            f"model.path='{model_path}' is not a folder (relative paths count from {os.getcwd()}). Point model.path "
+            "at a Hugging Face model folder (config.json, tokenizer files, *.safetensors).")
+    config_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError(
+            f"model.path='{model_path}' has no config.json. Point model.path at a Hugging Face model folder "
+            "(config.json, tokenizer files, *.safetensors).")
+    try:
+        with open(config_file) as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"model.path='{model_path}': config.json is not readable JSON ({one_line(err)}). "
+                          "Fix or replace the file.") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.path='{model_path}': config.json must hold a JSON object, "
+                          f"not a {type(hf).__name__}.")
+    return hf
+
+
+def moe_hf_overrides(cfg: Config, hf: dict) -> dict:
+    """The config.json fields that moe.num_experts and moe.top_k replace: Megatron builds from the result, and the
+    vLLM engines get the same fields as hf_overrides (so both sides route alike)."""
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None or family.moe is None:
+        return {}
+    overrides = {}
+    if cfg.moe.num_experts is not None:
+        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts: replace whichever is there.
+        overrides.update({key: cfg.moe.num_experts for key in ("num_experts", "num_local_experts") if key in hf})
+    if cfg.moe.top_k is not None:
+        overrides["num_experts_per_tok"] = cfg.moe.top_k
+    return overrides
+
+
+def model_config(cfg: Config) -> dict:
+    """model.path's config.json with the moe section's overrides: the model every process builds."""
+    hf = read_hf_config(cfg.model.path)
+    return {**hf, **moe_hf_overrides(cfg, hf)}

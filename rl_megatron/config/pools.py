@@ -1,0 +1,56 @@
+"""Which processes a config asks for: the worker pools (nodes of their own), the roles each hosts, and their
+Megatron layouts. The launcher's plan and the trainer's workers both start from `worker_pools`."""
+from __future__ import annotations
+
+import dataclasses
+
+from rl_megatron.config.schema import Config
+
+
+def uses_reference(cfg: Config) -> bool:
+    """Whether a KL term (in the loss or in the reward) needs the reference policy."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPool:
+    """Processes on nodes of their own: the roles they host, how many (and the config section that says so), and the
+    Megatron layout of their models (none for the engines' pool)."""
+
+    name: str  # its first role: "actor" (with every role colocated with it), "rollout", "ref" or "critic"
+    roles: tuple[str, ...]
+    nnodes: int
+    gpus_per_node: int
+    section: str  # "trainer", "rollout", "ref" or "critic"
+    layout: dict  # tp, pp (and for the actor's pool vpp, cp, ep, etp)
+
+    @property
+    def nodes_key(self) -> str:
+        return f"{self.section}.nnodes"
+
+    @property
+    def gpus_key(self) -> str:
+        return f"{self.section}.n_gpus_per_node"
+
+
+def worker_pools(cfg: Config) -> list[WorkerPool]:
+    """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
+    reference and critic), then the separate ones: engines, reference, critic. Roles in a pool: actor, rollout,
+    ref, critic order."""
+    a, r = cfg.actor, cfg.rollout
+    engines_apart = r.placement == "separate"
+    actor_roles = ["actor"] if engines_apart else ["actor", "rollout"]
+    engine_pool = WorkerPool("rollout", ("rollout",), r.nnodes, r.n_gpus_per_node, "rollout", {})
+    separate = [engine_pool] if engines_apart else []
+    for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
+        if wanted and role.placement == "colocated":
+            actor_roles.append(name)
+        elif wanted:
+            layout = {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}
+            separate.append(WorkerPool(name, (name,), role.nnodes, role.n_gpus_per_node, name, layout))
+    tp = a.tensor_model_parallel_size
+    actor_layout = {"tp": tp, "pp": a.pipeline_model_parallel_size, "vpp": a.virtual_pipeline_model_parallel_size,
+                    "cp": a.context_parallel_size, "ep": a.expert_model_parallel_size,
+                    "etp": a.expert_tensor_parallel_size or tp}
+    return [WorkerPool("actor", tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, "trainer",
+                       actor_layout), *separate]

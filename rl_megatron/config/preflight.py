@@ -1,0 +1,84 @@
+"""The pre-flight check: everything about a resolved config that can be checked before a process starts.
+
+The trainer (through `load_config`), `python -m rl_megatron.launch prepare [--dry-run]` and configs built in code
+all go through `preflight`. Each value has been checked against its rule in schema.py by `resolve`; here come the
+checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`),
+the reward function (`rl_megatron.rewards.custom`), the model against the layouts (`rl_megatron.models.checks`).
+"""
+from __future__ import annotations
+
+import os
+
+from rl_megatron.algorithms import NEEDS_CRITIC
+from rl_megatron.config.layout import check_actor_layout, check_model_against_layouts, check_moe_knobs, \
+    check_role_layouts
+from rl_megatron.config.model_files import model_config
+from rl_megatron.config.pools import uses_reference
+from rl_megatron.config.schema import Config
+from rl_megatron.data.section import check_data_section
+from rl_megatron.errors import ConfigError
+from rl_megatron.rewards.custom import load_custom_fn
+
+def preflight(cfg: Config) -> None:
+    """Check a resolved config (`rl_megatron.config.resolve`); raise ConfigError on the first problem, naming the
+    key and the fix."""
+    _check_trainer(cfg)
+    check_data_section(cfg.data)
+    _check_algorithm(cfg)
+    if cfg.reward.custom_fn is not None:
+        load_custom_fn(cfg.reward.custom_fn)  # raises a ConfigError naming reward.custom_fn and what is missing
+    check_actor_layout(cfg)
+    check_role_layouts(cfg)
+    check_moe_knobs(cfg)
+    check_model_against_layouts(cfg, model_config(cfg))
+
+
+def _check_trainer(cfg: Config) -> None:
+    """Validation, resuming and the initial weights."""
+    t, model = cfg.trainer, cfg.model
+    if (t.val_every or t.val_before_train) and not cfg.data.val_files:
+        raise ConfigError(f"trainer.val_every={t.val_every} / trainer.val_before_train={t.val_before_train} validate "
+                          "on data.val_files, which is empty: set data.val_files (parquet files, e.g. from "
+                          "`python -m rl_megatron.data.prepare`), or trainer.val_every=0 and "
+                          "trainer.val_before_train=false.")
+    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+        raise ConfigError(f"trainer.resume={t.resume!r} is neither auto, off, nor an existing checkpoint folder "
+                          "(e.g. runs/<experiment>/checkpoints/global_step_40).")
+    if model.checkpoint is not None:
+        if model.random_init:
+            raise ConfigError("model.checkpoint and model.random_init=true both say where the initial weights come "
+                              "from; keep one.")
+        if not os.path.isdir(model.checkpoint):
+            raise ConfigError(f"model.checkpoint={model.checkpoint!r} is not a folder; make one with `python -m "
+                              "rl_megatron.convert from-hf --hf MODEL --out CKPT`.")
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """Combinations of the RL algorithm's settings that cannot work."""
+    alg, c = cfg.algorithm, cfg.critic
+    if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
+        raise ConfigError("algorithm.kl_ctrl.type=adaptive steers the in-reward KL penalty, which is off: set "
+                          "algorithm.use_kl_in_reward=true, or algorithm.kl_ctrl.type=fixed.")
+    if alg.adv_estimator in NEEDS_CRITIC and not c.enable:
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} needs a critic (value estimates), but "
+                          "critic.enable=false: set critic.enable=true, or use a critic-free estimator (grpo, rloo, "
+                          "reinforce_plus_plus, reinforce_plus_plus_baseline).")
+    if c.enable and alg.adv_estimator not in NEEDS_CRITIC:
+        raise ConfigError(f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} uses no values: the "
+                          "critic would train for nothing. Use algorithm.adv_estimator=gae, or critic.enable=false.")
+    if c.warmup_steps and not c.enable:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} delays the actor for a critic that this run does not "
+                          "have (it needs algorithm.adv_estimator=gae); set critic.warmup_steps=0.")
+    if c.warmup_steps >= cfg.trainer.total_steps:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} leaves the actor no step of the "
+                          f"trainer.total_steps={cfg.trainer.total_steps}; lower it.")
+    if cfg.ref.placement == "separate" and not uses_reference(cfg):
+        raise ConfigError("ref.placement=separate asks for reference workers, but nothing uses the reference: set "
+                          "actor.use_kl_loss=true or algorithm.use_kl_in_reward=true, or ref.placement=colocated.")
+    if cfg.ref.placement == "separate" and cfg.model.random_init:
+        raise ConfigError("ref.placement=separate loads the reference from model.path's weights, but "
+                          "model.random_init=true (the initial policy exists only in the actor's workers); use "
+                          "ref.placement=colocated.")
+    if c.placement == "separate" and not c.enable:
+        raise ConfigError("critic.placement=separate asks for critic workers, but this run has no critic "
+                          "(algorithm.adv_estimator is not gae); set critic.placement=colocated.")

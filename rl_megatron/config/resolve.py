@@ -1,0 +1,34 @@
+"""The values a config leaves to be worked out from others, filled in: what every process then reads."""
+from __future__ import annotations
+
+import copy
+
+from rl_megatron.algorithms import NEEDS_CRITIC
+from rl_megatron.config.fields import check_fields
+from rl_megatron.config.schema import RULES, Config
+from rl_megatron.data.section import resolve_data_section
+
+
+def resolve(cfg: Config) -> Config:
+    """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
+    critic.enable (when the advantage estimator needs values), the reference's and critic's unset sizes (the
+    actor's; a colocated role runs in the actor's processes), the critic's model folder, and the data section's
+    file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
+    schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
+    check_fields(cfg, RULES)
+    cfg = copy.deepcopy(cfg)
+    actor, rollout, critic = cfg.actor, cfg.rollout, cfg.critic
+    if rollout.max_model_len is None:
+        rollout.max_model_len = cfg.data.max_prompt_length + rollout.max_tokens
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
+    for role in (cfg.ref, critic):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size"):
+            if getattr(role, key) is None:
+                setattr(role, key, getattr(actor, key))
+    critic.model_path = critic.model_path or cfg.model.path
+    # 0 (as well as unset) means the actor's: the critic trains on the actor's mini-batches unless told otherwise.
+    critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
+    cfg.data = resolve_data_section(cfg.data)
+    return cfg

@@ -1,0 +1,164 @@
+"""Model families: what rl_megatron knows about one config.json `model_type`, in one `ModelFamily` record.
+
+A record says which config.json fields the family reads, what Megatron's TransformerConfig takes from them (q/k/v
+biases, per-head q/k norms, the MoE router and experts), how its weights map to Hugging Face names (its weight
+table, which the planner counts parameters from too), and what a config.json of the family must hold. Each module
+of rl_megatron/models/families registers one record by model_type: adding a family is adding a file there.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from rl_megatron.errors import ConfigError
+from rl_megatron.models import families
+from rl_megatron.models.weight_tables import DenseTable, ExpertNames, MoeTable
+
+# config.json fields every family reads: the first four are required, the others have defaults.
+REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+COMMON_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
+                 "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """An MoE family's router and experts: their HF names, where config.json gives an expert's width, and how the
+    router weighs the top-k experts by default."""
+
+    names: ExpertNames
+    width_key: str  # config.json key of an expert's hidden width
+    renormalises_top_k: bool  # default of norm_topk_prob: the top-k weights divided by their sum
+
+    def required_fields(self, hf: dict) -> tuple[str, ...]:
+        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts.
+        return ("num_experts" if "num_experts" in hf else "num_local_experts", "num_experts_per_tok", self.width_key)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    always_qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2); otherwise when config.json's attention_bias
+    qk_layernorm: bool  # queries and keys normalised per head (Qwen3)
+    moe: MoeSpec | None = None  # None: a dense family
+
+    @property
+    def config_fields(self) -> tuple[str, ...]:
+        """The config.json fields this family reads."""
+        bias = () if self.always_qkv_bias else ("attention_bias",)
+        moe = () if self.moe is None else ("num_experts", "num_local_experts", "num_experts_per_tok",
+                                           self.moe.width_key, "norm_topk_prob", "mlp_only_layers",
+                                           "decoder_sparse_step")
+        return tuple(dict.fromkeys((*COMMON_FIELDS, *bias, *moe)))
+
+    def qkv_bias(self, hf: dict) -> bool:
+        return self.always_qkv_bias or bool(hf.get("attention_bias", False))
+
+    def experts(self, hf: dict) -> int:
+        """Routed experts per layer, 0 for a dense family. The MoE tables map every layer's MLP as experts, so a
+        model with dense MLP layers in between is rejected (ValueError)."""
+        if self.moe is None:
+            return 0
+        dense, step = hf.get("mlp_only_layers") or [], hf.get("decoder_sparse_step", 1)
+        if dense or step != 1:
+            raise ValueError(f"The model's config.json has mlp_only_layers={dense} and decoder_sparse_step={step}: "
+                             "MoE models with dense MLP layers are not supported yet (every layer must be MoE: "
+                             "mlp_only_layers=[] and decoder_sparse_step=1).")
+        return hf.get("num_experts", hf.get("num_local_experts"))
+
+    def attention_fields(self, hf: dict) -> dict:
+        """Megatron TransformerConfig fields of the family's attention."""
+        return dict(add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_layernorm)
+
+    def moe_fields(self, hf: dict) -> dict:
+        """Megatron TransformerConfig fields of the family's router and experts (none for a dense family)."""
+        if self.moe is None:
+            return {}
+        return dict(
+            num_moe_experts=self.experts(hf),
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf[self.moe.width_key],
+            # transformers (and vLLM) route with softmax over all experts, then top-k, then with norm_topk_prob
+            # divide the k weights by their sum. Megatron's pre-softmax router is softmax then top-k; its default
+            # router is softmax over the top-k logits, which is the renormalised form.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not self.renormalises_top_k_of(hf),
+        )
+
+    def renormalises_top_k_of(self, hf: dict) -> bool:
+        """Whether the router divides the top-k weights by their sum (config.json norm_topk_prob, or the family's
+        default)."""
+        return bool(self.moe) and hf.get("norm_topk_prob", self.moe.renormalises_top_k)
+
+    def weight_table(self, hf: dict, padded_vocab: int) -> DenseTable:
+        """The Megatron <-> HF table of exactly the parameters a model of this family has."""
+        if self.moe is None:
+            return DenseTable(hf, padded_vocab, self.qkv_bias(hf), self.qk_layernorm)
+        return MoeTable(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], self.qkv_bias(hf),
+                        self.qk_layernorm)
+
+    def check(self, hf: dict, source: str) -> None:
+        """What a config.json of this family must hold beyond the common fields (ConfigError naming `source`)."""
+        if self.moe is None:
+            return
+        for key in self.moe.required_fields(hf):
+            value = hf.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source} has {key}={value!r}; an MoE model needs a positive integer there.")
+        try:
+            self.experts(hf)
+        except ValueError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    def checkpoint_fields(self, hf: dict) -> dict:
+        """The family's part of what decides a model's tensors (compared when a checkpoint is loaded)."""
+        fields = dict(qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_layernorm, num_experts=self.experts(hf))
+        if self.moe is not None:
+            fields.update(expert_width=hf[self.moe.width_key], num_experts_per_tok=hf["num_experts_per_tok"])
+        return fields
+
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    if family.model_type in FAMILIES:
+        raise ValueError(f"Model family '{family.model_type}' is registered twice.")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def supported_model_types() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def family_of(hf: dict) -> ModelFamily:
+    """The family of a config.json; ValueError naming the supported ones when rl_megatron has none for it."""
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None:
+        raise ValueError(f"Model family '{hf.get('model_type')}' (config.json model_type) is not supported yet; "
+                         f"supported: {supported_model_types()}.")
+    return family
+
+
+def table_for(hf: dict, padded_vocab: int) -> DenseTable:
+    return family_of(hf).weight_table(hf, padded_vocab)
+
+
+def moe_experts(hf: dict) -> int:
+    """Routed experts per layer of a config.json's model: 0 for a dense (or unsupported) family."""
+    family = FAMILIES.get(hf.get("model_type"))
+    return family.experts(hf) if family is not None else 0
+
+
+def family_fields(hf: dict) -> dict:
+    """The family's part of a checkpoint's config fields; none for an unsupported model_type (whose checkpoint
+    differs from any loadable model in model_type already)."""
+    family = FAMILIES.get(hf.get("model_type"))
+    return family.checkpoint_fields(hf) if family is not None else {}
+
+
+# Each module of rl_megatron/models/families registers its record when imported. They import this module for
+# ModelFamily and register, defined above, so the registry is complete once this module has loaded.
+for _module in pkgutil.iter_modules(families.__path__):
+    importlib.import_module(f"{families.__name__}.{_module.name}")
