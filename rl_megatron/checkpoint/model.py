@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
 from rl_megatron.errors import CheckpointError
-from rl_megatron.models.family import family_fields
+from rl_megatron.models.family import family_fields, rope_theta
 
 METADATA_FILE = "rl_megatron_checkpoint.json"
 FORMAT = "rl_megatron.model_checkpoint"
@@ -37,8 +37,6 @@ HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.j
 def config_fields(hf_config: dict) -> dict:
     """The config.json fields (resolved to their effective values) that decide the model's tensors or its
     computation: two configs that agree on these describe the same model."""
-    from rl_megatron.models.gpt import rope_theta
-
     heads = hf_config["num_attention_heads"]
     return {
         "model_type": hf_config.get("model_type"),

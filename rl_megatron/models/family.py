@@ -15,6 +15,17 @@ from rl_megatron.errors import ConfigError
 from rl_megatron.models import families
 from rl_megatron.models.weight_tables import DenseTable, ExpertNames, MoeTable
 
+
+def rope_theta(hf: dict) -> float:
+    # transformers >= 5 writes rope settings under "rope_parameters"; older configs keep them top-level.
+    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+def rope_scaling(hf: dict):
+    parameters = hf.get("rope_parameters") or {}
+    return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
+
+
 # config.json fields every family reads: the first four are required, the others have defaults.
 REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
 COMMON_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",

@@ -12,20 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
-from rl_megatron.models.family import family_of, moe_experts, table_for
+from rl_megatron.models.family import family_of, moe_experts, rope_scaling, rope_theta, table_for
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def rope_theta(hf: dict) -> float:
-    # transformers >= 5 writes rope settings under "rope_parameters"; older configs keep them top-level.
-    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-
-
-def rope_scaling(hf: dict):
-    parameters = hf.get("rope_parameters") or {}
-    return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
 
 
 def token_dispatcher(moe: MoeConfig) -> str:
