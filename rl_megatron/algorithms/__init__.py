@@ -21,7 +21,8 @@ from rl_megatron.algorithms.kl import (
     kl_controller,
     kl_divergence,
 )
-from rl_megatron.algorithms.losses import LOSS_AGG_MODES, LossScale, aggregate_loss, policy_loss, value_loss
+from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats, aggregate_loss, policy_loss,
+                                          value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rl_megatron.algorithms.mismatch import rollout_mismatch_metrics, truncated_importance_weights
 
@@ -33,6 +34,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "LossScale",
+    "LossStats",
     "aggregate_loss",
     "apply_kl_penalty",
     "compute_advantages",

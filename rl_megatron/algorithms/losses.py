@@ -1,10 +1,10 @@
 """PPO policy and value losses, aggregated so micro-batch losses sum to the mini-batch loss.
 
 Every micro-batch divides by the sizes of the whole mini-batch (LossScale, summed over data-parallel ranks), so the
-losses of its micro-batches on all ranks add up to the mini-batch aggregate whatever the split. Stats are detached
-sums over response tokens (keys ending in `_sum`, plus `tokens`): add them over micro-batches and ranks, then divide.
+losses of its micro-batches on all ranks add up to the mini-batch aggregate whatever the split. Their `LossStats`
+add up the same way: sums over response tokens, divided by the token count only at the end.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -24,6 +24,24 @@ class LossScale:
     tokens: float  # response tokens in the mini-batch
     sequences: float  # sequences in the mini-batch
     horizon: int  # the constant length Dr.GRPO divides by: the generation budget (max response tokens)
+
+
+@dataclass
+class LossStats:
+    """What a micro-batch's loss reports, detached, to be added up over micro-batches and data-parallel ranks:
+    `token_sums` are sums over its response tokens (reported divided by the total of `tokens`), `losses` are its
+    shares of normalised losses (reported averaged over optimizer steps)."""
+
+    tokens: Tensor | float  # response tokens in the micro-batch
+    token_sums: dict[str, Tensor | float]
+    losses: dict[str, Tensor | float] = field(default_factory=dict)
+
+    def add(self, other: "LossStats") -> None:
+        """Add `other`'s figures to these (as Python floats)."""
+        self.tokens = float(self.tokens) + float(other.tokens)
+        for mine, theirs in ((self.token_sums, other.token_sums), (self.losses, other.losses)):
+            for key, value in theirs.items():
+                mine[key] = float(mine.get(key, 0.0)) + float(value)
 
 
 def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, scale: LossScale) -> Tensor:
@@ -57,10 +75,10 @@ def policy_loss(
     agg_mode: str,
     scale: LossScale,
     importance_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, LossStats]:
     """PPO clipped surrogate with ratio range [1 - low, 1 + high], optional dual-clip (cap -A * c where A < 0) and
-    optional per-token importance weights; advantages are [B, S] or [B]. Stats: pg_clipfrac_sum,
-    pg_clipfrac_lower_sum (dual-clipped tokens), ppo_kl_sum (old - new log-prob), tokens."""
+    optional per-token importance weights; advantages are [B, S] or [B]. Token sums: pg_clipfrac (clipped tokens),
+    pg_clipfrac_lower (dual-clipped tokens), ppo_kl (old - new log-prob)."""
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     mask = response_mask.bool()
@@ -81,12 +99,11 @@ def policy_loss(
         per_token = torch.where(dual_clipped, cap, per_token)
     if importance_weights is not None:
         per_token = per_token * importance_weights
-    stats = {
-        "pg_clipfrac_sum": _masked_count(clipped > unclipped, mask),
-        "pg_clipfrac_lower_sum": _masked_count(dual_clipped, mask),
-        "ppo_kl_sum": masked_sum(-log_ratio, mask).detach(),
-        "tokens": _masked_count(mask, mask),
-    }
+    stats = LossStats(tokens=_masked_count(mask, mask), token_sums={
+        "pg_clipfrac": _masked_count(clipped > unclipped, mask),
+        "pg_clipfrac_lower": _masked_count(dual_clipped, mask),
+        "ppo_kl": masked_sum(-log_ratio, mask).detach(),
+    })
     return aggregate_loss(per_token, mask, agg_mode, scale), stats
 
 
@@ -99,17 +116,16 @@ def value_loss(
     cliprange_value: float,
     agg_mode: str,
     scale: LossScale,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, LossStats]:
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2), aggregated like the policy loss.
-    Stats: vf_clipfrac_sum (tokens where the clipped error is larger), vpred_sum (sum of v), tokens."""
+    Token sums: vf_clipfrac (tokens where the clipped error is larger), vpred (v)."""
     values, old_values, returns = values.float(), old_values.float(), returns.float()
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    stats = {
-        "vf_clipfrac_sum": _masked_count(clipped_error > unclipped_error, response_mask),
-        "vpred_sum": masked_sum(values, response_mask).detach(),
-        "tokens": _masked_count(response_mask, response_mask),
-    }
+    stats = LossStats(tokens=_masked_count(response_mask, response_mask), token_sums={
+        "vf_clipfrac": _masked_count(clipped_error > unclipped_error, response_mask),
+        "vpred": masked_sum(values, response_mask).detach(),
+    })
     return aggregate_loss(per_token, response_mask, agg_mode, scale), stats

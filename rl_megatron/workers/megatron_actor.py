@@ -23,7 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
-from rl_megatron.algorithms import LossScale, aggregate_loss, kl_divergence, policy_loss, value_loss
+from rl_megatron.algorithms import LossScale, LossStats, aggregate_loss, kl_divergence, policy_loss, value_loss
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
@@ -33,8 +33,8 @@ from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.workers.distributed import owns_dp_output
 
-# loss_of(micro-batch, model output, the mini-batch's LossScale) -> (loss, detached stats to add up)
-LossOf = Callable[[TrainBatch, torch.Tensor, LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_of(micro-batch, model output, the mini-batch's LossScale) -> (loss, its detached stats)
+LossOf = Callable[[TrainBatch, torch.Tensor, LossScale], tuple[torch.Tensor, LossStats]]
 
 
 class MegatronModel:
@@ -143,11 +143,11 @@ class MegatronModel:
         ranks), one optimizer step each. `loss_of` normalises by the mini-batch's global `LossScale`, so the
         gradient is the same whatever the micro-batch and DP sizes.
 
-        Returns the mean over optimizer steps of each stat: `*_sum` stats are per-token sums (divided here by the
-        response tokens), the others are already normalised losses (added over micro-batches and ranks)."""
+        Returns each stat of the losses (see `LossStats`), added over micro-batches and ranks: token sums divided by
+        the response tokens, losses averaged over optimizer steps."""
         mini_size = mini_batch_prompts * self.cfg.rollout.n // self.dp_size
         num_micro = mini_size // self.micro_batch_size
-        totals: dict[str, float] = {}
+        totals = LossStats(tokens=0.0, token_sums={})
         grad_norms = []
         steps = 0
         for _ in range(epochs):
@@ -168,8 +168,7 @@ class MegatronModel:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 for stats in self.run(mini, loss_func, forward_only=False):
-                    for key, value in stats.items():
-                        totals[key] = totals.get(key, 0.0) + float(value)
+                    totals.add(stats)
                 _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
                 grad_norms.append(grad_norm or 0.0)
@@ -177,15 +176,16 @@ class MegatronModel:
         return self._mean_stats(totals, steps) | {"grad_norm": sum(grad_norms) / len(grad_norms),
                                                   "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _mean_stats(self, totals: dict[str, float], steps: int) -> dict[str, float]:
-        keys = sorted(totals)
-        sums = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    def _mean_stats(self, totals: LossStats, steps: int) -> dict[str, float]:
+        sum_keys, loss_keys = sorted(totals.token_sums), sorted(totals.losses)
+        sums = torch.tensor([totals.tokens, *(totals.token_sums[k] for k in sum_keys),
+                             *(totals.losses[k] for k in loss_keys)], dtype=torch.float64)
         if owns_dp_output():  # the last stage computed the stats; add its DP peers'
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        summed = dict(zip(keys, sums.tolist()))
-        tokens = max(summed.pop("tokens", 0.0), 1.0)
-        return {key.removesuffix("_sum"): value / tokens if key.endswith("_sum") else value / steps
-                for key, value in summed.items()}
+        tokens, *values = sums.tolist()
+        tokens = max(tokens, 1.0)
+        return ({key: value / tokens for key, value in zip(sum_keys, values)}
+                | {key: value / steps for key, value in zip(loss_keys, values[len(sum_keys):])})
 
 
 class MegatronActor(MegatronModel):
@@ -233,16 +233,16 @@ class MegatronActor(MegatronModel):
                 log_probs, micro.old_log_probs, micro.advantages, mask, clip_ratio_low=actor.clip_ratio_low,
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
                 agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=micro.importance_weights)
-            stats["pg_loss"] = loss.detach()
+            stats.losses["pg_loss"] = loss.detach()
             if ent is not None:
                 entropy_term = aggregate_loss(ent, mask, actor.loss_agg_mode, scale)
                 loss = loss - actor.entropy_coeff * entropy_term
-                stats["entropy_loss"] = entropy_term.detach()
+                stats.losses["entropy_loss"] = entropy_term.detach()
             if actor.use_kl_loss:
                 kl_term = aggregate_loss(kl_divergence(log_probs, micro.ref_log_probs, actor.kl_loss_type), mask,
                                          actor.loss_agg_mode, scale)
                 loss = loss + actor.kl_loss_coef * kl_term
-                stats["kl_loss"] = kl_term.detach()
+                stats.losses["kl_loss"] = kl_term.detach()
             return loss, stats
 
         with self.router_metrics.recording() if self.router_metrics else nullcontext():
@@ -276,7 +276,7 @@ class MegatronCritic(MegatronModel):
         def loss_of(micro, output, scale):
             loss, stats = value_loss(output.squeeze(-1).float(), micro.values, micro.returns, micro.response_mask, cliprange_value=critic.cliprange_value,
                                      agg_mode=critic.loss_agg_mode, scale=scale)
-            stats["vf_loss"] = loss.detach()
+            stats.losses["vf_loss"] = loss.detach()
             return loss, stats
 
         metrics = self.train(batch, critic.ppo_mini_batch_size, critic.ppo_epochs, loss_of)

@@ -16,6 +16,7 @@ from rl_megatron.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     LossScale,
+    LossStats,
     aggregate_loss,
     apply_kl_penalty,
     compute_advantages,
@@ -310,11 +311,11 @@ def test_policy_loss_inside_and_outside_clip_for_both_advantage_signs():
     #         r=0.9 -> max( 0.9,  0.9) =  0.9   inside
     # sum = -2.8 + 3.2 = 0.4; loss = 0.4 / 6
     assert loss.item() == pytest.approx(0.4 / 6, abs=1e-6)
-    assert stats["pg_clipfrac_sum"].item() == 2.0
-    assert stats["pg_clipfrac_lower_sum"].item() == 0.0
+    assert stats.token_sums["pg_clipfrac"].item() == 2.0
+    assert stats.token_sums["pg_clipfrac_lower"].item() == 0.0
     # sum(old - new) = -sum(log r) = -log(1.1 * 1.5 * 0.5 * 1.5 * 0.5 * 0.9) = -log(0.556875)
-    assert stats["ppo_kl_sum"].item() == pytest.approx(-math.log(0.556875), abs=1e-5)
-    assert stats["tokens"].item() == 6.0
+    assert stats.token_sums["ppo_kl"].item() == pytest.approx(-math.log(0.556875), abs=1e-5)
+    assert stats.tokens.item() == 6.0
 
 
 def test_policy_loss_ignores_prompt_and_padding_garbage_in_value_and_gradient():
@@ -328,10 +329,10 @@ def test_policy_loss_ignores_prompt_and_padding_garbage_in_value_and_gradient():
     # Row 2, A=+2: r=1.0 -> -2.0                                                 sum -2.0
     # total -2.5 over 6 tokens
     assert loss.item() == pytest.approx(-2.5 / 6, abs=1e-6)
-    assert stats["pg_clipfrac_sum"].item() == 2.0
+    assert stats.token_sums["pg_clipfrac"].item() == 2.0
     # -log(1.1 * 1.5 * 0.5 * 1.5 * 0.5 * 1.0) = -log(0.61875)
-    assert stats["ppo_kl_sum"].item() == pytest.approx(-math.log(0.61875), abs=1e-5)
-    assert stats["tokens"].item() == 6.0
+    assert stats.token_sums["ppo_kl"].item() == pytest.approx(-math.log(0.61875), abs=1e-5)
+    assert stats.tokens.item() == 6.0
     loss.backward()
     # d(-A r)/d logp = -A r on unclipped tokens, 0 on clipped ones, all / 6; 0 outside the mask
     expected_grad = on_response([[-1.1 / 6, 0.0, -0.5 / 6], [1.5 / 6, 0.0], [-2.0 / 6], []])
@@ -347,7 +348,7 @@ def test_policy_loss_asymmetric_clip_range():
     #   A=-1: r=0.75 -> max(0.75, 0.8) = 0.8 (clipped);       r=1.25 -> 1.25
     # sum = -2.53 + 2.05 = -0.48; loss = -0.48 / 4 = -0.12
     assert loss.item() == pytest.approx(-0.12, abs=1e-6)
-    assert stats["pg_clipfrac_sum"].item() == 2.0
+    assert stats.token_sums["pg_clipfrac"].item() == 2.0
 
 
 def test_policy_loss_dual_clip_caps_negative_advantage_tokens():
@@ -358,8 +359,8 @@ def test_policy_loss_dual_clip_caps_negative_advantage_tokens():
     # A=+1 (no cap):         r=5 -> -1.2 (clipped); r=2 -> -1.2 (clipped); r=0.5 -> -0.5
     # sum = 5.8 - 2.9 = 2.9 over 6 tokens
     assert loss.item() == pytest.approx(2.9 / 6, abs=1e-6)
-    assert stats["pg_clipfrac_sum"].item() == 3.0
-    assert stats["pg_clipfrac_lower_sum"].item() == 1.0
+    assert stats.token_sums["pg_clipfrac"].item() == 3.0
+    assert stats.token_sums["pg_clipfrac_lower"].item() == 1.0
     loss.backward()
     # Only the unclipped tokens have gradient -A r / 6: (A=-1, r=2) -> 2/6 and (A=+1, r=0.5) -> -0.5/6
     assert_close(log_probs.grad, [[0.0, 2 / 6, 0.0], [0.0, 0.0, -0.5 / 6]])
@@ -407,9 +408,9 @@ def test_value_loss_takes_the_larger_of_clipped_and_unclipped_error():
     #   v=0.5, old=0.5, R=0.5                                -> 0
     # sum 4.25 over 6 tokens
     assert loss.item() == pytest.approx(4.25 / 6, abs=1e-6)
-    assert stats["vf_clipfrac_sum"].item() == 2.0
-    assert stats["vpred_sum"].item() == pytest.approx(1 + 2 + 0 + 3 - 1 + 0.5)
-    assert stats["tokens"].item() == 6.0
+    assert stats.token_sums["vf_clipfrac"].item() == 2.0
+    assert stats.token_sums["vpred"].item() == pytest.approx(1 + 2 + 0 + 3 - 1 + 0.5)
+    assert stats.tokens.item() == 6.0
 
 
 # --- invariance to micro-batching and data parallelism -------------------------------------------------------------
@@ -450,8 +451,9 @@ def test_micro_batch_losses_on_all_ranks_sum_to_the_mini_batch_loss(mode):
     full_loss, full_stats = loss_of(slice(None))
     micro_losses, micro_stats = zip(*(loss_of(rows) for rows in micro_batches))
     torch.testing.assert_close(sum(micro_losses), full_loss)
-    for key, full_value in full_stats.items():
-        torch.testing.assert_close(sum(stats[key] for stats in micro_stats), full_value)
+    torch.testing.assert_close(sum(stats.tokens for stats in micro_stats), full_stats.tokens)
+    for key, full_value in full_stats.token_sums.items():
+        torch.testing.assert_close(sum(stats.token_sums[key] for stats in micro_stats), full_value)
 
 
 # --- KL ------------------------------------------------------------------------------------------------------------
@@ -543,3 +545,10 @@ def test_truncated_importance_weights_are_capped_and_detached():
     # ratios 0.5, 1, 3 -> 3 capped at 2
     assert_close(weights, [[0.5, 1.0, 2.0]])
     assert not weights.requires_grad
+
+
+def test_loss_stats_add_up_over_micro_batches():
+    totals = LossStats(tokens=0.0, token_sums={})
+    totals.add(LossStats(torch.tensor(3.0), {"pg_clipfrac": torch.tensor(1.0)}, {"pg_loss": torch.tensor(0.5)}))
+    totals.add(LossStats(torch.tensor(2.0), {"pg_clipfrac": torch.tensor(2.0)}, {"pg_loss": torch.tensor(-0.25)}))
+    assert (totals.tokens, totals.token_sums, totals.losses) == (5.0, {"pg_clipfrac": 3.0}, {"pg_loss": 0.25})
