@@ -138,14 +138,15 @@ class MegatronModel:
         # Without the sequence-parallel padding.
         return TokenOutputs.cat([o.to("cpu") for o in outputs]).truncated(batch.input_ids.shape[1])
 
-    def train(self, batch: TrainBatch, mini_batch_prompts: int, epochs: int, loss_of: LossOf) -> dict[str, float]:
-        """`epochs` passes over `batch` in mini-batches of `mini_batch_prompts` x rollout.n samples (over all DP
-        ranks), one optimizer step each. `loss_of` normalises by the mini-batch's global `LossScale`, so the
-        gradient is the same whatever the micro-batch and DP sizes.
+    def train(self, batch: TrainBatch, mini_batch_samples: int, epochs: int, horizon: int,
+              loss_of: LossOf) -> dict[str, float]:
+        """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (over all DP ranks), one optimizer
+        step each. `loss_of` normalises by the mini-batch's global `LossScale` (with `horizon`, the generation budget
+        Dr.GRPO divides by), so the gradient is the same whatever the micro-batch and DP sizes.
 
         Returns each stat of the losses (see `LossStats`), added over micro-batches and ranks: token sums divided by
         the response tokens, losses averaged over optimizer steps."""
-        mini_size = mini_batch_prompts * self.cfg.rollout.n // self.dp_size
+        mini_size = mini_batch_samples // self.dp_size
         num_micro = mini_size // self.micro_batch_size
         totals = LossStats(tokens=0.0, token_sums={})
         grad_norms = []
@@ -156,7 +157,7 @@ class MegatronModel:
                                       dtype=torch.float64)
                 dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
                 scale = LossScale(tokens=max(counts[0].item(), 1.0), sequences=counts[1].item(),
-                                  horizon=self.cfg.rollout.max_tokens)
+                                  horizon=horizon)
 
                 def loss_func(micro, output):
                     loss, stats = loss_of(micro, output, scale)
@@ -246,7 +247,8 @@ class MegatronActor(MegatronModel):
             return loss, stats
 
         with self.router_metrics.recording() if self.router_metrics else nullcontext():
-            metrics = self.train(batch, actor.ppo_mini_batch_size, actor.ppo_epochs, loss_of)
+            metrics = self.train(batch, actor.ppo_mini_batch_size * self.cfg.rollout.n, actor.ppo_epochs,
+                                 self.cfg.rollout.max_tokens, loss_of)
         return ({f"actor/{key}": value for key, value in metrics.items()}
                 | (self.router_metrics.metrics() if self.router_metrics else {}))
 
@@ -279,5 +281,6 @@ class MegatronCritic(MegatronModel):
             stats.losses["vf_loss"] = loss.detach()
             return loss, stats
 
-        metrics = self.train(batch, critic.ppo_mini_batch_size, critic.ppo_epochs, loss_of)
+        metrics = self.train(batch, critic.ppo_mini_batch_size * self.cfg.rollout.n, critic.ppo_epochs,
+                             self.cfg.rollout.max_tokens, loss_of)
         return {f"critic/{key}": value for key, value in metrics.items()}

@@ -95,6 +95,8 @@ class PhaseMachine:
             moves += [self._to_host(role, STATE) for role in self.offloaded]
             return self._done(moves + [self._wake(("weights", "kv_cache"))])
         if phase.kind == "sync":
+            if not self.engine:  # the engines are elsewhere (separate placement), waiting to receive: always send
+                self.engine_version = None
             return self._done(self._sync_moves())
         if phase.kind in ("forward", "save", "train"):
             moves = [self._sleep()]

@@ -161,7 +161,9 @@ def test_any_sequence_of_phases_keeps_the_invariants(seed):
 
 def test_a_separate_actor_sends_without_an_engine():
     # rollout.placement=separate: the actor's worker has no engine; a sync sends the weights to the engine workers.
+    # The engine workers wait to receive whenever the trainer syncs, so every sync sends.
     sim = Simulated(PhaseMachine())
+    assert sim.run(SYNC) == [Move("sync")]
     assert sim.run(SYNC) == [Move("sync")]
     sim.run(train(ACTOR))
     assert sim.run(SYNC) == [Move("sync")]
