@@ -110,8 +110,8 @@ class RowTensors:
         return self._with({k: v.to(device) for k, v in self.tensors().items()})
 
     def truncated(self: Rows, length: int) -> Rows:
-        """The first `length` positions of every per-token tensor."""
-        return self._with({k: v[:, :length] for k, v in self.tensors().items()})
+        """The first `length` positions of every per-token ([B, S]) tensor."""
+        return self._with({k: v[:, :length] for k, v in self.tensors().items() if v.dim() == 2})
 
 
 @dataclass

@@ -13,9 +13,9 @@ class Role(str, enum.Enum):
     CRITIC = "critic"  # the value model (GAE)
 
     @property
-    def section(self) -> str:
-        """The config section of its settings (the actor's devices are trainer.nnodes x trainer.n_gpus_per_node)."""
-        return self.value
+    def devices_section(self) -> str:
+        """The config section whose nnodes x n_gpus_per_node are its pool's devices (the actor's: trainer's)."""
+        return "trainer" if self is Role.ACTOR else self.value
 
     @property
     def has_model(self) -> bool:
@@ -33,5 +33,3 @@ class Role(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
-
-MODEL_ROLES = tuple(role for role in Role if role.has_model)

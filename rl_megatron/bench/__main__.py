@@ -143,12 +143,12 @@ def run(args, model_dir: str) -> dict:
     compute = {"limit_name": "matmul FLOP/s", "limit": peak, "unit": "FLOP/s"}
 
     if args.name == "log_probs":
-        seconds = timed(lambda: actor.log_probs({"input_ids": batch["input_ids"]}), repeats=3)
+        seconds = timed(lambda: actor.log_probs(batch), repeats=3)
         value = 2 * params * tokens / seconds
         return {"bench": "log_probs", "value": value, "ratio": value / peak, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, **compute}
     if args.name == "update":
-        batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
+        batch.old_log_probs = actor.log_probs(batch).log_probs
         seconds = timed(lambda: actor.update(batch), repeats=3)
         value = 6 * params * tokens / seconds
         return {"bench": "update", "value": value, "ratio": value / peak, "seconds": seconds,
@@ -157,7 +157,7 @@ def run(args, model_dir: str) -> dict:
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0, eos_token_id=hf["eos_token_id"])
-    prompts = batch["input_ids"][:, : args.seq - response].tolist()
+    prompts = batch.input_ids[:, : args.seq - response].tolist()
     counts = []
     seconds = timed(lambda: counts.append(sum(len(g.response_ids) for g in engine.generate(prompts, n=1))), repeats=2)
     generated = sum(counts[1:]) / len(counts[1:])  # random weights rarely sample EOS: count what was made

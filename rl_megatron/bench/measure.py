@@ -7,6 +7,7 @@ import time
 import torch
 
 from rl_megatron import platform
+from rl_megatron.batch import TrainBatch
 
 
 def synchronize() -> None:
@@ -61,7 +62,7 @@ def build_actor_and_batch(args, model_dir: str, dtype: str = "float32"):
     init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
     actor = MegatronActor(cfg, hf, optimizer_steps=100)
     g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(3, hf["vocab_size"], (args.batch, args.seq), generator=g),
-             "response_mask": torch.zeros(args.batch, args.seq), "advantages": torch.randn(args.batch, generator=g)}
-    batch["response_mask"][:, args.seq - response - 1:-1] = 1.0
+    batch = TrainBatch(torch.randint(3, hf["vocab_size"], (args.batch, args.seq), generator=g),
+                       torch.zeros(args.batch, args.seq), pad_id=0, advantages=torch.randn(args.batch, generator=g))
+    batch.response_mask[:, args.seq - response - 1:-1] = 1.0
     return actor, hf, batch

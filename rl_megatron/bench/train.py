@@ -90,7 +90,7 @@ def run(args, model_dir: str) -> dict:
     from rl_megatron.models.gpt import uses_transformer_engine
 
     actor, hf, batch = build_actor_and_batch(args, model_dir, dtype=args.dtype)
-    batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
+    batch.old_log_probs = actor.log_probs(batch).log_probs
     # Each update is one optimizer step on the whole batch (build_actor_and_batch makes it one mini-batch).
     seconds = timed(lambda: actor.update(batch), repeats=args.repeats, warmup=2)
     tokens = args.batch * args.seq

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from rl_megatron.config.schema import Config
+from rl_megatron.roles import Role
 
 
 def uses_reference(cfg: Config) -> bool:
@@ -17,20 +18,19 @@ class WorkerPool:
     """Processes on nodes of their own: the roles they host, how many (and the config section that says so), and the
     Megatron layout of their models (none for the engines' pool)."""
 
-    name: str  # its first role: "actor" (with every role colocated with it), "rollout", "ref" or "critic"
-    roles: tuple[str, ...]
+    name: Role  # its first role: the actor (with every role colocated with it), the engines, the ref or critic
+    roles: tuple[Role, ...]
     nnodes: int
     gpus_per_node: int
-    section: str  # "trainer", "rollout", "ref" or "critic"
     layout: dict  # tp, pp (and for the actor's pool vpp, cp, ep, etp)
 
     @property
     def nodes_key(self) -> str:
-        return f"{self.section}.nnodes"
+        return f"{self.name.devices_section}.nnodes"
 
     @property
     def gpus_key(self) -> str:
-        return f"{self.section}.n_gpus_per_node"
+        return f"{self.name.devices_section}.n_gpus_per_node"
 
 
 def worker_pools(cfg: Config) -> list[WorkerPool]:
@@ -39,18 +39,18 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
     ref, critic order."""
     a, r = cfg.actor, cfg.rollout
     engines_apart = r.placement == "separate"
-    actor_roles = ["actor"] if engines_apart else ["actor", "rollout"]
-    engine_pool = WorkerPool("rollout", ("rollout",), r.nnodes, r.n_gpus_per_node, "rollout", {})
+    actor_roles = [Role.ACTOR] if engines_apart else [Role.ACTOR, Role.ROLLOUT]
+    engine_pool = WorkerPool(Role.ROLLOUT, (Role.ROLLOUT,), r.nnodes, r.n_gpus_per_node, {})
     separate = [engine_pool] if engines_apart else []
-    for name, role, wanted in (("ref", cfg.ref, uses_reference(cfg)), ("critic", cfg.critic, cfg.critic.enable)):
+    for name, role, wanted in ((Role.REF, cfg.ref, uses_reference(cfg)), (Role.CRITIC, cfg.critic, cfg.critic.enable)):
         if wanted and role.placement == "colocated":
             actor_roles.append(name)
         elif wanted:
             layout = {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}
-            separate.append(WorkerPool(name, (name,), role.nnodes, role.n_gpus_per_node, name, layout))
+            separate.append(WorkerPool(name, (name,), role.nnodes, role.n_gpus_per_node, layout))
     tp = a.tensor_model_parallel_size
     actor_layout = {"tp": tp, "pp": a.pipeline_model_parallel_size, "vpp": a.virtual_pipeline_model_parallel_size,
                     "cp": a.context_parallel_size, "ep": a.expert_model_parallel_size,
                     "etp": a.expert_tensor_parallel_size or tp}
-    return [WorkerPool("actor", tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, "trainer",
-                       actor_layout), *separate]
+    return [WorkerPool(Role.ACTOR, tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, actor_layout),
+            *separate]

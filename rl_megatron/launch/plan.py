@@ -24,12 +24,14 @@ from typing import Optional
 from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
+from rl_megatron.roles import Role
 
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an H100 80GB; GPU_MEMORY_GIB or nvidia-smi give the real size
 
 
 @dataclass
-class Role:
+class RolePlan:
+    """One role's line of the plan."""
     name: str
     engine: str  # Megatron (trained), Megatron forward-only, or vLLM
     layout: str  # its parallel sizes, printed
@@ -45,7 +47,7 @@ class Pool:
     gpus_per_node: int
     nodes_key: str  # config keys of its size, for messages
     gpus_key: str
-    roles: list[Role] = field(default_factory=list)
+    roles: list[RolePlan] = field(default_factory=list)
     placement_notes: list[str] = field(default_factory=list)
 
     @property
@@ -122,12 +124,12 @@ def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
                       f"rest), or change {pool.nodes_key} / {pool.gpus_key}.")
 
 
-def _megatron_role(name: str, pool: Pool, layout: dict, hf: dict, cfg: Config, on_gpu: bool) -> Role:
+def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, on_gpu: bool) -> RolePlan:
     """A Megatron role in `pool` (`layout`: the pool's TP, PP and, for the actor's pool, VPP, CP, EP, expert-TP): its
     placement checked, its layout and per-GPU memory worked out."""
     tp, pp = layout["tp"], layout["pp"]
     vpp, cp, ep, etp = layout.get("vpp", 1), layout.get("cp", 1), layout.get("ep", 1), layout.get("etp", tp)
-    trained, value_head = name != "ref", name == "critic"
+    trained, value_head = name.trainable, name.value_head
     notes = [_check_within_node(tp, f"{name}.tensor_model_parallel_size", pool, "TP group"),
              _check_stages(pp, f"{name}.pipeline_model_parallel_size", pool)]
     dp = pool.world // (tp * pp * cp)
@@ -135,7 +137,7 @@ def _megatron_role(name: str, pool: Pool, layout: dict, hf: dict, cfg: Config, o
         span = etp * ep
         where = "inside one node" if span <= pool.gpus_per_node else f"across {span // pool.gpus_per_node} nodes"
         notes.append(f"EP group ({span} GPUs incl. expert-TP) {where}")
-    if name == "actor" or pool.name == name:  # a colocated role shares the actor's groups: nothing new to say
+    if name is Role.ACTOR or pool.name == name:  # a colocated role shares the actor's groups: nothing new to say
         pool.placement_notes.append(f"{name}: " + "; ".join(notes))
     params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp)
     dtype = cfg.model.dtype
@@ -148,7 +150,7 @@ def _megatron_role(name: str, pool: Pool, layout: dict, hf: dict, cfg: Config, o
         note = f"{_count(params.total)} params/GPU: weights only"
     layout = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
               + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
-    return Role(name, "Megatron" if trained else "Megatron forward", layout, bytes_, note)
+    return RolePlan(name, "Megatron" if trained else "Megatron forward", layout, bytes_, note)
 
 
 def _gpu_memory(measured_gib: Optional[float]) -> tuple[float, str]:
@@ -173,10 +175,10 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     plan = ClusterPlan(pools, gib, gib_source, on_gpu, total, cfg.model.dtype)
     for spec, pool in zip(specs, pools):
         for name in spec.roles:
-            if name == "rollout":
+            if name is Role.ROLLOUT:
                 pool.roles.append(_engine_role(cfg, pool, total, gib, on_gpu, plan))
             else:
-                role_hf = read_hf_config(cfg.critic.model_path) if name == "critic" else hf
+                role_hf = read_hf_config(cfg.critic.model_path) if name is Role.CRITIC else hf
                 pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
 
     for pool in pools:
@@ -187,7 +189,7 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     return plan
 
 
-def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> Role:
+def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> RolePlan:
     """The vLLM engines in `pool`: their placement checked, their memory per GPU (a warning when the weights do
     not fit the engine's share)."""
     r = cfg.rollout
@@ -207,7 +209,7 @@ def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, 
             f"the vLLM engine's weights ({_gib(engine_weights)} per GPU) do not fit its "
             f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
             "rollout.gpu_memory_utilization or rollout.tensor_parallel_size.")
-    return Role("rollout", "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note)
+    return RolePlan(Role.ROLLOUT, "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note)
 
 
 def format_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool = True) -> str:

@@ -22,7 +22,7 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     env = worker_env(threads, local_cluster=cfg.ray.address is None)
     groups: dict[Role, WorkerGroup] = {}
     for pool in pools:
-        roles = tuple(Role(role) for role in pool.roles)
+        roles = pool.roles
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
         if roles == (Role.ROLLOUT,):
             group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env)

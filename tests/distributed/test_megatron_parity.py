@@ -22,9 +22,9 @@ def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, vpp, 
     results = run_distributed(log_probs_and_export, tp * pp, tp, pp, vpp, args=(cfg, batch))
     ref_log_probs, ref_entropy, ref_state = hf_reference(model_dir, batch, cfg.rollout.temperature)
     owner = results[-1][0] if pp > 1 else results[0][0]
-    mask = batch["response_mask"].bool()
-    assert (owner["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
-    assert (owner["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
+    mask = batch.response_mask.bool()
+    assert (owner.log_probs[mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+    assert (owner.entropy[mask] - ref_entropy[mask]).abs().max() <= 1e-4
     exported = results[0][1]
     if tied:  # one tensor, exported once under the embedding's name
         ref_state.pop("lm_head.weight")

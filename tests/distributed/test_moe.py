@@ -1,17 +1,20 @@
 """A tiny Qwen3-MoE (4 experts, top-2) at expert parallelism on gloo: Megatron's log-probs and HF export against
 transformers, and the trainer's experts resharded into real vLLM engines."""
+import dataclasses
+
 import pytest
 import torch
 
-from helpers.parity import config, family_model_dir, hf_reference, make_batch
+from helpers.parity import SEQ, config, family_model_dir, hf_reference, make_batch
 from helpers.ranks import (actor_log_probs_everywhere, build_actor, check_engines_hold_the_trainer_weights,
                            log_probs_and_export, saved_checkpoint, update_and_export)
+from rl_megatron.batch import TrainBatch
 from rl_megatron.workers.spawn import run_distributed
 
 
-def odd_length_batch() -> dict:
+def odd_length_batch() -> TrainBatch:
     """11 tokens, not a multiple of TP: sequence parallelism (MoE layers at TP 2) pads them and crops the outputs."""
-    return {key: value[:, :-1] if value.dim() == 2 else value for key, value in make_batch(18).items()}
+    return make_batch(18).truncated(SEQ - 1)
 
 
 # Both Qwen routers: top-k weights renormalised (Qwen's released models) and not; Mixtral always renormalises.
@@ -24,10 +27,10 @@ def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, famil
     batch = odd_length_batch()
     results = run_distributed(log_probs_and_export, tp * ep, tp, ep=ep, args=(cfg, batch))
     ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, cfg.rollout.temperature)
-    mask = batch["response_mask"].bool()
+    mask = batch.response_mask.bool()
     for owner in (results[0][0], results[tp][0]):  # the first TP rank of each data-parallel (= expert) rank
-        assert (owner["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
-        assert (owner["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
+        assert (owner.log_probs[mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+        assert (owner.entropy[mask] - ref_entropy[mask]).abs().max() <= 1e-4
     exported, saved = results[0][1], saved_checkpoint(model_dir)
     assert set(exported) == set(saved)
     for name, tensor in saved.items():
@@ -62,9 +65,9 @@ def layout_parity_then_knobs_update(plain, knobs, batch):
     """Log-probs and HF export at the `plain` config; then, built at the `knobs` config from the same weights, one
     update: its metrics, and the weights before and after it as HF tensors."""
     actor = build_actor(plain)
-    log_probs, exported = actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
+    log_probs, exported = actor.log_probs(batch), actor.hf_state_dict()
     actor = build_actor(knobs)
-    metrics = actor.update(dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch)))
+    metrics = actor.update(dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch)))
     return log_probs, exported, metrics, actor.hf_state_dict()
 
 
@@ -83,9 +86,9 @@ def test_experts_split_unlike_attention_and_router_knobs(tmp_path):
     results = run_distributed(layout_parity_then_knobs_update, 2, 2, ep=2, etp=1, args=(plain, knobs, batch))
     log_probs, exported, metrics, after = results[0]
     ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, plain.rollout.temperature)
-    mask = batch["response_mask"].bool()
-    assert (log_probs["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= 1e-4
-    assert (log_probs["entropy"][mask] - ref_entropy[mask]).abs().max() <= 1e-4
+    mask = batch.response_mask.bool()
+    assert (log_probs.log_probs[mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+    assert (log_probs.entropy[mask] - ref_entropy[mask]).abs().max() <= 1e-4
     saved = saved_checkpoint(model_dir)
     assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
     routers = [name for name in saved if name.endswith(".mlp.gate.weight")]
@@ -112,8 +115,8 @@ def updates_around_a_checkpoint(cfg, batch, ckpt: str, save: bool):
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
 
     def update():
-        full = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
-        return actor.update({key: value.chunk(dp)[rank] for key, value in full.items()})
+        full = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+        return actor.update(full.split(dp)[rank])
 
     if save:
         update()

@@ -1,6 +1,8 @@
 """Offloading the trainer's state between phases (the GPU hybrid engine's path), exercised on CPU over gloo at TP=2:
 after an update, params, grads and optimizer state go to host buffers and their storages are freed; they come back
 bitwise, and the next update is the one the same actor makes without the round trip."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def _round_trip(cfg, batches):
                     param.data = param.data.clone()
         update(actor, batches[0])
         before = _state(actor)
-        prompts = {"input_ids": batches[1]["input_ids"]}
+        prompts = batches[1].select()
         log_probs_before = actor.log_probs(prompts)
         optimizer_tensors = [tensor for _, tensor in _tensors_in(actor.optimizer.state_dict(), "")]
         offloader = Offloader(actor.model, actor.optimizer)
@@ -96,7 +98,7 @@ def _round_trip(cfg, batches):
             "differ_after_first_update": _differences(before, reference_after_first),
             "moved": to_host.moved, "kept": to_host.kept, "moved_again": again.moved, "freed": freed,
             "optimizer_tensors": len(optimizer_tensors),
-            "log_probs": (log_probs_before, log_probs_after),
+            "log_probs": tuple(None if out is None else out.tensors() for out in (log_probs_before, log_probs_after)),
             "after_reload": _differences(_state(actor), before),
             "shared_mapping_kept": [location(p) for p in params] == shared_at,
             "left_on_host": offloader.on_host(),
@@ -112,11 +114,11 @@ def round_trips(tiny_model_dir):
 
     cfg = config(tiny_model_dir, tp=TP, pp=1)
     first = make_batch(read_hf_config(tiny_model_dir)["vocab_size"])
-    mask = first["response_mask"]
-    first["advantages"] = first["advantages"][:, None] * mask  # per token
+    mask = first.response_mask
+    first.advantages = first.advantages[:, None] * mask  # per token
     # Old log-probs near the policy's (a tiny random model: about log(1/vocab)), so that some ratios clip.
-    first["old_log_probs"] = (-3.0 + 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))) * mask
-    second = dict(first, advantages=-first["advantages"])
+    first.old_log_probs = (-3.0 + 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))) * mask
+    second = dataclasses.replace(first, advantages=-first.advantages)
     return run_distributed(_round_trip, world_size=TP, tp=TP, args=(cfg, [first, second]))
 
 

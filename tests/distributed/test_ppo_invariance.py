@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.parity import BATCH, config, family_model_dir, hf_reference, make_batch
+from rl_megatron.batch import TrainBatch
 from rl_megatron.workers.spawn import run_distributed
 
 PPO_OPTIONS = {"actor.loss_agg_mode": "seq-mean-token-mean", "actor.entropy_coeff": 0.01,
@@ -18,18 +19,18 @@ PPO_OPTIONS = {"actor.loss_agg_mode": "seq-mean-token-mean", "actor.entropy_coef
                "actor.optim.lr": 1e-2, "actor.optim.eps": 1e-2, "critic.optim.lr": 1e-2, "critic.optim.eps": 1e-2}
 
 
-def ppo_batch(model_dir: str, temperature: float) -> dict:
+def ppo_batch(model_dir: str, temperature: float) -> TrainBatch:
     """Sequences with old/reference log-probs, rollout-time values and targets near the real ones, so that part
     of the tokens is clipped and every loss term has a gradient."""
     batch = make_batch(18)
     log_probs, _, _ = hf_reference(model_dir, batch, temperature)
     g = torch.Generator().manual_seed(2)
     noise = lambda scale: scale * torch.randn(log_probs.shape, generator=g)  # noqa: E731
-    mask = batch["response_mask"]
-    return {"input_ids": batch["input_ids"], "response_mask": mask,
-            "old_log_probs": (log_probs + noise(0.3)) * mask, "ref_log_probs": (log_probs + noise(0.5)) * mask,
-            "advantages": noise(1.0) * mask, "importance_weights": torch.rand(mask.shape, generator=g) + 0.5,
-            "values": noise(0.5) * mask, "returns": (noise(0.5) + 1.0) * mask}
+    mask = batch.response_mask
+    return TrainBatch(batch.input_ids, mask, batch.pad_id, old_log_probs=(log_probs + noise(0.3)) * mask,
+                      ref_log_probs=(log_probs + noise(0.5)) * mask, advantages=noise(1.0) * mask,
+                      importance_weights=torch.rand(mask.shape, generator=g) + 0.5, values=noise(0.5) * mask,
+                      returns=(noise(0.5) + 1.0) * mask)
 
 
 def ppo_step(cfg, batch):
@@ -42,10 +43,10 @@ def ppo_step(cfg, batch):
     hf = read_hf_config(cfg.model.path)
     actor, critic = MegatronActor(cfg, hf, optimizer_steps=10), MegatronCritic(cfg, hf, optimizer_steps=10)
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    mine = {key: value.chunk(dp)[rank] for key, value in batch.items()}
+    mine = batch.split(dp)[rank]
     metrics = {**actor.update(mine), **critic.update(mine)}
     values = critic.values(mine)
-    return metrics, actor.hf_state_dict(), None if values is None else values["values"]
+    return metrics, actor.hf_state_dict(), None if values is None else values.values
 
 
 def run(model_dir, batch, world, tp, pp, micro):
@@ -77,7 +78,7 @@ def test_one_ppo_step_is_independent_of_the_layout(setup, world, tp, pp, micro):
     assert 0 < ref_metrics["actor/pg_clipfrac"] < 1 and ref_metrics["critic/vf_clipfrac"] > 0
     initial = run_distributed(initial_state, 1, args=(config(model_dir, 1, 1),))[0]
     assert max((initial[n] - t).abs().max().item() for n, t in state.items()) > 1e-4
-    assert values.shape == (BATCH, batch["input_ids"].shape[1])
+    assert values.shape == (BATCH, batch.input_ids.shape[1])
 
 
 def initial_state(cfg):

@@ -34,25 +34,25 @@ def log_probs_then_update(cfg, batch):
 
     actor = MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
     layer = actor.chunks[0].decoder.layers[0]
-    out = actor.log_probs({"input_ids": batch["input_ids"]})
+    out = actor.log_probs(batch)
     metrics = actor.update(batch)
     experts = getattr(layer.mlp, "experts", None)
     return {"uses_transformer_engine": uses_transformer_engine(),
             "qkv_module": type(layer.self_attention.linear_qkv).__module__,
             "experts_class": type(experts).__name__ if experts is not None else None,
-            "device": str(next(layer.parameters()).device), "metrics": metrics, **out}
+            "device": str(next(layer.parameters()).device), "metrics": metrics, **out.tensors()}
 
 
-def hf_update_reference(model_dir: str, batch: dict, cfg) -> tuple[float, float]:
+def hf_update_reference(model_dir: str, batch, cfg) -> tuple[float, float]:
     """transformers' loss and gradient norm for the same update: the whole batch is one mini-batch, and the
     project's policy loss is applied to HF's log-probs."""
     from rl_megatron.algorithms import LossScale, policy_loss
 
     model = hf_model(model_dir)
-    log_probs, _ = hf_token_log_probs(model, batch["input_ids"], cfg.rollout.temperature)
-    mask = batch["response_mask"]
+    log_probs, _ = hf_token_log_probs(model, batch.input_ids, cfg.rollout.temperature)
+    mask = batch.response_mask
     scale = LossScale(tokens=mask.sum().item(), sequences=float(mask.shape[0]), horizon=cfg.rollout.max_tokens)
-    loss, _ = policy_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask,
+    loss, _ = policy_loss(log_probs, batch.old_log_probs, batch.advantages, mask,
                           clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                           clip_ratio_c=cfg.actor.clip_ratio_c, agg_mode=cfg.actor.loss_agg_mode, scale=scale)
     loss.backward()
@@ -78,7 +78,7 @@ def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
     batch = make_batch(18)
     ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, cfg.rollout.temperature)
     # The reference's log-probs are the update's old log-probs on both sides: both then compute the same loss.
-    batch["old_log_probs"] = ref_log_probs
+    batch.old_log_probs = ref_log_probs
     result = run_distributed(log_probs_then_update, 1, args=(cfg, batch))[0]
 
     te = result["uses_transformer_engine"]
@@ -91,7 +91,7 @@ def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
     if moe:
         assert result["experts_class"] == ("TEGroupedMLP" if te else "SequentialMLP")
 
-    mask = batch["response_mask"].bool()
+    mask = batch.response_mask.bool()
     tolerance = LOG_PROB_TOLERANCE[dtype, te]
     assert (result["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= tolerance
     assert (result["entropy"][mask] - ref_entropy[mask]).abs().max() <= tolerance

@@ -3,10 +3,12 @@ locally with random weights, a batch of right-padded sequences, the actor's conf
 transformers computes on the same weights (the reference every Megatron layout is held to)."""
 import torch
 
+from rl_megatron.batch import TrainBatch
+
 SEQ, BATCH, PROMPT = 12, 8, 4
 
 
-def make_batch(vocab: int) -> dict:
+def make_batch(vocab: int) -> TrainBatch:
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
     response_mask = torch.zeros(BATCH, SEQ)
@@ -15,7 +17,7 @@ def make_batch(vocab: int) -> dict:
         response_mask[row, PROMPT - 1:PROMPT - 1 + length] = 1.0
         input_ids[row, PROMPT + length:] = 0  # right padding
     advantages = torch.randn(BATCH, generator=g)
-    return {"input_ids": input_ids, "response_mask": response_mask, "advantages": advantages}
+    return TrainBatch(input_ids, response_mask, pad_id=0, advantages=advantages)
 
 
 def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):
@@ -69,10 +71,10 @@ def hf_token_log_probs(model, input_ids: torch.Tensor, temperature: float) -> tu
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy
 
 
-def hf_reference(model_dir: str, batch: dict, temperature: float):
+def hf_reference(model_dir: str, batch: TrainBatch, temperature: float):
     model = hf_model(model_dir)
     with torch.no_grad():
-        log_probs, entropy = hf_token_log_probs(model, batch["input_ids"], temperature)
+        log_probs, entropy = hf_token_log_probs(model, batch.input_ids, temperature)
     return log_probs, entropy, model.state_dict()
 
 

@@ -1,6 +1,7 @@
 """What the distributed tests run on each rank (through rl_megatron.workers.spawn.run_distributed: functions of an
 importable module, so that the spawned ranks can unpickle them) and the checks several of them make: the actor's
 log-probs, update and HF export; the trainer's weights resharded into real vLLM engines."""
+import dataclasses
 import glob
 
 import torch
@@ -51,7 +52,7 @@ def build_actor(cfg):
 
 def log_probs_and_export(cfg, batch):
     actor = build_actor(cfg)
-    return actor.log_probs({"input_ids": batch["input_ids"]}), actor.hf_state_dict()
+    return actor.log_probs(batch), actor.hf_state_dict()
 
 
 def update_and_export(cfg, batch):
@@ -59,9 +60,9 @@ def update_and_export(cfg, batch):
     from megatron.core import parallel_state
 
     actor = build_actor(cfg)
-    batch = dict(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+    batch = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    metrics = actor.update({key: value.chunk(dp)[rank] for key, value in batch.items()})
+    metrics = actor.update(batch.split(dp)[rank])
     return metrics, actor.hf_state_dict()
 
 
@@ -69,9 +70,9 @@ def actor_log_probs_everywhere(actor, batch):
     """Old log-probs for the update: computed on the owning ranks, shared so every rank has them."""
     import torch.distributed as dist
 
-    out = actor.log_probs({"input_ids": batch["input_ids"]})
+    out = actor.log_probs(batch)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, out["log_probs"] if out is not None else None)
+    dist.all_gather_object(gathered, out.log_probs if out is not None else None)
     return next(x for x in gathered if x is not None)
 
 

@@ -53,7 +53,7 @@ def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_no
     from megatron.core.parallel_state import RankGenerator
 
     from rl_megatron.config import load_config
-    from rl_megatron.trainer.loop import train
+    from rl_megatron.trainer.trainer import train
 
     tp = 2
     cfg = load_config("configs/demo_cpu.yaml", [

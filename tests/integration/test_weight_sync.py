@@ -26,10 +26,10 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, place
     sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
     from transformers import AutoTokenizer
 
+    from rl_megatron.batch import Prompt, TrainBatch
     from rl_megatron.config import load_config, read_hf_config
     from rl_megatron.rollout.vllm_engine import request_seeds
-    from rl_megatron.trainer.loop import build_workers, sync_weights
-    from rl_megatron.trainer.sequences import pack_generations
+    from rl_megatron.trainer.workers import build_workers, sync_weights
 
     cfg = load_config("configs/demo_cpu.yaml", [f"model.path={tiny_model_dir}", "model.random_init=false",
                                                 f"rollout.max_tokens={NEW_TOKENS}", "actor.optim.lr=0.05",
@@ -37,6 +37,7 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, place
                                                 f"rollout.placement={placement}", "data.train_batch_size=16"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    prompts = [Prompt(ids, "arithmetic", "0") for ids in prompt_ids]
     with ExitStack() as stack:
         workers = build_workers(cfg, read_hf_config(tiny_model_dir), 2, stack)
         actor, rollout = workers["actor"], workers["rollout"]
@@ -46,22 +47,23 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, place
         state = actor.hf_state_dict()[0]
         assert rollout.engine_mismatches(state) == [[]] * engine_workers
         seeds = request_seeds(0, "val", 0, len(prompt_ids))
-        before = [g.response_ids for g in rollout.generate_for_validation(prompt_ids, seeds)]
+        before = [s.response_ids for s in rollout.generate(prompts, seeds, n=1, temperature=0.0)]
         assert before == greedy_with(state, tiny_model_dir, prompt_ids)
 
         # One large update that pushes up every sampled token's probability, then sync again.
-        generations = rollout.generate(prompt_ids * 4, request_seeds(0, "train", 1, 4 * len(prompt_ids)))
-        batch = pack_generations(generations, pad_id=0)
-        batch["old_log_probs"] = actor.log_probs({"input_ids": batch["input_ids"]})["log_probs"]
+        samples = rollout.generate(prompts * 4, request_seeds(0, "train", 1, 4 * len(prompts)), n=cfg.rollout.n,
+                                   temperature=cfg.rollout.temperature)
+        batch = TrainBatch.from_samples(samples, pad_id=0)
+        batch.old_log_probs = actor.log_probs(batch).log_probs
         # The engine sampled from the distribution the trainer computes.
-        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * batch["response_mask"]
+        gap = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.response_mask
         assert gap.max() < 1e-5
-        batch["advantages"] = torch.ones(len(generations))
+        batch.advantages = torch.ones(len(samples))
         actor.update(batch)
         sync_weights(actor, rollout)
         new_state = actor.hf_state_dict()[0]
         assert any(not torch.equal(state[n], new_state[n]) for n in state)
         assert rollout.engine_mismatches(new_state) == [[]] * engine_workers
-        after = [g.response_ids for g in rollout.generate_for_validation(prompt_ids, seeds)]
+        after = [s.response_ids for s in rollout.generate(prompts, seeds, n=1, temperature=0.0)]
         assert after == greedy_with(new_state, tiny_model_dir, prompt_ids)
         assert after != before
