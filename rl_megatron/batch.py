@@ -61,9 +61,10 @@ class Sample:
 
     @classmethod
     def answering(cls, prompt: Prompt, response_ids: list[int], rollout_log_probs: list[float], **fields) -> Sample:
-        """A sample that answers `prompt` (its ids, data source, ground truth and extra info)."""
+        """A sample that answers `prompt` (its ids, data source, ground truth, and a copy of its extra info, which a
+        rollout function may edit per sample)."""
         return cls(prompt.ids, response_ids, rollout_log_probs, prompt.data_source, prompt.ground_truth,
-                   prompt.extra_info, **fields)
+                   dict(prompt.extra_info), **fields)
 
 
 def pad_token_id(tokenizer) -> int:

@@ -2,8 +2,9 @@
 
 The trainer (through `load_config`), `python -m rl_megatron.launch prepare [--dry-run]` and configs built in code
 all go through `preflight`. Each value has been checked against its rule in schema.py by `resolve`; here come the
-checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`),
-the reward function (`rl_megatron.rewards.custom`), the model against the layouts (`rl_megatron.models.checks`).
+checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`), the
+user's code (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the
+layouts (`rl_megatron.models.checks`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from rl_megatron.config.pools import uses_reference
 from rl_megatron.config.schema import Config
 from rl_megatron.data.section import check_data_section
 from rl_megatron.errors import ConfigError
+from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.custom import load_custom_fn
+
 
 def preflight(cfg: Config) -> None:
     """Check a resolved config (`rl_megatron.config.resolve`); raise ConfigError on the first problem, naming the
@@ -25,8 +28,11 @@ def preflight(cfg: Config) -> None:
     _check_trainer(cfg)
     check_data_section(cfg.data)
     _check_algorithm(cfg)
+    # The user's code imports (each raises a ConfigError naming its key and what is missing).
+    import_user_modules(cfg.trainer.imports)
+    load_callable(cfg.rollout.function, "rollout.function")
     if cfg.reward.custom_fn is not None:
-        load_custom_fn(cfg.reward.custom_fn)  # raises a ConfigError naming reward.custom_fn and what is missing
+        load_custom_fn(cfg.reward.custom_fn)
     check_actor_layout(cfg)
     check_role_layouts(cfg)
     check_moe_knobs(cfg)

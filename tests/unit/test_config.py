@@ -527,3 +527,21 @@ def test_checkpoint_settings_are_checked(overrides, words):
 def test_separate_rollout_settings_are_checked(overrides, words):
     message = config_error(*overrides)
     assert all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.function=no_such_module_xyz:rollout", "rollout.function='no_such_module_xyz:rollout': module "
+                                                    "'no_such_module_xyz' was not found"),
+    ("rollout.function=rl_megatron.rollout.single_turn:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("rollout.function=generate", "rollout.function='generate' must be 'package.module:function'"),
+    ("trainer.imports=[no_such_module_abc]", "trainer.imports entry 'no_such_module_abc': module 'no_such_module_abc' "
+                                             "was not found"),
+    ("trainer.imports=[/nonexistent/plugin.py]", "file '/nonexistent/plugin.py' was not found"),
+])
+def test_the_users_code_is_imported_before_anything_starts_and_named_when_it_fails(override, message):
+    assert message in config_error(override)
+
+
+def test_the_default_rollout_function_and_no_imports():
+    cfg = load_demo()
+    assert cfg.rollout.function == "rl_megatron.rollout.single_turn:generate" and cfg.trainer.imports == []
