@@ -134,7 +134,7 @@ class TrainBatch(RowTensors):
     old_log_probs: Tensor | None = None  # Megatron's, before this step's update
     ref_log_probs: Tensor | None = None  # the reference policy's (KL)
     values: Tensor | None = None  # the critic's, before this step's update
-    advantages: Tensor | None = None
+    advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets
     importance_weights: Tensor | None = None  # rollout correction p_train / p_rollout, truncated
 

@@ -47,7 +47,10 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, place
         state = actor.hf_state_dict()[0]
         assert rollout.engine_mismatches(state) == [[]] * engine_workers
         seeds = request_seeds(0, "val", 0, len(prompt_ids))
-        before = [s.response_ids for s in rollout.generate(prompts, seeds, n=1, temperature=0.0)]
+        # The trainer's validation sampling: rollout.val_n answers per prompt, greedy for one.
+        val_n = cfg.rollout.val_n
+        validation = dict(n=val_n, temperature=0.0 if val_n == 1 else cfg.rollout.temperature)
+        before = [s.response_ids for s in rollout.generate(prompts, seeds, **validation)]
         assert before == greedy_with(state, tiny_model_dir, prompt_ids)
 
         # One large update that pushes up every sampled token's probability, then sync again.
@@ -64,6 +67,6 @@ def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, place
         new_state = actor.hf_state_dict()[0]
         assert any(not torch.equal(state[n], new_state[n]) for n in state)
         assert rollout.engine_mismatches(new_state) == [[]] * engine_workers
-        after = [s.response_ids for s in rollout.generate(prompts, seeds, n=1, temperature=0.0)]
+        after = [s.response_ids for s in rollout.generate(prompts, seeds, **validation)]
         assert after == greedy_with(new_state, tiny_model_dir, prompt_ids)
         assert after != before
