@@ -114,7 +114,7 @@ def check_step(folder: str, hf_config: dict, roles: tuple[Role, ...], expert_par
         raise CheckpointError(f"'{folder}' is not a folder; trainer.resume takes a step folder such as "
                               "<checkpoint_dir>/global_step_40, or auto / off.")
     state = read_trainer_state(folder)
-    for role in roles:
+    for role in map(Role, roles):  # Role members, or their names
         metadata = check_checkpoint(os.path.join(folder, role), hf_config)
         if role.trainable and not metadata.get("training_state"):
             raise CheckpointError(f"'{os.path.join(folder, role)}' holds weights only, no optimizer state.")
