@@ -30,7 +30,7 @@ from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.roles import Role
-from rl_megatron.rollout.engines import RolloutEngines, Sampling
+from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.stopping import StopSignals
@@ -51,7 +51,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         import_user_modules(cfg.trainer.imports)  # before anything looks up what they register
-        self.rollout_fn = load_callable(cfg.rollout.function, "rollout.function")
+        self.rollout_fn: RolloutFn = load_callable(cfg.rollout.function, "rollout.function")
         self.hf_config = model_config(cfg)  # config.json with the moe section's overrides
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = pad_token_id(self.tokenizer)
