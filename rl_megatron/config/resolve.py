@@ -11,15 +11,17 @@ from rl_megatron.data.section import resolve_data_section
 
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
-    critic.enable (when the advantage estimator needs values), the reference's and critic's unset sizes (the
-    actor's; a colocated role runs in the actor's processes), the critic's model folder, and the data section's
-    file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
+    rollout.gpu_memory_utilization (by placement), critic.enable (when the advantage estimator needs values), the
+    reference's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
+    model folder, and the data section's file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
     schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
     check_fields(cfg, RULES)
     cfg = copy.deepcopy(cfg)
     actor, rollout, critic = cfg.actor, cfg.rollout, cfg.critic
     if rollout.max_model_len is None:
         rollout.max_model_len = cfg.data.max_prompt_length + rollout.max_tokens
+    if rollout.gpu_memory_utilization is None:  # separate engines hold nothing else on their GPUs
+        rollout.gpu_memory_utilization = 0.9 if rollout.placement == "separate" else 0.5
     if critic.enable is None:
         critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     for role in (cfg.ref, critic):

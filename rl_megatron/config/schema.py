@@ -141,7 +141,7 @@ class RolloutConfig:
     val_n: int = checked(1, POSITIVE)  # samples per validation prompt: 1 = greedy; more = sampled at rollout.temperature, with pass@k
     max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens)
     kv_cache_bytes: int = checked(32 * 1024 * 1024, POSITIVE)  # KV-cache memory per engine on CPU
-    gpu_memory_utilization: float = checked(0.5, within(0, 1, low_open=True), "e.g. 0.5")  # fraction of GPU memory the engine may take
+    gpu_memory_utilization: Optional[float] = checked(None, within(0, 1, low_open=True), "e.g. 0.5")  # fraction of GPU memory the engine may take (default: 0.5 colocated, where the trainer shares the GPU; 0.9, vLLM's own default, on GPUs of its own)
 
 
 @dataclass

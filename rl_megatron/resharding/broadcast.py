@@ -68,8 +68,16 @@ def weight_group(host: str, port: int, rank: int, size: int):
     """This process's member of the weight group (rank 0 hosts its store at host:port)."""
     store = dist.TCPStore(host, port, size, rank == SENDER, timeout=TIMEOUT)
     if platform.has_cuda():
-        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TIMEOUT  # as gloo's: a first sync of a large model may wait on a slow gather
+        return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
+
+
+def leave_weight_group(group) -> None:
+    """Free the group's communicator (NCCL holds device memory and threads until it is shut down)."""
+    if group is not None:
+        group.shutdown()
 
 
 def _broadcast(group, buffer: torch.Tensor) -> None:
@@ -126,6 +134,7 @@ class BroadcastSender:
 
     def close(self) -> None:
         self.resharder.close()
+        leave_weight_group(self.group)
 
 
 def receive_weights(group) -> Iterator[dict[str, torch.Tensor]]:

@@ -11,6 +11,8 @@ import contextlib
 import gc
 import glob
 import os
+import re
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -30,13 +32,53 @@ ENGINE_ENV = {
 }
 CPU_ENGINE_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
-    # Megatron and vLLM say these on any CPU machine; expected there (CUDA advice, TE/apex absent), so not shown.
-    "PYTHONWARNINGS": "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed,"
-                      "ignore:full scope is deprecated,ignore:When using async grad allreduce,"
-                      "ignore:`torch.distributed.reduce_op` is deprecated",
     # The worker pins its own threads; vLLM's automatic OpenMP binding would put every engine on one core.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
+# Megatron and vLLM say these on any CPU machine; expected there (CUDA advice, TE/apex absent), so not shown.
+CPU_NOTICES = ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
+               "When using async grad allreduce", "`torch.distributed.reduce_op` is deprecated")
+
+
+def configure_engine_process() -> None:
+    """This process's environment for vLLM (and its quiet CPU warnings), decided by this process's own device: it runs
+    in each worker before vLLM or Megatron is imported, so that a driver without a GPU does not decide for GPU
+    workers (it would give them VLLM_HOST_IP=127.0.0.1)."""
+    cpu = not platform.has_cuda()
+    for key, value in {**ENGINE_ENV, **(CPU_ENGINE_ENV if cpu else {})}.items():
+        os.environ.setdefault(key, value)
+    if cpu:
+        for notice in CPU_NOTICES:
+            warnings.filterwarnings("ignore", message=re.escape(notice))
+
+
+def without_expandable_segments(alloc_conf: str) -> str:
+    """PYTORCH_CUDA_ALLOC_CONF without `expandable_segments:True` (the other settings kept, in order)."""
+    items = [item for item in alloc_conf.split(",") if item.strip()]
+    return ",".join(item for item in items if item.replace(" ", "") != "expandable_segments:True")
+
+
+@contextlib.contextmanager
+def vllm_allocator_settings():
+    """While vLLM allocates (engine start, sleep, wake-up): its sleep-mode allocator (CuMem) asserts that
+    PYTORCH_CUDA_ALLOC_CONF has no `expandable_segments:True`, and its memory pool cannot share PyTorch's expandable
+    segments. Megatron phases keep the user's setting (it limits fragmentation there). verl toggles the allocator
+    the same way around its rollout's wake-up and sleep."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    stripped = without_expandable_segments(conf)
+    if stripped == conf:
+        yield
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = stripped
+    live = platform.has_cuda() and torch.cuda.is_initialized()
+    if live:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        if live:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def keep_cpu_weights_in_place() -> None:
@@ -133,9 +175,8 @@ class VLLMEngine:
         """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
         model has them. `load_format`: "dummy" (the trainer writes every weight before the first generation) or
         "auto" (the folder's own safetensors, as any vLLM user loads it)."""
-        for key, value in {**ENGINE_ENV, **({} if platform.has_cuda() else CPU_ENGINE_ENV)}.items():
-            os.environ.setdefault(key, value)
-        from vllm import LLM
+        configure_engine_process()
+        from vllm import LLM  # after the environment is set: vLLM reads some of it at import
 
         if not platform.has_cuda():
             keep_cpu_weights_in_place()
@@ -146,25 +187,30 @@ class VLLMEngine:
         self.cfg, self.eos_token_id = cfg, eos_token_id
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
-        self.llm = LLM(
-            model=model_path,
-            hf_overrides=hf_overrides,
-            dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
-            load_format=load_format,
-            skip_tokenizer_init=True,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=not platform.has_cuda(),
-            seed=seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            # TP=1: a whole engine per worker. TP>1: the engine's shards live in the workers that already
-            # form the trainer's process group (vLLM's SPMD mode); every shard is given the same prompts.
-            distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "external_launcher",
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
-            enable_sleep_mode=self.sleeps,
-            **memory,
-        )
+        with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
+            self.llm = LLM(
+                model=model_path,
+                hf_overrides=hf_overrides,
+                dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
+                load_format=load_format,
+                skip_tokenizer_init=True,
+                max_model_len=cfg.max_model_len,
+                enforce_eager=not platform.has_cuda(),
+                seed=seed,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                # TP=1: a whole engine per worker. TP>1: the engine's shards live in the workers that already
+                # form the trainer's process group (vLLM's SPMD mode); every shard is given the same prompts.
+                distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "external_launcher",
+                # Each Ray worker sees one GPU, but vLLM's custom all-reduce takes the shards' group ranks for device
+                # ordinals and opens IPC handles to GPUs the process cannot see: it fails at engine start for TP > 1.
+                # NCCL's all-reduce is used instead (verl's SPMD rollout passes the same flag for the same reason).
+                disable_custom_all_reduce=True,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
+                enable_sleep_mode=self.sleeps,
+                **memory,
+            )
 
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -208,7 +254,8 @@ class VLLMEngine:
             raise ValueError(f"sleep(level={level}): use 1 (weights to host memory) or 2 (weights dropped; the next "
                              "weight sync rewrites them).")
         if self.sleeps and not self.asleep:
-            self.llm.sleep(level=level)
+            with vllm_allocator_settings():
+                self.llm.sleep(level=level)
             self.asleep = set(WAKE_TAGS)
 
     def wake_up(self, tags: tuple[str, ...] = WAKE_TAGS) -> None:
@@ -220,7 +267,8 @@ class VLLMEngine:
             raise ValueError(f"wake_up(tags={list(tags)}): {unknown} unknown; use any of {list(WAKE_TAGS)}.")
         waking = [tag for tag in tags if tag in self.asleep]
         if waking:
-            self.llm.wake_up(waking)
+            with vllm_allocator_settings():
+                self.llm.wake_up(waking)
             self.asleep -= set(waking)
 
     def weights_updated(self) -> None:

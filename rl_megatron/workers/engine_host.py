@@ -7,7 +7,7 @@ from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
-from rl_megatron.rollout.vllm_engine import VLLMEngine
+from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.worker_group import dispatch
 
@@ -19,6 +19,7 @@ class EngineHost:
     hf_config: dict
 
     def _init_engine_host(self) -> None:
+        configure_engine_process()  # before Megatron or vLLM is imported in this worker
         self.engine = None
         # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).
         self.engine_tp = self.cfg.rollout.tensor_parallel_size

@@ -68,23 +68,24 @@ class HybridWorker(EngineHost):
         if Role.CRITIC in self.roles:
             self.models[Role.CRITIC] = MegatronCritic(cfg, self.hf_config, optimizer_steps(
                 cfg, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs))
+        # On GPU each phase gets the device memory the others' state would hold: the actor's (and a colocated
+        # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's weights
+        # between their uses. All of it is in host memory before the engine starts (see `PhaseMachine`).
+        self.offloaders: dict[Role, Offloader] = {}
+        if platform.has_cuda():
+            if Role.ROLLOUT in self.roles and cfg.actor.offload:
+                self.offloaders.update({role: Offloader(model.model, model.optimizer) for role, model in
+                                        self.models.items() if role.trainable})
+            if Role.REF in self.models and cfg.ref.param_offload:
+                self.offloaders[Role.REF] = Offloader(self.models[Role.REF].model)
+        for offloader in self.offloaders.values():
+            offloader.to_host()
         if Role.ROLLOUT in self.roles:
             self._start_engine()
             # The plan from the trainer's layout to the engines' is made (and checked) once, here.
             self.resharder = Resharder(*self.models[Role.ACTOR].weight_sources(), vllm_targets(self.engine.model()),
                                        bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
                                        verify=cfg.resharding.verify)
-        # On GPU each phase gets the device memory the others' state would hold: the actor's (and a colocated
-        # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's weights
-        # between its uses.
-        self.offloaders: dict[Role, Offloader] = {}
-        if platform.has_cuda():
-            if self.engine is not None and cfg.actor.offload:
-                self.offloaders.update({role: Offloader(model.model, model.optimizer) for role, model in
-                                        self.models.items() if role.trainable})
-            if Role.REF in self.models and cfg.ref.param_offload:
-                self.offloaders[Role.REF] = Offloader(self.models[Role.REF].model)
-                self.offloaders[Role.REF].to_host()
         self.phases = PhaseMachine(offloaded=tuple(self.offloaders), engine=self.engine is not None,
                                    engine_sleeps=self.engine is not None and self.engine.sleeps)
 

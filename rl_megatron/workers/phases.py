@@ -78,11 +78,11 @@ class PhaseMachine:
     engine_version: int | None = None  # the policy version the engine's weights hold; None: none (dummy, discarded)
 
     def __post_init__(self):
+        # Every offloaded role starts in host memory: the worker moves it there before the engine starts, so that
+        # vLLM, which sizes its KV cache by the device memory free at start, does not count Megatron's state as used
+        # (verl's order); each role comes back when a phase first needs it.
         for role in self.offloaded:
-            self.on_host.setdefault(role, set())
-        # A frozen reference waits in host memory from the start: it computes once per step.
-        if Role.REF in self.offloaded:
-            self.on_host[Role.REF] = set(STATE)
+            self.on_host.setdefault(role, set(STATE))
 
     @property
     def engine_current(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 from rl_megatron.config.schema import Config
 from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
-from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
+from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
 from rl_megatron.workers.distributed import init_distributed, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.worker_group import dispatch
@@ -55,4 +55,5 @@ class RolloutWorker(EngineHost):
         self.engine.weights_updated()
 
     def close(self) -> None:
+        leave_weight_group(self.weight_group)
         self.engine.close()

@@ -1,0 +1,62 @@
+"""The parts of the GPU paths' set-up that are plain logic, checked on CPU: who decides a worker's environment, vLLM's
+allocator settings, the engines' memory share by placement."""
+import os
+
+import pytest
+
+from rl_megatron import platform
+from rl_megatron.config import load_config
+from rl_megatron.rollout.vllm_engine import (CPU_ENGINE_ENV, configure_engine_process, vllm_allocator_settings,
+                                             without_expandable_segments)
+from rl_megatron.trainer.workers import worker_env
+
+
+def test_the_driver_decides_nothing_that_depends_on_a_device():
+    # A CPU-only head with GPU workers: what the driver sends must not carry CPU settings (VLLM_HOST_IP=127.0.0.1
+    # would break a multi-node engine).
+    for local_cluster in (True, False):
+        env = worker_env(4, local_cluster=local_cluster)
+        assert not set(CPU_ENGINE_ENV) & set(env)
+        assert "PYTHONWARNINGS" not in env
+        assert env["OMP_NUM_THREADS"] == "4"
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(4, local_cluster=False)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_each_worker_sets_what_its_own_device_needs(monkeypatch, cuda):
+    for key in CPU_ENGINE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(platform, "has_cuda", lambda: cuda)
+    configure_engine_process()
+    assert ("VLLM_HOST_IP" in os.environ) is (not cuda)
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+@pytest.mark.parametrize("conf,expected", [
+    ("expandable_segments:True", ""),
+    ("max_split_size_mb:512,expandable_segments:True", "max_split_size_mb:512"),
+    ("expandable_segments: True,garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    ("expandable_segments:False", "expandable_segments:False"),
+    ("", ""),
+])
+def test_expandable_segments_are_stripped_and_nothing_else(conf, expected):
+    assert without_expandable_segments(conf) == expected
+
+
+def test_vllm_allocates_without_expandable_segments_and_the_setting_comes_back(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:256")
+    with vllm_allocator_settings():
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:256"
+    with pytest.raises(RuntimeError), vllm_allocator_settings():
+        raise RuntimeError("engine start failed")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:256"
+
+
+@pytest.mark.parametrize("placement,expected", [("colocated", 0.5), ("separate", 0.9)])
+def test_engines_on_their_own_gpus_take_most_of_their_memory(placement, expected):
+    cfg = load_config("configs/demo_cpu.yaml", [f"rollout.placement={placement}"])
+    assert cfg.rollout.gpu_memory_utilization == expected
+    chosen = load_config("configs/demo_cpu.yaml", [f"rollout.placement={placement}",
+                                                   "rollout.gpu_memory_utilization=0.7"])
+    assert chosen.rollout.gpu_memory_utilization == 0.7
