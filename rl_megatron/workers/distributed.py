@@ -33,6 +33,12 @@ def rendezvous_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def local_rank() -> int:
+    """This process's device among those it sees: LOCAL_RANK when its launcher set it (`spawn.run_distributed` sets
+    the local rank of each process it starts on one machine), else 0 (a Ray worker sees its one GPU only)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, ep: int = 1,
                      etp: int | None = None) -> None:
@@ -43,9 +49,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
     platform.setup()
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank()))
     if platform.has_cuda():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local_rank())
     dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size)
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

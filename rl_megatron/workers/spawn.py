@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 
 def _entry(rank, world_size, port, layout, fn, args, results):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Every process sees every GPU of the machine: each takes its own (all on cuda:0, NCCL finds duplicate GPUs).
+    os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     from rl_megatron.workers.distributed import init_distributed
 
