@@ -147,7 +147,7 @@ class RolloutConfig:
 @dataclass
 class ReshardingConfig:
     bucket_mb: int = checked(256, POSITIVE)  # weights sent between ranks go in buckets of at most this many MiB (a sync's extra memory)
-    channel: Literal[CHANNELS] = "auto"  # auto (read in place on one CPU host; NCCL on GPU) or buckets: shared_memory, process_group
+    channel: Literal[CHANNELS] = "auto"  # auto (read in place on one CPU host; NCCL on GPU) or buckets: process_group, shared_memory (CPU only: refused on GPUs, whose NCCL ignores the tags its signals need)
     verify: bool = False  # after every sync, compare checksums of every piece on both sides (slow; for debugging)
 
 

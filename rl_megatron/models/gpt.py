@@ -62,8 +62,19 @@ def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
     )
 
 
+def initialization(has_cuda: bool, weights_follow: bool) -> dict:
+    """How Megatron initialises the parameters it builds. Random weights are made whole on the host from the seed
+    and then sliced, so that every layout starts from the same model. When weights are loaded right after (an HF
+    folder, a checkpoint, a copy of the actor), a GPU builds the parameters on the device and leaves them
+    uninitialised: no pass over the whole model on the host per rank at start (as verl builds its Megatron models).
+    CPU keeps the host initialisation either way (the device is the host)."""
+    if has_cuda and weights_follow:
+        return {"use_cpu_initialization": False, "perform_initialization": False}
+    return {"use_cpu_initialization": True, "perform_initialization": True}
+
+
 def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp: int | None = None,
-                       moe: MoeConfig | None = None) -> TransformerConfig:
+                       moe: MoeConfig | None = None, weights_follow: bool = False) -> TransformerConfig:
     if rope_scaling(hf):
         raise ValueError(f"config.json sets rope scaling {rope_scaling(hf)}, which is not supported yet.")
     heads = hf["num_attention_heads"]
@@ -92,8 +103,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16,
-        # Built in full on the host and then sliced: the same seed gives the same weights at any TP.
-        use_cpu_initialization=True,
+        **initialization(platform.has_cuda(), weights_follow),
         # The training step passes the loss itself to the schedule (no per-token reduction inside Megatron).
         calculate_per_token_loss=False,
         **moe_settings(hf, moe),
@@ -148,14 +158,16 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage: int = 0,
-              value_head_seed: int | None = None, moe: MoeConfig | None = None) -> GPTModel:
+              value_head_seed: int | None = None, moe: MoeConfig | None = None,
+              weights_follow: bool = False) -> GPTModel:
     """Model chunk `vp_stage` of this rank's shard of the model (parallel_state must be initialised); with
     `value_head_seed`, the critic: the same trunk with a `ValueHead` instead of the vocabulary output. `moe`: the
-    config's MoE knobs (defaults without)."""
+    config's MoE knobs (defaults without). `weights_follow`: the caller loads every weight next (`initialization`)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size(),
-                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe)
+                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
+                                weights_follow=weights_follow)
     # Megatron reads the chunk count from the config when it splits the layers (None: no interleaving).
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     config.virtual_pipeline_model_parallel_size = vpp
@@ -183,10 +195,11 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
 
 
 def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
-                     value_head_seed: int | None = None, moe: MoeConfig | None = None) -> list[GPTModel]:
+                     value_head_seed: int | None = None, moe: MoeConfig | None = None,
+                     weights_follow: bool = False) -> list[GPTModel]:
     """This rank's model chunks in virtual-pipeline order (one without interleaving)."""
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed, moe)
+    return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed, moe, weights_follow)
             for vp_stage in range(chunks)]
 
 

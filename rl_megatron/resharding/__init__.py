@@ -71,8 +71,8 @@ class Resharder:
             raise PlanError("Resharding plan: " + "; ".join(dict.fromkeys(errors)))
         self.channel_name = channel
         self.channel = make_channel(channel, self.device, bucket_bytes)
-        self.plan: Plan = build_plan(source_specs, target_specs, bucket_bytes // self.channel.slots,
-                                     hosts if read_in_place else None, phase_of)
+        self.plan: Plan = build_plan(source_specs, target_specs, bucket_bytes // self.channel.slots, hosts,
+                                     phase_of, read_peers=read_in_place)
         # Peers' shared parameters this rank reads in place, mapped now (their files exist while they live).
         specs_by_rank = [{spec.key: spec for spec in specs} for specs in source_specs]
         self.peer_sources = {}
@@ -114,7 +114,8 @@ class Resharder:
                     for piece, offset in zip(outgoing.pieces, outgoing.offsets):
                         source = local_view(self._source(piece.src_key), piece.src)
                         _window(buffer, offset, piece).copy_(source)
-                    self.channel.send(outgoing.dst_rank, outgoing.nbytes)
+                self.channel.start_round(None if outgoing is None else outgoing.dst_rank,
+                                         None if incoming is None else (incoming.src_rank, incoming.nbytes))
                 if i == 0:  # while the first buckets travel
                     copy_start = time.perf_counter()
                     for piece in local:
@@ -123,7 +124,7 @@ class Resharder:
                     copied += sum(p.nbytes for p in local)
                     copy_seconds += time.perf_counter() - copy_start
                 if incoming is not None:
-                    buffer = self.channel.receive(incoming.src_rank, incoming.nbytes)
+                    buffer = self.channel.received()
                     for piece, offset in zip(incoming.pieces, incoming.offsets):
                         local_view(self._target(piece.dst_key), piece.dst).copy_(_window(buffer, offset, piece))
                     self.channel.release(incoming.src_rank)

@@ -2,24 +2,27 @@
 
 - `ProcessGroupChannel`: torch.distributed point-to-point — gloo between CPU processes, NCCL between GPUs
   (colocated ranks, or the broadcast group of a disaggregated engine).
-- `SharedMemoryChannel`: the sender packs straight into a buffer the receiver has mapped — POSIX shared memory
-  on CPU, CUDA IPC on GPU (`SharedBuffer`; handles exchanged once when the plan is made); only one-element
-  ready/done signals go through the process group. One copy on each side.
+- `SharedMemoryChannel` (CPU only): the sender packs straight into a buffer the receiver has mapped (POSIX shared
+  memory, mapped once when the plan is made); only one-element ready/done signals go through the process group.
+  One copy on each side.
 
 Pieces whose source and target are on the same rank never use a channel: they are copied in place.
 
-Every rank walks the plan's rounds in order; in a round it starts its send without blocking, then receives.
-Signals that only release a buffer are sent without blocking.
+Every rank walks the plan's rounds in order. In a round it sends at most one bucket and receives at most one, and
+it posts both together (`start_round`) before it waits for either (`received`, `end_round`). Over NCCL that must
+be one batched call (`torch.distributed.batch_isend_irecv`, as Megatron's pipeline exchange does): NCCL runs the
+point-to-point calls between two ranks in order on one stream and ignores tags, so a send to B posted alone and a
+receive from B posted after it wait on B's send and receive posted the same way, and a round where A sends to B
+while B sends to A never ends. (gloo's isend really is asynchronous, so a CPU run cannot show it;
+`tests/distributed/test_p2p_schedule.py` replays what each rank posts under NCCL's rules.) A batched call also runs
+on the group's own communicator: no two-rank communicator is created per pair of ranks, as separate sends would.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import uuid
-from multiprocessing.reduction import ForkingPickler
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 import torch.distributed as dist
 
 
@@ -31,11 +34,12 @@ class Channel:
         """uint8 tensor of `nbytes` the sender packs the next bucket for `dst` into."""
         raise NotImplementedError
 
-    def send(self, dst: int, nbytes: int) -> None:
+    def start_round(self, send_to: int | None, receive: tuple[int, int] | None) -> None:
+        """Post this round's send (of the packed bucket, to `send_to`) and receive (`(src, nbytes)`) together."""
         raise NotImplementedError
 
-    def receive(self, src: int, nbytes: int) -> torch.Tensor:
-        """The next bucket from `src`, valid until `release(src)`."""
+    def received(self) -> torch.Tensor:
+        """The round's incoming bucket, once it has arrived; valid until `release(src)`."""
         raise NotImplementedError
 
     def release(self, src: int) -> None:
@@ -61,7 +65,7 @@ class Channel:
 
 
 class ProcessGroupChannel(Channel):
-    """A round's outgoing bucket is sent without blocking while the incoming one is received: two buckets at most."""
+    """A round's outgoing and incoming buckets travel in one batched call: two buckets at most."""
 
     slots = 2
 
@@ -69,27 +73,37 @@ class ProcessGroupChannel(Channel):
         self.device = device
         self.outgoing: torch.Tensor | None = None
         self.incoming: torch.Tensor | None = None
-        self.sending = None
+        self.pending: list = []
 
     def buffer_for(self, dst, nbytes):
         self.outgoing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.outgoing
 
-    def send(self, dst, nbytes):
-        self.sending = dist.isend(self.outgoing, dst)
+    def start_round(self, send_to, receive):
+        ops = []
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, self.outgoing, send_to))
+        if receive is not None:
+            src, nbytes = receive
+            self.incoming = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, self.incoming, src))
+        self.pending = dist.batch_isend_irecv(ops) if ops else []
 
-    def receive(self, src, nbytes):
-        self.incoming = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(self.incoming, src)
+    def _wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    def received(self):
+        self._wait()
         return self.incoming
 
     def release(self, src):
         self.incoming = None
 
     def end_round(self):
-        if self.sending is not None:
-            self.sending.wait()
-        self.sending = self.outgoing = None
+        self._wait()
+        self.outgoing = None
 
 
 DONE = 1  # tag of 'buffer free again' signals, which overtake the data messages between the same two ranks
@@ -97,12 +111,14 @@ DONE = 1  # tag of 'buffer free again' signals, which overtake the data messages
 
 class SharedMemoryChannel(Channel):
     """Each rank owns one shared send buffer of `capacity` bytes in two slots: it packs the next bucket into one
-    slot while a receiver still reads the other (a slot is reused once its receiver has said 'done')."""
+    slot while a receiver still reads the other (a slot is reused once its receiver has said 'done'). CPU only: its
+    'done' signals overtake data messages by their tag, which NCCL ignores."""
 
     slots = 2
 
     def __init__(self, device: torch.device, capacity: int):
         self.device, self.slot_bytes = device, capacity // self.slots
+        self.receiving: int | None = None  # the peer whose bucket this round brings
         self.outbox: torch.Tensor | None = None
         self.inboxes: dict[int, torch.Tensor] = {}  # peers' buffers mapped here
         self.readers: list[int | None] = [None] * self.slots  # the peer reading each of our slots now
@@ -120,7 +136,7 @@ class SharedMemoryChannel(Channel):
     def connect(self, sends_to, receives_from):
         handle = None
         if sends_to:
-            self.outbox = SharedBuffer.create(self.slots * self.slot_bytes, self.device)
+            self.outbox = SharedBuffer.create(self.slots * self.slot_bytes)
             handle = self.outbox.handle
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, handle)
@@ -134,13 +150,16 @@ class SharedMemoryChannel(Channel):
         self._wait_done(slot)
         return self.outbox.tensor[slot * self.slot_bytes:][:nbytes]
 
-    def send(self, dst, nbytes):
-        slot = self.next_slot
-        self.pending.append(dist.isend(self._signal(slot), dst))
-        self.readers[slot] = dst
-        self.next_slot = (slot + 1) % self.slots
+    def start_round(self, send_to, receive):
+        if send_to is not None:
+            slot = self.next_slot
+            self.pending.append(dist.isend(self._signal(slot), send_to))
+            self.readers[slot] = send_to
+            self.next_slot = (slot + 1) % self.slots
+        self.receiving = receive
 
-    def receive(self, src, nbytes):
+    def received(self):
+        src, nbytes = self.receiving
         slot = self._signal()
         dist.recv(slot, src)
         return self.inboxes[src].tensor[int(slot) * self.slot_bytes:][:nbytes]
@@ -164,25 +183,19 @@ class SharedMemoryChannel(Channel):
 
 
 class SharedBuffer:
-    """A uint8 buffer other processes on this machine can map: a file in /dev/shm on CPU (handle: its path),
-    device memory on GPU (handle: a CUDA IPC handle, through torch's multiprocessing reductions)."""
+    """A uint8 buffer other processes on this machine can map: a file in /dev/shm (handle: its path and size)."""
 
     def __init__(self, tensor: torch.Tensor, handle, path: str | None = None):
         self.tensor, self.handle, self.path = tensor, handle, path
 
     @classmethod
-    def create(cls, nbytes: int, device: torch.device) -> "SharedBuffer":
-        if device.type == "cpu":
-            path = f"/dev/shm/rl_megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), ("shm", path, nbytes), path)
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return cls(tensor, ("cuda", bytes(ForkingPickler.dumps(tensor))))
+    def create(cls, nbytes: int) -> "SharedBuffer":
+        path = f"/dev/shm/rl_megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), (path, nbytes), path)
 
     @classmethod
     def attach(cls, handle) -> "SharedBuffer":
-        if handle[0] == "cuda":
-            return cls(pickle.loads(handle[1]), handle)
-        _, path, nbytes = handle
+        path, nbytes = handle
         return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), handle)
 
     def unlink(self) -> None:
@@ -201,5 +214,9 @@ def make_channel(name: str, device: torch.device, bucket_bytes: int) -> Channel:
     if name == "process_group":
         return ProcessGroupChannel(device)
     if name == "shared_memory":
+        if device.type != "cpu":
+            raise ValueError(f"resharding.channel=shared_memory works between CPU processes only (its signals rely "
+                             f"on message tags, which NCCL ignores), not on {device.type}: use resharding.channel=auto "
+                             "or process_group.")
         return SharedMemoryChannel(device, bucket_bytes)
     raise ValueError(f"resharding.channel={name!r}: choose one of {', '.join(CHANNELS)}")

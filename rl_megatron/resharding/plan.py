@@ -152,14 +152,19 @@ def _describe(box) -> str:
 
 
 def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]], bucket_bytes: int,
-               hosts: list[str] | None = None, phase_of: Callable[[str], int] | None = None) -> Plan:
-    """`sources[r]` / `targets[r]`: what rank r holds / must be given. With `hosts` (rank -> machine), sources
-    that have a `location` are read in place by the ranks on their machine. With `phase_of` (target key -> phase
-    number), each target is filled in its phase. Raises `PlanError` naming the tensor."""
+               hosts: list[str] | None = None, phase_of: Callable[[str], int] | None = None,
+               read_peers: bool = False) -> Plan:
+    """`sources[r]` / `targets[r]`: what rank r holds / must be given. `hosts` (rank -> machine): a piece that
+    must travel comes from a holder on the target's machine when there is one (NVLink or shared memory, not the
+    network), the least loaded of them. With `read_peers`, sources that have a `location` are read in place by
+    the ranks on their machine. With `phase_of` (target key -> phase number), each target is filled in its phase.
+    Raises `PlanError` naming the tensor."""
+
+    def same_host(src_rank: int, dst_rank: int) -> bool:
+        return hosts is None or hosts[src_rank] == hosts[dst_rank]
 
     def in_place(src_rank: int, src_spec: TensorSpec, dst_rank: int) -> bool:
-        return src_rank == dst_rank or (hosts is not None and src_spec.location is not None
-                                        and hosts[src_rank] == hosts[dst_rank])
+        return src_rank == dst_rank or (read_peers and src_spec.location is not None and same_host(src_rank, dst_rank))
 
     holders: dict[str, list[tuple[int, TensorSpec, Region]]] = defaultdict(list)
     for rank, specs in enumerate(sources):
@@ -187,7 +192,7 @@ def build_plan(sources: list[list[TensorSpec]], targets: list[list[TensorSpec]],
                     continue
                 uncovered = [_box(want)]
                 ordered = sorted(candidates, key=lambda c: (c[0] != dst_rank, not in_place(c[0], c[1], dst_rank),
-                                                            sent[c[0]], c[0]))
+                                                            not same_host(c[0], dst_rank), sent[c[0]], c[0]))
                 for src_rank, src_spec, have in ordered:
                     still = []
                     for box in uncovered:

@@ -55,7 +55,7 @@ def share_parameters(modules: list[torch.nn.Module]) -> bool:
                       "parameters: weight syncs will send buckets instead (slower). Give the container more "
                       "(docker run --shm-size=...).")
         return False
-    buffer = SharedBuffer.create(total, torch.device("cpu"))
+    buffer = SharedBuffer.create(total)
     if not _OWN:
         atexit.register(unlink_shared_parameters)
     _OWN.append(buffer)

@@ -50,7 +50,8 @@ class MegatronModel:
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
-            value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe)]
+            value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe,
+            weights_follow=initial is not None or checkpoint is not None or weights_path is not None)]
         with torch.no_grad():
             if initial is not None:
                 for chunk, source in zip(self.chunks, initial.chunks):

@@ -7,10 +7,16 @@ distributed optimizer, fp32 master shards that view the params). `to_host` copie
 (pinned on GPU) and resizes the storage to 0 bytes, which really frees it (on GPU after `empty_cache`); every view
 keeps its shape, offset and identity, so optimizers, DDP hooks and the resharding plan see the same objects.
 `to_device` reallocates each storage at its size and copies the bytes back: the state is bitwise what it was.
+Gradients are not copied: every mini-batch starts by zeroing them (`zero_grad_buffer`, `optimizer.zero_grad`), so
+nothing reads them across a phase change; `to_host` frees them and `to_device` reallocates them as zeros (verl's
+Megatron offload does the same with DDP's grad buffers). Each storage's host buffer is made once and reused by
+every later `to_host`: pinned memory is costly to allocate, and new buffers per phase would grow PyTorch's pinned
+host cache without bound.
 
 Categories, by priority (a storage that several reference moves with the first one, and only when it is asked for):
   "params"    - the model's parameters (and DDP's param buffer);
-  "grads"     - DDP's grad buffers (`param.main_grad`), `.grad` of params and of the optimizer's master params;
+  "grads"     - DDP's grad buffers (`param.main_grad`), `.grad` of params and of the optimizer's master params
+                (dropped and re-zeroed, never copied);
   "optimizer" - the optimizer's master params (fp32 copies under bf16) and its state (Adam's moments, step).
 With the plain fp32 optimizer the master params *are* the model's parameters: they stay with "params".
 
@@ -32,16 +38,26 @@ CATEGORIES = ("params", "grads", "optimizer")
 
 @dataclass
 class OffloadStats:
-    """Bytes per category: moved (to host by `to_host`, back by `to_device`) and kept (not resizable, left)."""
+    """Bytes per category: moved (copied to host by `to_host`, back by `to_device`), dropped (gradients: freed by
+    `to_host` without a copy, reallocated as zeros by `to_device`) and kept (not resizable, left)."""
     moved: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
     kept: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, category: str, nbytes: int) -> None:
+        counts = getattr(self, kind)
+        counts[category] = counts.get(category, 0) + nbytes
 
 
 @dataclass
-class _HostCopy:
-    storage: torch.UntypedStorage  # the device storage, 0 bytes while its content is on the host
-    host: torch.Tensor  # uint8, the storage's bytes
+class _Away:
+    storage: torch.UntypedStorage  # the device storage, 0 bytes while away
+    nbytes: int
     category: str
+
+    @property
+    def copied(self) -> bool:
+        return self.category != "grads"
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -63,7 +79,8 @@ class Offloader:
 
     def __init__(self, model: list[torch.nn.Module], optimizer=None):
         self.model, self.optimizer = model, optimizer
-        self._on_host: dict[int, _HostCopy] = {}  # by storage identity
+        self._away: dict[int, _Away] = {}  # by storage identity
+        self._host: dict[int, torch.Tensor] = {}  # a host buffer per copied storage, reused by every `to_host`
 
     def _tensors(self) -> dict[str, Iterable[torch.Tensor]]:
         params = [p for chunk in self.model for p in chunk.parameters()]
@@ -90,51 +107,60 @@ class Offloader:
                     found.append((storage, category))
         return found
 
+    def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
+        if key not in self._host or self._host[key].numel() != nbytes:
+            self._host[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=platform.has_cuda())
+        return self._host[key]
+
     def to_host(self, *categories: str) -> OffloadStats:
-        """Copy the storages of `categories` (default: all) to host buffers and free them on the device."""
+        """Free the storages of `categories` (default: all) on the device, their bytes copied to host buffers first
+        (gradients are not copied)."""
         categories = self._check(categories)
         stats = OffloadStats()
-        moving = []
+        leaving = []
         for storage, category in self._storages(categories):
             key = storage._cdata
-            if key in self._on_host or storage.nbytes() == 0:
+            if key in self._away or storage.nbytes() == 0:
                 continue
             if not storage.resizable():
-                stats.kept[category] = stats.kept.get(category, 0) + storage.nbytes()
+                stats.add("kept", category, storage.nbytes())
                 continue
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=platform.has_cuda())
-            host.copy_(_byte_view(storage), non_blocking=True)
-            moving.append((key, _HostCopy(storage, host, category)))
-            stats.moved[category] = stats.moved.get(category, 0) + storage.nbytes()
+            away = _Away(storage, storage.nbytes(), category)
+            if away.copied:
+                self._host_buffer(key, away.nbytes).copy_(_byte_view(storage), non_blocking=True)
+            leaving.append((key, away))
+            stats.add("moved" if away.copied else "dropped", category, away.nbytes)
         self._synchronize()  # the copies are complete before their source is freed
-        for key, copy in moving:
-            copy.storage.resize_(0)
-            self._on_host[key] = copy
+        for key, away in leaving:
+            away.storage.resize_(0)
+            self._away[key] = away
         if platform.has_cuda():
             torch.cuda.empty_cache()  # give the freed blocks back to the driver, for vLLM to take
         return stats
 
     def to_device(self, *categories: str) -> OffloadStats:
-        """Reallocate the storages of `categories` (default: all) that `to_host` freed and copy their bytes back."""
+        """Reallocate the storages of `categories` (default: all) that `to_host` freed: copied bytes come back,
+        gradients come back as zeros."""
         categories = self._check(categories)
         stats = OffloadStats()
-        returning = [key for key, copy in self._on_host.items() if copy.category in categories]
+        returning = [key for key, away in self._away.items() if away.category in categories]
         for key in returning:
-            copy = self._on_host[key]
-            copy.storage.resize_(copy.host.numel())
-            _byte_view(copy.storage).copy_(copy.host, non_blocking=True)
-            stats.moved[copy.category] = stats.moved.get(copy.category, 0) + copy.host.numel()
-        self._synchronize()  # the host buffers are read before they are dropped
-        for key in returning:
-            del self._on_host[key]
+            away = self._away.pop(key)
+            away.storage.resize_(away.nbytes)
+            if away.copied:
+                _byte_view(away.storage).copy_(self._host[key], non_blocking=True)
+            else:
+                _byte_view(away.storage).zero_()
+            stats.add("moved" if away.copied else "dropped", away.category, away.nbytes)
+        self._synchronize()  # the host buffers are read before the next `to_host` reuses them
         return stats
 
-    def on_host(self) -> dict[str, int]:
-        """Bytes per category currently held on the host."""
-        held: dict[str, int] = {}
-        for copy in self._on_host.values():
-            held[copy.category] = held.get(copy.category, 0) + copy.host.numel()
-        return held
+    def off_device(self) -> dict[str, int]:
+        """Bytes per category currently off the device (on the host, or dropped gradients)."""
+        away: dict[str, int] = {}
+        for entry in self._away.values():
+            away[entry.category] = away.get(entry.category, 0) + entry.nbytes
+        return away
 
     @staticmethod
     def _check(categories: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """Offloading the trainer's state between phases (the GPU hybrid engine's path), exercised on CPU over gloo at TP=2:
-after an update, params, grads and optimizer state go to host buffers and their storages are freed; they come back
-bitwise, and the next update is the one the same actor makes without the round trip."""
+after an update, params and optimizer state go to host buffers and their storages are freed, gradients are freed
+without a copy; params and optimizer state come back bitwise, gradients as zeros, a second round trip reuses the
+same host buffers, and the next update is the one the same actor makes without the round trip."""
 import dataclasses
 
 import pytest
@@ -49,6 +50,10 @@ def _differences(a: dict, b: dict) -> list[str]:
                   if name not in a or name not in b or not torch.equal(a[name], b[name]))
 
 
+def _without_grads(state: dict) -> dict:
+    return {name: tensor for name, tensor in state.items() if not name.startswith("grad/")}
+
+
 def _storage_bytes(tensors) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
@@ -94,14 +99,22 @@ def _round_trip(cfg, batches):
         offloader.to_device("params")
         log_probs_after = actor.log_probs(prompts)
         offloader.to_device()
+        reloaded = _state(actor)
+        host_buffers = {key: id(buffer) for key, buffer in offloader._host.items()}
+        offloader.to_host()
+        offloader.to_device()
         results[layout] = {
             "differ_after_first_update": _differences(before, reference_after_first),
-            "moved": to_host.moved, "kept": to_host.kept, "moved_again": again.moved, "freed": freed,
+            "moved": to_host.moved, "dropped": to_host.dropped, "kept": to_host.kept,
+            "moved_again": again.moved | again.dropped, "freed": freed,
             "optimizer_tensors": len(optimizer_tensors),
             "log_probs": tuple(None if out is None else out.tensors() for out in (log_probs_before, log_probs_after)),
-            "after_reload": _differences(_state(actor), before),
+            "after_reload": _differences(_without_grads(reloaded), _without_grads(before)),
+            "grads_nonzero_before": any(bool(before[n].any()) for n in before if n.startswith("grad/")),
+            "grads_after_reload": [n for n in reloaded if n.startswith("grad/") and bool(reloaded[n].any())],
+            "host_buffers_reused": host_buffers == {key: id(buffer) for key, buffer in offloader._host.items()},
             "shared_mapping_kept": [location(p) for p in params] == shared_at,
-            "left_on_host": offloader.on_host(),
+            "left_off_device": offloader.off_device(),
             "metrics": (update(actor, batches[1]), reference_metrics),
             "after_second_update": _differences(_state(actor), _state(reference)),
         }
@@ -128,8 +141,10 @@ def test_offload_frees_the_state_and_restores_it_bitwise(round_trips, layout):
         result = results[layout]
         assert result["differ_after_first_update"] == [], f"rank {rank}: the actors differ before the round trip"
         assert result["optimizer_tensors"] > 0
-        # Grads and optimizer state always move; the parameters only when they are the actor's own memory.
-        assert result["moved"]["grads"] > 0 and result["moved"]["optimizer"] > 0
+        # Optimizer state always moves and grads are always dropped (freed, not copied); the parameters move only
+        # when they are the actor's own memory.
+        assert result["moved"]["optimizer"] > 0 and "grads" not in result["moved"]
+        assert result["dropped"] == {"grads": result["dropped"]["grads"]} and result["dropped"]["grads"] > 0
         assert result["moved_again"] == {}
         assert result["freed"]["grads"] == 0 and result["freed"]["optimizer"] == 0
         if layout == "shared_params":
@@ -139,11 +154,14 @@ def test_offload_frees_the_state_and_restores_it_bitwise(round_trips, layout):
         else:
             assert result["moved"]["params"] > 0 and result["kept"] == {}
             assert result["freed"]["params"] == 0
-        assert result["left_on_host"] == {}
+        assert result["left_off_device"] == {}
+        assert result["host_buffers_reused"]  # a second round trip allocates no new host memory
         before, after = result["log_probs"]  # from the ranks that own them (the first TP rank)
         assert (before is None) == (after is None) == (rank != 0)
         assert rank != 0 or _differences(before, after) == []
         assert result["after_reload"] == [], f"rank {rank}: changed by the round trip"
+        # Gradients come back as zeros, as the next mini-batch would zero them anyway.
+        assert result["grads_nonzero_before"] and result["grads_after_reload"] == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

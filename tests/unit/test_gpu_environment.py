@@ -6,6 +6,7 @@ import pytest
 
 from rl_megatron import platform
 from rl_megatron.config import load_config
+from rl_megatron.models.gpt import initialization
 from rl_megatron.rollout.vllm_engine import (CPU_ENGINE_ENV, configure_engine_process, vllm_allocator_settings,
                                              without_expandable_segments)
 from rl_megatron.trainer.workers import worker_env
@@ -60,3 +61,13 @@ def test_engines_on_their_own_gpus_take_most_of_their_memory(placement, expected
     chosen = load_config("configs/demo_cpu.yaml", [f"rollout.placement={placement}",
                                                    "rollout.gpu_memory_utilization=0.7"])
     assert chosen.rollout.gpu_memory_utilization == 0.7
+
+
+@pytest.mark.parametrize("cuda,weights_follow,on_host,initialised", [
+    (False, False, True, True), (False, True, True, True),  # CPU: unchanged, whatever follows
+    (True, False, True, True),  # GPU random init: whole on the host from the seed, the same at any layout
+    (True, True, False, False),  # GPU with weights loaded next: on the device, no wasted initialisation
+])
+def test_megatron_initialises_on_the_host_only_when_nothing_overwrites_it(cuda, weights_follow, on_host, initialised):
+    assert initialization(cuda, weights_follow) == {"use_cpu_initialization": on_host,
+                                                     "perform_initialization": initialised}

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from rl_megatron.models.weight_tables import along, whole
+from rl_megatron.resharding.channels import make_channel
 from rl_megatron.resharding.plan import PlanError, TensorSpec, build_plan
 
 F32 = torch.float32
@@ -89,3 +90,24 @@ def test_rows_no_source_holds_are_named():
     sources = [[spec("s", (4, 2), rows("w", (8, 2), 0, 4))]]
     with pytest.raises(PlanError, match=r"'w'\[4:8, 0:2\]"):
         build_plan(sources, [[spec("w", (8, 2), whole("w", (8, 2)))]], 1 << 20)
+
+
+def test_pieces_come_from_the_target_machine_when_a_holder_is_there():
+    """7B's recipe on 2 nodes: 2 x 8 ranks, trainer TP=4 (DP=4: every shard exists on both nodes), engines of TP=1.
+    Nothing needs to cross the network, and each node's reads are spread over that node's holders."""
+    w = (16, 2)
+    quarters = [spec("s", (4, 2), rows("w", w, 4 * q, 4 * q + 4)) for q in range(4)]
+    sources = [[quarters[rank % 4]] for rank in range(16)]
+    targets = [[spec("w", w, whole("w", w))] for _ in range(16)]
+    hosts = ["node0"] * 8 + ["node1"] * 8
+    plan = build_plan(sources, targets, 1 << 20, hosts=hosts)
+    assert plan.buckets and all(hosts[b.src_rank] == hosts[b.dst_rank] for b in plan.buckets)
+    assert sorted({b.src_rank for b in plan.buckets if hosts[b.dst_rank] == "node0"}) == list(range(8))
+    crossing = [b for b in build_plan(sources, targets, 1 << 20).buckets if hosts[b.src_rank] != hosts[b.dst_rank]]
+    assert crossing  # what ignoring the machines did: some pieces crossed the network
+
+
+def test_the_shared_memory_channel_is_refused_on_gpus_with_the_fix():
+    with pytest.raises(ValueError, match="resharding.channel=shared_memory.*CPU processes only.*auto or process_group"):
+        make_channel("shared_memory", torch.device("cuda", 0), 1 << 20)  # refused before any CUDA call
+    assert make_channel("shared_memory", torch.device("cpu"), 1 << 20).slots == 2
