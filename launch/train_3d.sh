@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-usage: launch/train_3d.sh [--dry-run] CONFIG [key=value ...]
+usage: launch/train_3d.sh [--dry-run | --check] CONFIG [key=value ...]
 
 Run the same command on every node. Node 0 starts the Ray head, waits for all nodes and GPUs, then runs
 `python -m rl_megatron.train --config CONFIG key=value ... ray.address=auto`; the other nodes join it and
@@ -23,16 +23,20 @@ nvidia-smi), GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .ve
 
   --dry-run   check the config against this environment and print the plan (nodes, GPUs per role,
               TP/PP/EP/DP, memory per GPU) and the commands; starts nothing
+  --check     start the cluster as for a run, then node 0 runs `python -m rl_megatron.doctor` (devices, stack,
+              NCCL bandwidth, memory, a tiny model through the real workers) instead of training; exit code 0
+              when every check passed
 Logs: <trainer.log_dir>/<trainer.experiment_name>/logs/node<rank>.log
 SIGTERM or Ctrl-C on node 0: the trainer finishes its step, saves a checkpoint and exits (a second Ctrl-C aborts);
 running the same command again resumes from it (trainer.resume=auto).
 EOF
 }
 
-dry_run=()
+dry_run=() check=()
 case "${1:-}" in
   -h|--help|"") usage; exit 0 ;;
   --dry-run) dry_run=(--dry-run); shift ;;
+  --check) check=(--check); shift ;;
 esac
 [[ $# -ge 1 ]] || { usage >&2; exit 2; }
 
@@ -47,11 +51,11 @@ if [[ -z "${MASTER_ADDR:-}" && -n "${SLURM_JOB_NODELIST:-}" ]] && command -v sco
 fi
 
 if [[ ${#dry_run[@]} -gt 0 ]]; then
-  exec "$python" -m rl_megatron.launch prepare --dry-run "$@"
+  exec "$python" -m rl_megatron.launch prepare --dry-run "${check[@]}" "$@"
 fi
 
 # Every check runs here, before Ray starts; a failure exits with the message from Python.
-assignments=$("$python" -m rl_megatron.launch prepare "$@")
+assignments=$("$python" -m rl_megatron.launch prepare "${check[@]}" "$@")
 # These are set by the eval below (shell-quoted by Python).
 NODE_RANK='' HEAD_HOST='' RAY_PORT='' EXPECTED_NODES='' EXPECTED_GPUS='' JOIN_TIMEOUT='' LOG_FILE='' PLAN=''
 RAY_CLI=() RAY_START=() TRAIN=()

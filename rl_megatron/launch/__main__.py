@@ -1,7 +1,9 @@
 """`python -m rl_megatron.launch COMMAND`: the planning and waiting steps of launch/train_3d.sh.
 
-  prepare [--dry-run] CONFIG [key=value ...]   check config + environment, print the plan; without
+  prepare [--dry-run] [--check] CONFIG [key=value ...]
+                                               check config + environment, print the plan; without
                                                --dry-run print shell assignments for the script to eval
+                                               (--check: the head runs `rl_megatron.doctor`, not training)
   wait-cluster NODES GPUS                      (head) until that many nodes and GPUs joined Ray
   wait-head HOST PORT / watch-head HOST PORT   (workers) until the head is up / while it is up
 """
@@ -70,8 +72,8 @@ def check_environment(node: NodeEnvironment, nnodes: int, gpus_per_node: int, no
                           "(sbatch --gpus-per-node).")
 
 
-def plan_node(config: str, overrides: list[str]) -> NodeLaunch:
-    """Load and check everything, build the plan; nothing is started."""
+def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLaunch:
+    """Load and check everything, build the plan; nothing is started. `check`: the head's command is the doctor."""
     from rl_megatron.launch.plan import build_plan, render_plan
 
     cfg = load_config(config, overrides)
@@ -91,7 +93,8 @@ def plan_node(config: str, overrides: list[str]) -> NodeLaunch:
                      f"--dashboard-port={_env_int('RAY_DASHBOARD_PORT', DEFAULT_DASHBOARD_PORT)}", *common]
     else:
         ray_start = [*RAY_CLI, "start", f"--address={head_host}:{port}", *common]
-    train = [sys.executable, "-m", "rl_megatron.train", "--config", config, *overrides, "ray.address=auto"]
+    entry = "rl_megatron.doctor" if check else "rl_megatron.train"
+    train = [sys.executable, "-m", entry, "--config", config, *overrides, "ray.address=auto"]
     run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
     return NodeLaunch(node, head_host, port, ray_start, train, plan.nnodes, plan.total_gpus if on_gpu else 0,
                       run_dir, os.path.join(run_dir, "logs", f"node{node.node_rank}.log"),
@@ -133,6 +136,8 @@ def parse_args(argv):
     commands = parser.add_subparsers(dest="command", required=True)
     prepare = commands.add_parser("prepare", help="check config and environment, print the plan")
     prepare.add_argument("--dry-run", action="store_true", help="print the plan and the commands, start nothing")
+    prepare.add_argument("--check", action="store_true", help="the head runs python -m rl_megatron.doctor instead "
+                                                               "of training, once every node has joined")
     prepare.add_argument("config")
     prepare.add_argument("overrides", nargs="*", metavar="key=value")
     cluster = commands.add_parser("wait-cluster", help="(head) wait until the nodes and GPUs joined Ray")
@@ -155,7 +160,7 @@ def _run(args) -> None:
     from rl_megatron.launch import ray_cluster
 
     if args.command == "prepare":
-        launch = plan_node(args.config, args.overrides)
+        launch = plan_node(args.config, args.overrides, args.check)
         if args.dry_run:
             print(launch.plan_text + "\n" + describe_node(launch) + "\nDry run: nothing was started.")
         else:  # the script prints PLAN once its per-node log is open

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.parity import family_model_dir, hf_greedy
+from helpers.parity import family_model_dir
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint, stored_hf_config
 from rl_megatron.convert import main
+from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.workers.spawn import run_distributed
 
 # Two checkpoints, each written by 4 processes (the slow part): Llama with tied embeddings, Qwen2 (QKV bias) without.

@@ -102,3 +102,31 @@ def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
     assert "training exited with status 0" in (logs / "node0.log").read_text()
     assert "joined" in (logs / "node1.log").read_text()
     assert (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().count('"step": 1') == 1
+
+
+def test_check_starts_the_cluster_and_runs_the_doctor_on_the_head(tmp_path):
+    """`--check` on one node: Ray's head starts, node 0 runs the doctor against it instead of training (every check
+    that applies on CPU passes, the GPU-only ones say why they skip), and Ray stops."""
+    import time
+
+    import ray
+
+    from rl_megatron.workers.distributed import free_ports
+
+    if ray.is_initialized():
+        pytest.skip("this pytest process runs a Ray instance that the launcher's `ray stop` would end")
+    ray_port, dashboard_port = free_ports(2)
+    start = time.perf_counter()
+    done = launch(tmp_path, {"RAY_PORT": str(ray_port), "RAY_DASHBOARD_PORT": str(dashboard_port)}, "--check", [],
+                  timeout=300)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split("  ")[1].strip(): line.split()[0] for line in done.stdout.splitlines()
+             if line.split() and line.split()[0] in ("PASS", "FAIL", "SKIP")}
+    assert lines == {"devices": "PASS", "stack: torch and vLLM": "PASS", "stack: Transformer Engine": "SKIP",
+                     "collectives: all-reduce (gloo)": "PASS", "collectives: batched exchange (gloo)": "PASS",
+                     "host memory": "PASS", "GPU memory": "SKIP", "cycle": "PASS"}, done.stdout
+    assert "needs CUDA" in done.stdout and "no CUDA" in done.stdout  # the reasons for the skips
+    assert "All applicable checks passed" in done.stdout and "training exited with status 0" in done.stdout
+    assert "node 0: stopping Ray" in done.stdout
+    assert seconds < 180, seconds  # the doctor's own budget is two minutes; Ray's start and stop come on top

@@ -13,7 +13,8 @@ import torch
 
 from helpers.runs import train
 from rl_megatron.checkpoint.run import saved_steps
-from helpers.weight_sync import PROMPTS, check_sync_puts_trainer_weights_into_engines, greedy_with, sync_config
+from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines, sync_config
+from rl_megatron.doctor.cycle import PROMPTS, greedy_with
 
 MISSING = [name for name in ("vllm", "ray") if importlib.util.find_spec(name) is None]
 pytestmark = [pytest.mark.gpu,

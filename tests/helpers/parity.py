@@ -76,13 +76,3 @@ def hf_reference(model_dir: str, batch: TrainBatch, temperature: float):
     with torch.no_grad():
         log_probs, entropy = hf_token_log_probs(model, batch.input_ids, temperature)
     return log_probs, entropy, model.state_dict()
-
-
-def hf_greedy(model, prompts: list[list[int]], new_tokens: int, eos: int = 2) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, up to and including the first EOS."""
-    outputs = []
-    for ids in prompts:
-        tokens = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
-                                pad_token_id=0)[0, len(ids):].tolist()
-        outputs.append(tokens[: tokens.index(eos) + 1] if eos in tokens else tokens)
-    return outputs

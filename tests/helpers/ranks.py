@@ -7,7 +7,8 @@ import glob
 import torch
 from safetensors.torch import load_file
 
-from helpers.parity import config, hf_greedy, hf_model
+from helpers.parity import config, hf_model
+from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.workers.spawn import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]

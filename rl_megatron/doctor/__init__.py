@@ -1,0 +1,3 @@
+"""`python -m rl_megatron.doctor`: a self-test of every path a run takes on its devices, before a long job is
+queued (`report.py`: results; `checks.py`: devices, stack, collectives, memory; `cycle.py`: a tiny model through
+the real workers and engines)."""

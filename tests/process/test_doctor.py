@@ -1,0 +1,39 @@
+"""`python -m rl_megatron.doctor` where it fails fast (the whole run on CPU is in tests/e2e/test_launch_script.py,
+through `launch/train_3d.sh --check`), and its report."""
+import json
+import subprocess
+import sys
+import time
+
+from helpers.runs import REPO
+from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, table
+
+
+def doctor(*args):
+    return subprocess.run([sys.executable, "-m", "rl_megatron.doctor", "--config", "configs/demo_cpu.yaml", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_too_few_devices_fails_first_naming_the_key_and_starts_nothing():
+    start = time.perf_counter()
+    done = doctor("trainer.n_gpus_per_node=64", "actor.micro_batch_size=4", "--json")
+    assert done.returncode == 1, done.stderr
+    [devices] = json.loads(done.stdout)  # nothing else runs in a shape the machine cannot hold
+    assert devices["name"] == "devices" and devices["status"] == FAIL
+    assert "needs 64 per node" in devices["figure"] and "trainer.n_gpus_per_node=64" in devices["fix"]
+    assert time.perf_counter() - start < 60  # no Ray, no engine
+
+
+def test_a_bad_config_is_one_error_line_and_exit_code_2():
+    done = doctor("actor.optim.lr=oops")
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and "actor.optim.lr" in done.stderr
+
+
+def test_the_report_shows_each_check_and_the_fix_and_fails_when_one_failed():
+    results = [Result("devices", PASS, "2 GPU(s)"), Result("GPU memory", SKIP, "no CUDA"),
+               Result("cycle", FAIL, "12 s", "set resharding.channel=process_group")]
+    assert table(results).splitlines() == ["PASS  devices     2 GPU(s)", "SKIP  GPU memory  no CUDA",
+                                           "FAIL  cycle       12 s", "                  fix: set "
+                                           "resharding.channel=process_group"]
+    assert exit_code(results) == 1 and exit_code(results[:2]) == 0
+    assert gb_per_s(2 * 10**9, 0.5) == 4.0
