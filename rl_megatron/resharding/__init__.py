@@ -110,10 +110,7 @@ class Resharder:
                 outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
                 incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
                 if outgoing is not None:
-                    buffer = self.channel.buffer_for(outgoing.dst_rank, outgoing.nbytes)
-                    for piece, offset in zip(outgoing.pieces, outgoing.offsets):
-                        source = local_view(self._source(piece.src_key), piece.src)
-                        _window(buffer, offset, piece).copy_(source)
+                    self._pack(outgoing)
                 self.channel.start_round(None if outgoing is None else outgoing.dst_rank,
                                          None if incoming is None else (incoming.src_rank, incoming.nbytes))
                 if i == 0:  # while the first buckets travel
@@ -124,10 +121,7 @@ class Resharder:
                     copied += sum(p.nbytes for p in local)
                     copy_seconds += time.perf_counter() - copy_start
                 if incoming is not None:
-                    buffer = self.channel.received()
-                    for piece, offset in zip(incoming.pieces, incoming.offsets):
-                        local_view(self._target(piece.dst_key), piece.dst).copy_(_window(buffer, offset, piece))
-                    self.channel.release(incoming.src_rank)
+                    self._unpack(incoming)
                     received += incoming.nbytes
                 self.channel.end_round()
         self.channel.finish()
@@ -137,6 +131,19 @@ class Resharder:
         if self.verify_after_sync:
             self.verify()
         return stats
+
+    # Packing and unpacking hold no reference to a bucket once done, so that the channel alone decides how many
+    # buckets are alive (its `slots`).
+    def _pack(self, bucket) -> None:
+        buffer = self.channel.buffer_for(bucket.dst_rank, bucket.nbytes)
+        for piece, offset in zip(bucket.pieces, bucket.offsets):
+            _window(buffer, offset, piece).copy_(local_view(self._source(piece.src_key), piece.src))
+
+    def _unpack(self, bucket) -> None:
+        buffer = self.channel.received()
+        for piece, offset in zip(bucket.pieces, bucket.offsets):
+            local_view(self._target(piece.dst_key), piece.dst).copy_(_window(buffer, offset, piece))
+        self.channel.release(bucket.src_rank)
 
     def close(self) -> None:
         self.channel.close()
