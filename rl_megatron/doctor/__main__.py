@@ -6,6 +6,7 @@ import json
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
@@ -58,15 +59,28 @@ def cycle(cfg) -> Result:
     return Result("cycle", PASS, figure)
 
 
+def guarded(name: str, check: Callable[[], Result | list[Result]]) -> list[Result]:
+    """A check's results; a check that crashes (a process group that never forms, an engine that fails to start)
+    is a FAIL naming the error, and the checks after it still run."""
+    try:
+        results = check()
+    except Exception as err:  # the doctor reports every failure; the traceback is above, in the workers' logs
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+        return [Result(name, FAIL, f"{type(err).__name__}: {last}", "see the error above; the checks that passed "
+                       "narrow down where it comes from")]
+    return results if isinstance(results, list) else [results]
+
+
 def diagnose(cfg) -> list[Result]:
     results = [checks.devices(cfg)]
     if results[0].status != PASS:  # nothing further can run in the config's shape
         return results
-    results += checks.stack()
-    results += checks.collectives(cfg)
-    results += [checks.host_memory(cfg), checks.gpu_memory(cfg)]
+    results += guarded("stack", checks.stack)
+    results += guarded("collectives", lambda: checks.collectives(cfg))
+    results += guarded("host memory", lambda: checks.host_memory(cfg))
+    results += guarded("GPU memory", lambda: checks.gpu_memory(cfg))
     if not any(r.status == FAIL and r.name.startswith("stack") for r in results):
-        results.append(cycle(cfg))
+        results += guarded("cycle", lambda: cycle(cfg))
     return results
 
 

@@ -6,6 +6,7 @@ import sys
 import time
 
 from helpers.runs import REPO
+from rl_megatron.doctor.__main__ import guarded
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, table
 
 
@@ -37,3 +38,12 @@ def test_the_report_shows_each_check_and_the_fix_and_fails_when_one_failed():
                                            "resharding.channel=process_group"]
     assert exit_code(results) == 1 and exit_code(results[:2]) == 0
     assert gb_per_s(2 * 10**9, 0.5) == 4.0
+
+
+def test_a_check_that_crashes_is_a_failure_naming_the_error_and_the_rest_still_runs():
+    def engine_start():
+        raise RuntimeError("Traceback ...\nCUDA error: invalid device ordinal")
+
+    [result] = guarded("cycle", engine_start)
+    assert result.status == FAIL and result.figure == "RuntimeError: CUDA error: invalid device ordinal"
+    assert guarded("devices", lambda: Result("devices", PASS, "8 GPU(s)")) == [Result("devices", PASS, "8 GPU(s)")]
