@@ -5,7 +5,7 @@ import random
 import pytest
 
 from rl_megatron.roles import Role
-from rl_megatron.workers.phases import GENERATE, STATE, SYNC, Move, Phase, PhaseMachine, forward, save, train
+from rl_megatron.workers.phases import GENERATE, SYNC, Move, Phase, PhaseMachine, forward, save, train
 
 ACTOR, REF, CRITIC = Role.ACTOR, Role.REF, Role.CRITIC
 
