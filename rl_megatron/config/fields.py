@@ -7,6 +7,7 @@ code). Either way the message is the same, names the key and says what to use.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Literal, Union
 
@@ -25,6 +26,8 @@ class Bound:
     also: tuple[float, ...] = ()
 
     def admits(self, value: float) -> bool:
+        if not math.isfinite(value):  # NaN compares false to everything: refuse it here, not by accident
+            return False
         if value in self.also:
             return True
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
@@ -113,11 +116,21 @@ def schema_rules(cls: type, prefix: str = "") -> dict[str, Rule]:
     return rules
 
 
+def check_finite(key: str, value: Any) -> None:
+    """A float (or a list's floats) must be a number: nan or inf would train on, or fail much later, unnoticed."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        raise ConfigError(f"{key}={value} must be a finite number, not nan or inf; set a real value (see its "
+                          "default and comment in rl_megatron/config/schema.py).")
+
+
 def check_fields(section: Any, rules: dict[str, Rule], prefix: str = "") -> None:
-    """Every value of `section` (a schema dataclass, `prefix` its dotted key) within its rule."""
+    """Every value of `section` (a schema dataclass, `prefix` its dotted key) finite and within its rule."""
     for f in dataclasses.fields(section):
         value, key = getattr(section, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
             check_fields(value, rules, key + ".")
-        elif key in rules:
+            continue
+        check_finite(key, value)
+        if key in rules:
             rules[key].check(value)

@@ -101,3 +101,8 @@ def test_data_source_without_a_scorer_fails_before_ray(tmp_path):
     error, = proc.stderr.strip().splitlines()
     assert all(word in error for word in ("error: ", "'my/odd_task'", "reward.custom_fn", "countdown")), error
     assert proc.stdout.startswith("data (train): 1 prompts") and "Ray" not in proc.stdout + proc.stderr
+
+
+def test_a_float_that_is_not_finite():
+    proc, seconds = run_train("--config", DEMO, "actor.optim.lr=nan")
+    assert_config_error(proc, seconds, "actor.optim.lr=nan", "finite")

@@ -1,5 +1,8 @@
 """The one check of every key's range (`checked` in schema.py) and choices (`Literal` in schema.py): a bad value
 of any key gives the same message, naming the key, the rule and what to use. No processes: well under a second."""
+import dataclasses
+import typing
+
 import pytest
 
 from rl_megatron.config import ConfigError, load
@@ -84,3 +87,41 @@ def test_bound_words():
     assert Bound(low=0, high=1, low_open=True).words() == "be in (0, 1]"
     assert at_least(-1).words() == "be at least -1"
     assert Bound(low=1, low_open=True).words() == "be > 1"
+
+
+def _float_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key whose value is a float or holds floats (Adam's betas), read off the schema's types."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        annotation = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(annotation):
+            keys += _float_keys(annotation, prefix + f.name + ".")
+        elif float in (annotation, *typing.get_args(annotation)):
+            keys.append(prefix + f.name)
+    return keys
+
+
+FLOAT_KEYS = _float_keys()
+
+
+def test_the_float_keys_are_found():
+    assert {"actor.optim.lr", "actor.optim.eps", "actor.optim.betas", "trainer.target_reward", "algorithm.gamma",
+            "reward.timeout_s"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_nan_and_inf(key, bad):
+    """NaN compares false to every bound, so it is refused by its own rule, and so is a key without a range."""
+    value = (bad, 0.999) if key.endswith("betas") else bad
+    assert field_error(with_value(key, value)).startswith(f"{key}={value} must be a finite number")
+
+
+def test_nan_in_an_override_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"actor.optim.lr=nan must be a finite number"):
+        check_fields(load(None, ["model.path=x", "actor.optim.lr=nan"]), RULES)
+
+
+def test_bound_refuses_what_is_not_finite():
+    assert not at_least(0).admits(float("nan")) and not Bound(low=0, high=1).admits(float("nan"))
+    assert not at_least(0).admits(float("inf")) and not at_least(0, also=(-1,)).admits(-float("inf"))
