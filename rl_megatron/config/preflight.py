@@ -42,6 +42,9 @@ def preflight(cfg: Config) -> None:
 def _check_trainer(cfg: Config) -> None:
     """Validation, resuming and the initial weights."""
     t, model = cfg.trainer, cfg.model
+    check_creatable_folder(os.path.join(t.log_dir, t.experiment_name), "trainer.log_dir")
+    if t.checkpoint_dir is not None:
+        check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
     if (t.val_every or t.val_before_train) and not cfg.data.val_files:
         raise ConfigError(f"trainer.val_every={t.val_every} / trainer.val_before_train={t.val_before_train} validate "
                           "on data.val_files, which is empty: set data.val_files (parquet files, e.g. from "
@@ -57,6 +60,19 @@ def _check_trainer(cfg: Config) -> None:
         if not os.path.isdir(model.checkpoint):
             raise ConfigError(f"model.checkpoint={model.checkpoint!r} is not a folder; make one with `python -m "
                               "rl_megatron.convert from-hf --hf MODEL --out CKPT`.")
+
+
+def check_creatable_folder(path: str, key: str) -> None:
+    """`path` is a folder, or one this process can create: its nearest existing ancestor is a writable folder."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}: '{path}' cannot be a folder, because '{existing}' is a file. Point {key} at a "
+                          "folder, or move that file away.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{path}' is not writable: no permission to write in '{existing}'. Point {key} "
+                          "at a folder you can write to.")
 
 
 def _check_algorithm(cfg: Config) -> None:

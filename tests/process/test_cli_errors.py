@@ -106,3 +106,17 @@ def test_data_source_without_a_scorer_fails_before_ray(tmp_path):
 def test_a_float_that_is_not_finite():
     proc, seconds = run_train("--config", DEMO, "actor.optim.lr=nan")
     assert_config_error(proc, seconds, "actor.optim.lr=nan", "finite")
+
+
+def test_a_log_dir_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, seconds = run_train("--config", DEMO, f"trainer.log_dir={blocker}/runs")
+    assert_config_error(proc, seconds, "trainer.log_dir", f"'{blocker}' is a file")
+
+
+def test_a_checkpoint_dir_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, seconds = run_train("--config", DEMO, f"trainer.checkpoint_dir={blocker}")
+    assert_config_error(proc, seconds, "trainer.checkpoint_dir", f"'{blocker}' is a file")
