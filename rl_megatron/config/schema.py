@@ -195,7 +195,8 @@ class RewardConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # an existing cluster ("auto"); None starts a local Ray
+    address: Optional[str] = None  # an existing cluster ("auto", "host:port"); None starts a local Ray
+    connect_timeout_s: float = checked(60.0, above(0), "seconds, e.g. 60")  # how long to wait for ray.address's head to answer before giving up
     num_cpus: Optional[int] = checked(None, POSITIVE)  # CPUs of a local Ray (None: all of this machine's)
     object_store_memory: int = checked(256 * 1024 * 1024, POSITIVE)  # object store of a local Ray, in bytes
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import time
 
 from rl_megatron.config.schema import Config
+from rl_megatron.launch.ray_cluster import port_open
 
 
 class ClusterError(RuntimeError):
@@ -25,7 +27,9 @@ def start_ray(cfg: Config) -> int:
                 ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
                          object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1")
             else:
-                ray.init(address=cfg.ray.address)
+                ray.init(address=head_address(cfg.ray.address, cfg.ray.connect_timeout_s))
+        except ClusterError:
+            raise
         except Exception as err:
             raise ClusterError(f"Ray failed to start ({type(err).__name__}: {err}). Check ray.address, that no "
                                "stale Ray runs (`ray stop`) and that /dev/shm has room.") from None
@@ -35,6 +39,29 @@ def start_ray(cfg: Config) -> int:
         raise ClusterError(f"The actor needs {devices} CPU slots (trainer.nnodes x trainer.n_gpus_per_node) but "
                            f"Ray has {cpus}. Lower trainer.nnodes / trainer.n_gpus_per_node or raise ray.num_cpus.")
     return cpus
+
+
+def head_address(address: str, timeout_s: float) -> str:
+    """`address` (ray.address) once its head answers, within `timeout_s`: "auto" resolves to the cluster this
+    machine last started (or RAY_ADDRESS). Ray's own connect would retry for minutes, printing only its internals."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    client = address.startswith("ray://")  # Ray Client: its server's port is probed the same way
+    try:
+        bootstrap = address.removeprefix("ray://") if client else canonicalize_bootstrap_address_or_die(address)
+    except (ConnectionError, ValueError) as err:
+        raise ClusterError(f"ray.address={address!r}: {err} Start the cluster first (launch/train_3d.sh, or `ray "
+                           "start --head` on its head node), or unset ray.address for a local Ray.") from None
+    host, _, port = bootstrap.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while not port_open(host, int(port), timeout_s=min(3.0, timeout_s)):
+        if time.monotonic() >= deadline:
+            resolved = "" if bootstrap == address else f", resolved to {bootstrap}"
+            raise ClusterError(f"ray.address={address!r}{resolved}: no Ray head answered within ray.connect_timeout_s="
+                               f"{timeout_s:g} s. Is the cluster up (`ray status` on its head)? Check ray.address "
+                               "and the head's port, or unset ray.address for a local Ray.")
+        time.sleep(1.0)
+    return address
 
 
 def device_resource() -> str:

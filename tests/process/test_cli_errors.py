@@ -120,3 +120,15 @@ def test_a_checkpoint_dir_that_cannot_be_created(tmp_path):
     blocker.write_text("")
     proc, seconds = run_train("--config", DEMO, f"trainer.checkpoint_dir={blocker}")
     assert_config_error(proc, seconds, "trainer.checkpoint_dir", f"'{blocker}' is a file")
+
+
+def test_a_ray_address_where_no_head_answers():
+    """Ray's own connect retries for minutes, printing its internals; the trainer gives up after
+    ray.connect_timeout_s with one line naming the key and what it tried."""
+    from rl_megatron.workers.distributed import free_port
+
+    proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{free_port()}", "ray.connect_timeout_s=2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    error, = proc.stderr.strip().splitlines()
+    assert error.startswith("error: ray.address='127.0.0.1:") and "ray.connect_timeout_s=2 s" in error, error
+    assert seconds < FAIL_FAST_S, seconds
