@@ -6,6 +6,7 @@ import time
 
 from rl_megatron.config.schema import Config
 from rl_megatron.launch.ray_cluster import port_open
+from rl_megatron.workers.reaper import start_reaper
 
 
 class ClusterError(RuntimeError):
@@ -17,9 +18,11 @@ def start_ray(cfg: Config) -> int:
     import ray
 
     if cfg.ray.address is None:
-        # A local, private Ray: no usage stats, no auth token written to the home folder.
+        # A local, private Ray: no usage stats, no auth token written to the home folder; its processes end with
+        # this one, however it ends.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        start_reaper()
     if not ray.is_initialized():
         try:
             if cfg.ray.address is None:
