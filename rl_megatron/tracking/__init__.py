@@ -17,7 +17,8 @@ def _step_of(line: str) -> int | None:
 
 class Tracker:
     """`purge_after`: the step a resumed run continues from. Records of later steps (logged by the interrupted run
-    after its checkpoint) are dropped from both outputs; the run logs those steps again."""
+    after its checkpoint) are dropped from both outputs; the run logs those steps again. -1 drops every record (a
+    run that starts over); None keeps them all."""
 
     def __init__(self, run_dir: str, purge_after: int | None = None):
         os.makedirs(run_dir, exist_ok=True)

@@ -22,7 +22,7 @@ from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_con
                                     truncated_importance_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
-from rl_megatron.checkpoint.run import checkpointed_roles, choose_resume, finish_save, start_save
+from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choose_resume, finish_save, start_save
 from rl_megatron.config import Config, ConfigError, model_config, to_yaml
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
@@ -70,7 +70,7 @@ class Trainer:
         self.timer = Timer()
         if cfg.model.checkpoint is not None:
             check_checkpoint(cfg.model.checkpoint, self.hf_config)
-        self.checkpoint_root = cfg.trainer.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
+        self.checkpoint_root = checkpoint_root(cfg)
         self.resume = choose_resume(self.checkpoint_root, cfg.trainer.resume, self.hf_config, checkpointed_roles(cfg),
                                     cfg.actor.expert_model_parallel_size)
         self.start_step = self._restore_controller_state() if self.resume else 0
@@ -243,8 +243,9 @@ class Trainer:
         # Actor updates so far: one a step after the critic's warm-up.
         self.engines.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
-        # A resumed run rewrites the steps after its checkpoint: their old records go.
-        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=self.start_step if self.resume else None))
+        # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume
+        # (a first start, trainer.resume=off, or one killed before its first checkpoint) starts them afresh.
+        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=self.start_step if self.resume else -1))
         self.scorer = stack.enter_context(RewardScorer(cfg.reward, cfg.trainer.imports))
         if self.resume:
             self.load_checkpoint()

@@ -35,3 +35,19 @@ def test_a_second_tracker_appends_to_the_same_run(tmp_path):
     with Tracker(str(tmp_path)) as tracker:
         tracker.log({"loss": 0.5}, step=2)
     assert [record["step"] for record in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_resumed_run_drops_the_steps_after_its_checkpoint_and_a_fresh_one_drops_all(tmp_path):
+    with Tracker(str(tmp_path)) as tracker:
+        for step in (0, 1, 2, 3):
+            tracker.log({"loss": float(step)}, step=step)
+    with Tracker(str(tmp_path), purge_after=2) as tracker:  # resumed from step 2's checkpoint
+        tracker.log({"loss": 30.0}, step=3)
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(0, 0.0), (1, 1.0),
+                                                                                       (2, 2.0), (3, 30.0)]
+    with Tracker(str(tmp_path), purge_after=-1) as tracker:  # started over: nothing of the old records is kept
+        tracker.log({"loss": 10.0}, step=1)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 10.0}]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("loss")] == [(1, 10.0)]
