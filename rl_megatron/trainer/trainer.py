@@ -216,8 +216,9 @@ class Trainer:
         resume_dir = self.resume[0]
         rng_restored = all(done for group in self.model_groups for done in group.load_checkpoint(resume_dir))
         tqdm.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
-            "" if rng_restored else "; the workers' RNG states were saved under another parallel layout and start "
-            "afresh (sampling seeds depend only on trainer.seed and the step, so rollouts are unaffected)"))
+            "" if rng_restored else "; the workers' RNG states were saved under another parallel layout (or in the "
+            "earlier pickled format, which is not loaded) and start afresh (sampling seeds depend only on "
+            "trainer.seed and the step, so rollouts are unaffected)"))
 
     def _restore_controller_state(self) -> int:
         """The controller's part of the checkpoint to resume from (data position, KL coefficient, rewards); returns
