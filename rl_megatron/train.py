@@ -15,7 +15,12 @@ examples:
 
 Every key of rl_megatron/config/schema.py can be overridden as section.key=value.
 Outputs go to <trainer.log_dir>/<trainer.experiment_name>/ (tensorboard events, metrics.jsonl, config.yaml).
+Exit codes: 0 done, 2 bad input (config, data, model, checkpoint, cluster), 3 a worker process died (the same
+command resumes from the last checkpoint).
 """
+
+
+WORKER_DIED = 3  # exit code when a worker process died (2: bad input)
 
 
 def parse_args(argv):
@@ -35,12 +40,18 @@ def main(argv=None) -> int:
 
 def _train(cfg) -> int:
     from rl_megatron.checkpoint import CheckpointError
+    from rl_megatron.checkpoint.run import resume_hint
     from rl_megatron.trainer.trainer import train
     from rl_megatron.workers.cluster import ClusterError
+    from rl_megatron.workers.failures import WorkerDied
 
     start = time.time()
-    # Found once data and checkpoints are read, or Ray starts (a ConfigError goes to main's runner).
-    return run_command(lambda: _report(cfg, train(cfg), start), CheckpointError, ClusterError, message=one_line)
+    try:
+        # Found once data and checkpoints are read, or Ray starts (a ConfigError goes to main's runner).
+        return run_command(lambda: _report(cfg, train(cfg), start), CheckpointError, ClusterError, message=one_line)
+    except WorkerDied as err:  # not the input's fault: a distinct exit code, and what running again does
+        print(f"error: {err}\n{resume_hint(cfg)}", file=sys.stderr)
+        return WORKER_DIED
 
 
 def _report(cfg, summary: dict, start: float) -> int:

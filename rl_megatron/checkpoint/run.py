@@ -47,6 +47,26 @@ def checkpointed_roles(cfg: Config) -> tuple[Role, ...]:
             *((Role.REF,) if uses_reference(cfg) and cfg.model.random_init else ()))
 
 
+def checkpoint_root(cfg: Config) -> str:
+    """Where the run's step folders go: trainer.checkpoint_dir, or <log_dir>/<experiment_name>/checkpoints."""
+    return cfg.trainer.checkpoint_dir or os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name, "checkpoints")
+
+
+def resume_hint(cfg: Config) -> str:
+    """What the same command does if run again now, for a user whose run just failed."""
+    root = checkpoint_root(cfg)
+    try:
+        step = latest_step(root)
+    except CheckpointError:
+        step = None
+    if step is None:
+        return (f"No checkpoint was saved yet (under {root}): the same command starts the run over "
+                "(trainer.save_every=N saves every N steps).")
+    if cfg.trainer.resume == "off":
+        return f"The last checkpoint is step {step} ({step_dir(root, step)}); trainer.resume=auto resumes from it."
+    return f"The last checkpoint is step {step} ({step_dir(root, step)}); the same command resumes from it."
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}")
 

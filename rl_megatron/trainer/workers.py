@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 
-import ray
-
 from rl_megatron.config import Config, worker_pools
 from rl_megatron.roles import Role
 from rl_megatron.rollout.vllm_engine import ENGINE_ENV
@@ -23,10 +21,12 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     for pool in pools:
         roles = pool.roles
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
+        name = "+".join(map(str, roles))  # e.g. "actor+rollout+ref": what a dead worker's report calls its group
         if roles == (Role.ROLLOUT,):
-            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env)
+            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env, name=name)
         else:
-            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, env=env)
+            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, env=env,
+                                name=name)
         groups.update(dict.fromkeys(roles, stack.enter_context(group)))
     if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:
         connect_engines(groups[Role.ACTOR], groups[Role.ROLLOUT])
@@ -39,7 +39,7 @@ def connect_engines(actor: WorkerGroup, rollout: WorkerGroup) -> None:
     size = 1 + rollout.pool.world_size
     joining = rollout.call_async("join_weight_group", host, port, size)
     actor.join_weight_group(host, port, size)
-    ray.get(joining)
+    rollout.get(joining)
 
 
 def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
@@ -47,7 +47,7 @@ def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
     separate, the actor's rank 0 broadcasts them and the engine workers receive (both at once)."""
     receiving = [] if rollout is actor else rollout.call_async("sync_weights")
     actor.sync_weights()
-    ray.get(receiving)
+    rollout.get(receiving)
 
 
 def worker_env(threads: int, local_cluster: bool) -> dict:

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_megatron.batch import RowTensors
 from rl_megatron.workers.cluster import ClusterError, describe_cluster, device_resource, groups_that_fit
+from rl_megatron.workers.failures import WorkerDied, WorkerPlacement, describe_death, oom_kills, where_am_i
 from rl_megatron.workers.phases import Phase
 
 logger = logging.getLogger(__name__)
@@ -122,20 +122,6 @@ class ResourcePool:
             remove_placement_group(group)
 
 
-@dataclass(frozen=True)
-class WorkerPlacement:
-    """Where one rank runs, as its worker reports it."""
-    rank: int
-    pool_node: int  # the pool's node index (ResourcePool.node_of)
-    node_id: str  # Ray's node id
-    node_ip: str
-
-
-def _where_am_i(worker) -> tuple[str, str]:
-    """Run inside a worker (through Ray's `__ray_call__`): its Ray node id and address."""
-    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-
 def describe_placement(placement: list[WorkerPlacement]) -> str:
     """E.g. "node 0 = 10.0.0.5 (node 1f6d5c12): ranks 0-3; node 1 = 10.0.0.6 (node e4a7795d): ranks 4-7"."""
     by_node: dict[int, list[WorkerPlacement]] = {}
@@ -150,21 +136,23 @@ class WorkerGroup:
 
     A worker class takes (rank, world_size, *args) and provides `rendezvous()` (rank 0's address and a free
     port), `init(addr, port)`, `mesh()` (its place on each dispatch axis) and `close()`. `placement` says which node
-    each rank runs on (also logged at INFO, with the list as the record's `placement` attribute)."""
+    each rank runs on (also logged at INFO, with the list as the record's `placement` attribute). `name` (e.g. the
+    roles it hosts) names the group when one of its workers dies (`WorkerDied`)."""
 
-    def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None):
+    def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None, name: str = ""):
         remote_cls = ray.remote(worker_cls)
-        self.pool = pool
+        self.pool, self.name = pool, name or worker_cls.__name__
+        self.oom_kills_before = oom_kills()  # the kernel's count on this node, to tell an OOM kill later
         runtime_env = {"env_vars": env or {}}
         self.workers = [remote_cls.options(**pool.options(rank), runtime_env=runtime_env)
                         .remote(rank, pool.world_size, *args) for rank in range(pool.world_size)]
         self.placement = [WorkerPlacement(rank, pool.node_of(rank), *where) for rank, where in
-                          enumerate(ray.get([w.__ray_call__.remote(_where_am_i) for w in self.workers]))]
+                          enumerate(self.get([w.__ray_call__.remote(where_am_i) for w in self.workers]))]
         logger.info("%s placement: %s", worker_cls.__name__, describe_placement(self.placement),
                     extra={"placement": self.placement})
         addr, port = self.rank0_address()  # rank 0 hosts the process group's store
-        ray.get([w.init.remote(addr, port) for w in self.workers])
-        self.meshes = ray.get([w.mesh.remote() for w in self.workers])
+        self.get([w.init.remote(addr, port) for w in self.workers])
+        self.meshes = self.get([w.mesh.remote() for w in self.workers])
         for name in dir(worker_cls):
             method = getattr(worker_cls, name)
             if hasattr(method, "dispatch_axis"):
@@ -172,7 +160,43 @@ class WorkerGroup:
 
     def rank0_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port there (where a process group led by rank 0 meets)."""
-        return ray.get(self.workers[0].rendezvous.remote())
+        return self.get(self.workers[0].rendezvous.remote())
+
+    def get(self, refs):
+        """`ray.get(refs)` of this group's calls; a dead worker raises WorkerDied, saying which and why. (When one
+        worker dies, its peers' calls may fail first, e.g. a collective losing a member: the dead one is looked
+        for whatever the error.)"""
+        try:
+            return ray.get(refs)
+        except RayError:
+            dead = self._dead_worker(refs if isinstance(refs, list) else [refs])
+            if dead is None:
+                raise
+            raise WorkerDied(dead) from None
+
+    def _dead_worker(self, calls: list, wait_s: float = 5.0) -> str | None:
+        """The report of the first worker (by rank) found dead, or None if all answer or are busy. The peers' failed
+        `calls` are collected too: Ray would print each one's traceback after the report."""
+        pings = [w.__ray_call__.remote(lambda worker: None) for w in self.workers]
+        # Live workers busy in a broken call stay pending; a dead one answers at once.
+        ray.wait(pings + calls, num_returns=len(pings + calls), timeout=wait_s)
+        for call in calls:
+            try:
+                ray.get(call, timeout=0)
+            except RayError:
+                pass
+        here = ray.get_runtime_context().get_node_id()
+        placement = getattr(self, "placement", [])  # empty while the group starts
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=0)
+            except GetTimeoutError:
+                continue
+            except RayActorError as death:  # Ray's word on the cause comes with every call to a dead actor
+                where = placement[rank] if placement else None
+                return describe_death(self.name, rank, self.pool.world_size, where, death.error_msg or str(death),
+                                      here, self.oom_kills_before)
+        return None
 
     def call_async(self, name: str, *args, **kwargs) -> list:
         """Start method `name` on every worker with the same arguments; returns the Ray object refs (for calls
@@ -181,24 +205,27 @@ class WorkerGroup:
 
     def _call(self, name: str, axis: str | None, *args, **kwargs):
         if axis is None:
-            return ray.get(self.call_async(name, *args, **kwargs))
+            return self.get(self.call_async(name, *args, **kwargs))
         shards = self.meshes[0][axis][1]
         inputs = [split_batch(a, shards) for a in args]
         refs = [getattr(w, name).remote(*(part[mesh[axis][0]] for part in inputs), **kwargs)
                 for w, mesh in zip(self.workers, self.meshes)]
-        results = ray.get(refs)
+        results = self.get(refs)
         owned = sorted((mesh[axis][0], out) for mesh, out in zip(self.meshes, results) if mesh[axis][2])
         return concat_batches([out for _, out in owned])
 
     def __enter__(self) -> "WorkerGroup":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # Leaving on an error, live workers may be stuck in a collective with a dead peer: they get a short wait.
+        self.shutdown(wait_s=10 if exc_type else 120)
 
-    def shutdown(self) -> None:
-        """Let the workers release what outlives a process (shared memory), stop them, free their devices."""
-        ray.get([worker.close.remote() for worker in self.workers], timeout=120)
+    def shutdown(self, wait_s: float = 120) -> None:
+        """Let the workers release what outlives a process (shared memory) within `wait_s`, stop them, free their
+        devices."""
+        closing = [worker.close.remote() for worker in self.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=wait_s)
         for worker in self.workers:
             ray.kill(worker)
         self.pool.release()

@@ -1,0 +1,77 @@
+"""Runs that die, as users meet them: the controller SIGKILLed before its first checkpoint leaves no process behind,
+and the same command then starts the run's records afresh (no step logged twice); a worker killed mid-run stops
+the controller with a report (which role, rank and node, why, its log, the checkpoint to resume from) and exit
+code 3; the same command then resumes, and every step is logged exactly once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from helpers.runs import REPO
+from rl_megatron.checkpoint.run import LATEST_FILE
+from rl_megatron.train import WORKER_DIED
+
+RUN = ("trainer.total_steps=4", "trainer.save_every=3", "trainer.target_reward=null", "trainer.progress_bar=false")
+
+
+def start_until(log_dir, until) -> subprocess.Popen:
+    """The demo's command in a process of its own; returns once `until()` holds (the run still going)."""
+    process = subprocess.Popen([sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
+                                f"trainer.log_dir={log_dir}", *RUN], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not until():
+        assert process.poll() is None, process.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "the run did not get there in 5 minutes"
+        time.sleep(0.05)
+    return process
+
+
+def logged_steps(log_dir) -> list[int]:
+    try:
+        with open(os.path.join(log_dir, "demo_cpu", "metrics.jsonl")) as f:
+            return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def latest(log_dir) -> int | None:
+    path = os.path.join(log_dir, "demo_cpu", "checkpoints", LATEST_FILE)
+    return int(open(path).read()) if os.path.exists(path) else None
+
+
+def test_a_killed_controller_and_a_dead_worker(tmp_path):
+    # 1. The controller alone is SIGKILLed after step 1, before the first checkpoint (step 3).
+    run = start_until(tmp_path, lambda: 1 in logged_steps(tmp_path))
+    tree = psutil.Process(run.pid).children(recursive=True)  # local Ray, its agents, workers, scorers, the reaper
+    assert any(p.name().startswith("ray::HybridWorker") for p in tree)
+    run.kill()
+    run.communicate()
+    assert latest(tmp_path) is None
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert not alive, f"still running 20 s after the controller was killed: {alive}"
+
+    # 2. The same command starts over (nothing to resume): its records too. A worker dies after step 3's checkpoint.
+    run = start_until(tmp_path, lambda: latest(tmp_path) == 3)
+    victim = max((p for p in psutil.Process(run.pid).children(recursive=True)
+                  if p.name().startswith("ray::HybridWorker")), key=lambda p: p.pid)
+    victim.kill()
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == WORKER_DIED, stderr[-4000:]
+    report = stderr[stderr.index("error: "):]
+    assert f"error: The actor+rollout worker rank" in report and f"pid {victim.pid}) died: its process was killed" \
+        in report and "node 0 = " in report, report
+    assert f"-{victim.pid}.err" in report  # its log, named (with its last lines when it wrote any)
+    assert "The last checkpoint is step 3" in report and "the same command resumes from it" in report, report
+    assert "Traceback" not in report and "Unhandled error" not in report, report
+    assert logged_steps(tmp_path)[:3] == [1, 2, 3]  # started afresh: step 1 of the killed run is gone
+
+    # 3. The same command resumes from step 3 and finishes; every step is logged once.
+    done = subprocess.run(run.args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "(step 3)" in done.stdout
+    assert logged_steps(tmp_path) == [1, 2, 3, 4]
