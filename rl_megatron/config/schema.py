@@ -13,6 +13,7 @@ from rl_megatron.algorithms import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
 from rl_megatron.data import TASKS
 from rl_megatron.resharding.channels import CHANNELS
+from rl_megatron.rewards import MATCH_MODES
 
 Placement = Literal["colocated", "separate"]
 OFF_AT_ZERO = "0 turns it off"
@@ -191,6 +192,8 @@ class RewardConfig:
     num_workers: int = checked(4, POSITIVE)  # scorer processes; a step's samples are scored in parallel, off the controller
     timeout_s: float = checked(10.0, above(0), "seconds, e.g. 10")  # per-sample limit: a scorer past it is killed, scores 0 and counts in reward/timeouts
     custom_fn: Optional[str] = None  # "pkg.mod:fn" or "file.py:fn" scoring all samples: fn(data_source, solution_str, ground_truth, extra_info)
+    gsm8k_match: Literal[MATCH_MODES] = "exact"  # openai/gsm8k: exact (verl's scores: "#### 72", text equal to the ground truth) or numeric (also "####72", "#### $72"; equal values: "72.00" = "72")
+    math_match: Literal[MATCH_MODES] = "exact"  # MATH sources: exact (verl's default_compute_score; data_source math is DAPO's 1/-1 "Answer:" scorer) or numeric (lenient \boxed{} equivalence, 0.5 = \frac{1}{2})
 
 
 @dataclass

@@ -1,132 +1,152 @@
 """MATH (Hendrycks et al.): the last `\\boxed{...}` of the response against the dataset's answer.
 
-Both sides are normalised the way the MATH benchmark's answer normaliser does (fractions, `\\left`/`\\right`,
-units, degrees, percent and dollar signs, `x = ...`, spacing), then compared as text; answers that both
-read as numbers (`0.5`, `\\frac12`, `1/2`, `1,000`) are also compared by exact value.
+By default (reward.math_match=exact) each data source scores as verl's `default_compute_score` scores it, so
+that reward curves compare with verl runs:
+
+- `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`: verl's `math_reward`, the
+  MATH benchmark's own normaliser. Both sides are normalised (`\\dfrac` and `\\tfrac`, `\\left`/`\\right`,
+  degrees, `\\$`, `\\%`, one `\\text{ unit}`, `x = ...`, `\\sqrt3`, `\\frac12`, `a/b`, `0.5`, spaces) and then
+  must be equal as text: 1.0, else 0.0.
+- `math`: verl's DAPO scorer (math_dapo.py): the last `Answer: ...` line, 1.0 or -1.0.
+
+reward.math_match=numeric scores all four with the lenient equivalence of math_numeric.py, which also finds
+`\\fbox{}` and compares numbers by value (`\\boxed{0.50}` = `\\frac{1}{2}`).
 """
-import re
-from fractions import Fraction
+from rl_megatron.rewards import MATCH_MODES, math_dapo, math_numeric, register
+from rl_megatron.rewards.math_numeric import braced_group
+from rl_megatron.rewards.numbers import as_text
 
-from rl_megatron.rewards import register
-from rl_megatron.rewards.numbers import as_text, parse_decimal
 
-BOX_COMMANDS = ("\\boxed", "\\fbox")
-# Text removed outright: line breaks, LaTeX spacing commands, degree marks, dollar and percent signs.
-_REMOVED = ("\n", "\\!", "\\,", "\\;", "\\:", "^{\\circ}", "^\\circ", "°", "\\$", "$", "\\%", "%")
-_LEFT_RIGHT = re.compile(r"\\(left|right)(?![a-zA-Z])")  # \left( but not \leftarrow
-_TRAILING_UNITS = re.compile(r"(?<=\S)\s*\\(text|mbox)\{[^{}]*\}\s*$")  # "5 \text{ cm}": the unit goes
-_TEXT_WRAPPER = re.compile(r"\\(text|mbox|textbf)\{([^{}]*)\}")  # "\text{Monday}" reads as "Monday"
-_VARIABLE_LHS = re.compile(r"\s*[a-zA-Z](_\{?\w+\}?|\w)?\s*")  # "x", "y1", "a_n", "x_{0}" before an "="
-_SQRT_SHORT = re.compile(r"\\sqrt\s*(\w)")  # \sqrt3 -> \sqrt{3}
-_INTEGER_RATIO = re.compile(r"(-?\d+)/(\d+)")
-_TRAILING_ZEROS = re.compile(r"(?<![\d.])(\d+)\.(\d*?)0+(?!\d)")  # 5.0 -> 5, 2.50 -> 2.5
-_FRACTION = re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
+class NotNormalizable(ValueError):
+    """An answer the MATH normaliser fails on; verl then compares the two answers as they are written."""
 
 
 def last_boxed_answer(text) -> str | None:
-    """The argument of the last \\boxed{...} / \\fbox{...} (braces balanced), or of `\\boxed 5`; None if absent."""
+    """The answer verl's MATH scorer reads: the argument of the last `\\boxed{...}` (braces balanced), or None.
+
+    As in verl: a `\\boxed ` followed by a space anywhere wins over every braced one, its answer running from
+    the last such `\\boxed ` to the next `$` (or the end); `\\fbox` and a `\\boxed` not followed by `{` are no
+    answer."""
     if not isinstance(text, str):
         return None
-    start = max(text.rfind(command) for command in BOX_COMMANDS)
-    if start < 0:
+    if "\\boxed " in text:
+        return text.rsplit("\\boxed ", 1)[1].split("$", 1)[0]
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("\\boxed{", start):
         return None
-    command = next(c for c in BOX_COMMANDS if text.startswith(c, start))
-    argument = text[start + len(command):]
-    if argument.startswith("{"):
-        return braced_group(argument)[0]
-    if argument[:1] in (" ", "\t"):  # "\boxed 5": the argument runs to the closing $ or the end of the line
-        return re.split(r"[$\n]", argument.strip(" \t"), maxsplit=1)[0].strip() or None
-    return None
+    return braced_group(text[start + len("\\boxed"):])[0]
 
 
-def braced_group(text: str) -> tuple[str | None, str]:
-    """(inside, rest) of the balanced {...} group that opens `text`; (None, text) when it does not close."""
-    depth = 0
-    for i, char in enumerate(text):
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[1:i], text[i + 1:]
-    return None, text
+def _drop_trailing_unit(text: str) -> str:
+    """"5 \\text{ cm}" -> "5 ": the dataset writes units (only them) as `\\text{ ...}` with a space."""
+    if "\\text{ " not in text:
+        return text
+    before, *units = text.split("\\text{ ")
+    if len(units) > 1:
+        raise NotNormalizable("more than one \\text{ ")
+    return before
 
 
-def _brace_fraction_arguments(text: str) -> str:
-    """\\frac12 -> \\frac{1}{2}, \\frac1{2} and \\frac{1}2 likewise: each argument becomes a braced group."""
-    pieces = text.split("\\frac")
-    rebuilt = [pieces[0]]
-    for piece in pieces[1:]:
-        arguments = []
-        for _ in range(2):
-            if piece.startswith("{"):
-                inside, rest = braced_group(piece)
-                if inside is None:
-                    break
-                arguments.append(inside)
-                piece = rest
-            elif piece and piece[0] != "\\":
-                arguments.append(piece[0])
-                piece = piece[1:]
-            else:
-                break
-        braced = "".join("{" + a + "}" for a in arguments)
-        rebuilt.append("\\frac" + braced + piece)
+def _brace_sqrt_arguments(text: str) -> str:
+    """\\sqrt3 -> \\sqrt{3}: an unbraced \\sqrt takes the next character, even a space ("\\sqrt 3" ends up as
+    "\\sqrt{}3" once spaces go, as in verl)."""
+    first, *pieces = text.split("\\sqrt")
+    rebuilt = [first]
+    for piece in pieces:
+        if not piece:
+            raise NotNormalizable("\\sqrt without an argument")
+        rebuilt.append("\\sqrt" + (piece if piece[0] == "{" else "{" + piece[0] + "}" + piece[1:]))
     return "".join(rebuilt)
 
 
-def normalize_answer(answer: str) -> str:
-    """The canonical text form of an answer, so that equal answers written differently compare equal."""
-    text = answer.strip().replace("\\\\", "\\").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    for removed in _REMOVED:
-        text = text.replace(removed, "")
-    text = _LEFT_RIGHT.sub("", text)
-    text = _TRAILING_UNITS.sub("", text)
-    text = _TEXT_WRAPPER.sub(r"\2", text)
+def _brace_frac_arguments(text: str) -> str:
+    """\\frac12 -> \\frac{1}{2} and \\frac1{2} -> \\frac{1}{2}; a \\frac whose first argument is braced is kept
+    as written (so \\frac{1}2 stays), and a \\frac with one character after it leaves the whole text unchanged."""
+    first, *pieces = text.split("\\frac")
+    rebuilt = [first]
+    for piece in pieces:
+        if not piece:
+            raise NotNormalizable("\\frac without arguments")
+        if piece[0] == "{":
+            rebuilt.append("\\frac" + piece)
+        elif len(piece) < 2:
+            return text
+        elif piece[1] == "{":
+            rebuilt.append("\\frac{" + piece[0] + "}" + piece[1:])
+        else:
+            rebuilt.append("\\frac{" + piece[0] + "}{" + piece[1] + "}" + piece[2:])
+    return "".join(rebuilt)
+
+
+def _integer_ratio_as_frac(text: str) -> str:
+    """"3/4" -> "\\frac{3}{4}" when both sides are integers written plainly ("-1/2" too, not "01/2" or "1.5/2")."""
+    parts = text.split("/")
+    if len(parts) != 2:
+        return text
+    try:
+        numerator, denominator = int(parts[0]), int(parts[1])
+    except ValueError:
+        return text
+    if text != f"{numerator}/{denominator}":
+        return text
+    return f"\\frac{{{numerator}}}{{{denominator}}}"
+
+
+def normalize(answer: str) -> str:
+    """The MATH benchmark's canonical text form of an answer; raises NotNormalizable where verl's does."""
+    text = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    text = text.replace("tfrac", "frac").replace("dfrac", "frac")
+    # Plain text replacements, as in verl: "\leftarrow" becomes "arrow".
+    text = text.replace("\\left", "").replace("\\right", "")
+    text = text.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\$", "")
+    text = _drop_trailing_unit(text)
+    text = text.replace("\\\\%", "").replace("\\%", "")  # a bare "%" stays: "50%" is not "50"
     text = text.replace(" .", " 0.").replace("{.", "{0.")
     if text.startswith("."):
         text = "0" + text
-    lhs, equals, rhs = text.partition("=")
-    if equals and "=" not in rhs and _VARIABLE_LHS.fullmatch(lhs):  # "x = 5" -> "5"
-        text = rhs
-    text = _SQRT_SHORT.sub(r"\\sqrt{\1}", text).replace(" ", "")
-    text = _brace_fraction_arguments(text)
-    ratio = _INTEGER_RATIO.fullmatch(text)
-    if ratio:
-        sign = "-" if ratio[1].startswith("-") else ""
-        text = f"{sign}\\frac{{{ratio[1].lstrip('-')}}}{{{ratio[2]}}}"
-    return _TRAILING_ZEROS.sub(lambda m: m[1] + ("." + m[2] if m[2] else ""), text)
-
-
-def as_number(normalized: str) -> Fraction | None:
-    """The exact value of a normalised answer that is a plain number or a fraction of two, else None."""
-    value = parse_decimal(normalized)
-    if value is not None:
-        return value
-    fraction = _FRACTION.fullmatch(normalized)
-    if fraction:
-        numerator, denominator = parse_decimal(fraction[2]), parse_decimal(fraction[3])
-        if numerator is not None and denominator:
-            return (-1 if fraction[1] else 1) * numerator / denominator
-    return None
+    sides = text.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:  # "x = 5" -> " 5"; " x = 5" keeps its three-character left side
+        text = sides[1]
+    text = _brace_sqrt_arguments(text).replace(" ", "")
+    text = _brace_frac_arguments(text)
+    if text == "0.5":  # the one decimal the normaliser turns into a fraction
+        text = "\\frac{1}{2}"
+    return _integer_ratio_as_frac(text)
 
 
 def is_equivalent(answer: str, expected: str) -> bool:
-    answer, expected = normalize_answer(answer), normalize_answer(expected)
-    if answer == expected:
-        return True
-    answer_value, expected_value = as_number(answer), as_number(expected)
-    return answer_value is not None and answer_value == expected_value
+    """Equal after `normalize`; equal as written when either side cannot be normalised."""
+    try:
+        return normalize(answer) == normalize(expected)
+    except NotNormalizable:
+        return answer == expected
 
 
-@register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
-def compute_score(solution_str, ground_truth, format_score: float = 0.0, score: float = 1.0) -> float:
-    """`score` when the last boxed answer is equivalent to ground_truth (the bare answer, or a reference
-    solution with its own \\boxed{}), `format_score` for a wrong boxed answer, 0 without one."""
-    answer = last_boxed_answer(solution_str)
-    expected = as_text(ground_truth)
-    if expected is not None and any(command in expected for command in BOX_COMMANDS):
-        expected = last_boxed_answer(expected)
-    if not answer or not expected or not expected.strip():
+def _check_match(match: str) -> None:
+    if match not in MATCH_MODES:
+        raise ValueError(f"math match={match!r} is unknown: use one of {', '.join(MATCH_MODES)}")
+
+
+@register("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+          from_config={"match": "math_match"})
+def compute_score(solution_str, ground_truth, format_score: float = 0.0, score: float = 1.0,
+                  match: str = "exact") -> float:
+    """`score` when the last boxed answer is equivalent to ground_truth, `format_score` for a wrong boxed answer,
+    0 without one. A ground truth that is a number or bytes is compared as its text."""
+    _check_match(match)
+    if match == "numeric":
+        return math_numeric.compute_score(solution_str, ground_truth, format_score, score)
+    answer, expected = last_boxed_answer(solution_str), as_text(ground_truth)
+    if answer is None or expected is None:
         return 0.0
     return score if is_equivalent(answer, expected) else format_score
+
+
+@register("math", from_config={"match": "math_match"})
+def compute_score_math_source(solution_str, ground_truth, match: str = "exact") -> float:
+    """data_source "math": verl's DAPO scorer (1.0 / -1.0), or with match="numeric" the lenient boxed answer
+    (1.0 / 0.0)."""
+    _check_match(match)
+    if match == "numeric":
+        return math_numeric.compute_score(solution_str, ground_truth)
+    return math_dapo.compute_score(solution_str, ground_truth)

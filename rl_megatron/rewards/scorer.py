@@ -30,7 +30,7 @@ import torch
 
 from rl_megatron.batch import Sample
 from rl_megatron.plugins import import_user_modules, with_absolute_path
-from rl_megatron.rewards import READS_PROMPT, REGISTRY, unknown_source_error
+from rl_megatron.rewards import READS_PROMPT, REGISTRY, keywords_from_config, unknown_source_error
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rewards.worker import IDLE, PROGRESS_BYTES, ScorerCode, progress_view
 
@@ -130,16 +130,18 @@ class RewardScorer:
     """
 
     def __init__(self, cfg, imports: list[str] = ()):
-        """cfg: a RewardConfig (num_workers, timeout_s, custom_fn); `imports`: the user's modules (trainer.imports)
-        that the processes import first, so that the scorers they register exist there too. A bad custom_fn or
-        import raises ConfigError here."""
+        """cfg: a RewardConfig (num_workers, timeout_s, custom_fn, and the keys scorers read: gsm8k_match,
+        math_match); `imports`: the user's modules (trainer.imports) that the processes import first, so that the
+        scorers they register exist there too. A bad custom_fn or import raises ConfigError here."""
         self.timeout_s = float(cfg.timeout_s)
-        self.code = ScorerCode(with_absolute_path(cfg.custom_fn) if cfg.custom_fn else None,
-                               [with_absolute_path(name) for name in imports])
-        # Fail at start, in the controller, with the config key named.
-        import_user_modules(self.code.imports)
-        if self.code.custom_fn:
-            load_custom_fn(self.code.custom_fn)
+        custom_fn = with_absolute_path(cfg.custom_fn) if cfg.custom_fn else None
+        imports = [with_absolute_path(name) for name in imports]
+        # Fail at start, in the controller, with the config key named. Imported before the keywords are read, so
+        # that a user's scorer registered under a built-in's name gets only the keywords it asks for.
+        import_user_modules(imports)
+        if custom_fn:
+            load_custom_fn(custom_fn)
+        self.code = ScorerCode(custom_fn, imports, keywords_from_config(cfg))
         self.custom_fn_spec = self.code.custom_fn
         self.sources: set[str] = set()  # the data sources the processes have a scorer for (they say when ready)
         self._processes = [_ScorerProcess(self.code) for _ in range(cfg.num_workers)]

@@ -33,10 +33,12 @@ ERROR_CHARS = 500  # an error message is cut to this length: it only goes into a
 
 @dataclass
 class ScorerCode:
-    """The user's code a scorer process loads: reward.custom_fn, and the modules of trainer.imports (whose
-    @register calls add scorers)."""
+    """What a scorer process loads and how it calls the scorers: reward.custom_fn, the modules of trainer.imports
+    (whose @register calls add scorers), and the keyword arguments each data source's scorer takes from the reward
+    config ({data_source: {keyword: value}}, e.g. gsm8k's match=reward.gsm8k_match)."""
     custom_fn: str | None
     imports: list[str]
+    keywords: dict[str, dict]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -67,8 +69,10 @@ def as_reward(raw) -> float:
     return value
 
 
-def score_chunk(samples: list, custom_fn, progress) -> tuple[list[float], list[tuple[int, str]]]:
-    """(scores, [(index, error message)]) of (data_source, solution, ground_truth, extra_info) samples."""
+def score_chunk(samples: list, custom_fn, keywords: dict[str, dict],
+                progress) -> tuple[list[float], list[tuple[int, str]]]:
+    """(scores, [(index, error message)]) of (data_source, solution, ground_truth, extra_info) samples; a registered
+    scorer also gets its data source's `keywords`."""
     scores, errors = [], []
     for index, (data_source, solution, ground_truth, extra_info) in enumerate(samples):
         progress[0] = index
@@ -77,7 +81,7 @@ def score_chunk(samples: list, custom_fn, progress) -> tuple[list[float], list[t
             if custom_fn is not None:
                 raw = custom_fn(data_source, solution, ground_truth, extra_info)
             else:
-                raw = REGISTRY[data_source](solution, ground_truth)
+                raw = REGISTRY[data_source](solution, ground_truth, **keywords.get(data_source, {}))
             scores.append(as_reward(raw))
         except BaseException as err:  # SystemExit too: a scorer's failure costs one sample, not the process
             scores.append(0.0)
@@ -113,7 +117,7 @@ def serve(conn: Connection, progress, code: ScorerCode) -> None:
             return
         if samples is None:  # the controller's close()
             return
-        conn.send(("scored", *score_chunk(samples, custom_fn, progress)))
+        conn.send(("scored", *score_chunk(samples, custom_fn, code.keywords, progress)))
 
 
 def main(argv: list[str]) -> None:

@@ -41,8 +41,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 '''
 
 
-def reward_cfg(custom_fn=None, num_workers=2, timeout_s=10.0):
-    return SimpleNamespace(custom_fn=custom_fn, num_workers=num_workers, timeout_s=timeout_s)
+def reward_cfg(custom_fn=None, num_workers=2, timeout_s=10.0, gsm8k_match="exact", math_match="exact"):
+    return SimpleNamespace(custom_fn=custom_fn, num_workers=num_workers, timeout_s=timeout_s,
+                           gsm8k_match=gsm8k_match, math_match=math_match)
 
 
 @pytest.fixture
@@ -73,6 +74,16 @@ def test_builtin_scorers_through_the_pool():
     assert scores.dtype == torch.float32
     assert scores.tolist() == pytest.approx([s[4] for s in samples])
     assert stats == {"reward/timeouts": 0, "reward/errors": 0}
+
+
+@pytest.mark.parametrize("match, expected", [("exact", [0.0, 0.0, -1.0]), ("numeric", [1.0, 1.0, 1.0])])
+def test_the_match_modes_reach_the_scorer_processes(match, expected):
+    """reward.gsm8k_match / math_match: verl's scores (exact), or equal values match (numeric)."""
+    samples = [("openai/gsm8k", "#### 72.00", "72"), ("lighteval/MATH", "\\boxed{0.50}", "\\frac{1}{2}"),
+               ("math", "\\boxed{0.50}", "\\frac{1}{2}")]  # verl scores data_source math with DAPO's 1 / -1
+    with RewardScorer(reward_cfg(num_workers=1, gsm8k_match=match, math_match=match)) as scorer:
+        scores, _ = scorer.score(*([s[i] for s in samples] for i in range(3)))
+    assert scores.tolist() == expected
 
 
 def test_large_batches_keep_sample_order_across_chunks():

@@ -46,6 +46,8 @@ def test_a_value_out_of_range_names_the_key_and_the_range(key, value, words):
     ("critic.placement", "remote", "colocated, separate"),
     ("moe.router_dtype", "fp16", "fp32, fp64"),
     ("model.dtype", "float16", "float32, bfloat16"),
+    ("reward.gsm8k_match", "bogus", "exact, numeric"),
+    ("reward.math_match", "bogus", "exact, numeric"),
 ])
 def test_an_unknown_name_names_the_key_and_the_choices(key, value, choices):
     expected = f"{key}='{value}' is unknown: use one of {choices}."

@@ -1,11 +1,12 @@
 """The countdown, gsm8k and math scorers on tricky answers: where the answer is, how it is written, and what
-counts as equal."""
+counts as equal. The gsm8k and math cases here are the opt-in match="numeric" modes (the behaviour before verl
+parity became the default); test_reward_verl_parity.py has the default's."""
 import json
 
 import numpy as np
 import pytest
 
-from rl_megatron.rewards import countdown, gsm8k, math
+from rl_megatron.rewards import countdown, gsm8k, math, math_numeric
 
 PROMPT = "User: Using the numbers [93, 43, 1], create an equation that equals 51. Assistant: Let me solve this"
 TARGET_51 = {"target": 51, "numbers": [93, 43, 1]}
@@ -110,19 +111,20 @@ def test_countdown_custom_scores_and_deep_nesting():
     ("It is -3.5 degrees", "-3.5", "flexible", 1.0),
     ("... and that is all.", "72", "flexible", 0.0),  # dots are not numbers
 ])
-def test_gsm8k_answers(response, ground_truth, method, expected):
-    assert gsm8k.compute_score(response, ground_truth, method=method) == expected
+def test_gsm8k_numeric_answers(response, ground_truth, method, expected):
+    assert gsm8k.compute_score(response, ground_truth, method=method, match="numeric") == expected
 
 
 def test_gsm8k_format_score_only_for_an_extracted_wrong_answer():
-    assert gsm8k.compute_score("#### 5", "6", format_score=0.1) == 0.1
-    assert gsm8k.compute_score("no answer", "6", format_score=0.1) == 0.0
-    assert gsm8k.compute_score("#### 6", "6", score=2.0) == 2.0
+    for match in ("exact", "numeric"):
+        assert gsm8k.compute_score("#### 5", "6", format_score=0.1, match=match) == 0.1
+        assert gsm8k.compute_score("no answer", "6", format_score=0.1, match=match) == 0.0
+        assert gsm8k.compute_score("#### 6", "6", score=2.0, match=match) == 2.0
 
 
 @pytest.mark.parametrize("ground_truth", [72, np.int64(72), 72.0, np.float32(72.0), b"72", "72", " 72 "])
-def test_gsm8k_ground_truth_forms(ground_truth):
-    assert gsm8k.compute_score("#### 72", ground_truth) == 1.0
+def test_gsm8k_numeric_ground_truth_forms(ground_truth):
+    assert gsm8k.compute_score("#### 72", ground_truth, match="numeric") == 1.0
 
 
 def test_gsm8k_rejects_an_unknown_method():
@@ -159,8 +161,8 @@ def test_gsm8k_rejects_an_unknown_method():
     ("\\boxed{5}", "The sum is $2+3=\\boxed{5}$."),  # a reference solution as ground truth
     ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces stay balanced
 ])
-def test_math_equivalent_answers(response, ground_truth):
-    assert math.compute_score(response, ground_truth) == 1.0
+def test_math_numeric_equivalent_answers(response, ground_truth):
+    assert math.compute_score(response, ground_truth, match="numeric") == 1.0
 
 
 @pytest.mark.parametrize("response, ground_truth", [
@@ -172,25 +174,35 @@ def test_math_equivalent_answers(response, ground_truth):
     ("\\boxed{1,2}", "12"),  # a list, not a thousands separator
     ("\\boxed{\\leftarrow}", "arrow"),  # \left is removed, \leftarrow is not
 ])
-def test_math_different_answers(response, ground_truth):
-    assert math.compute_score(response, ground_truth) == 0.0
-    assert math.compute_score(response, ground_truth, format_score=0.1) == 0.1  # an answer was given
+def test_math_numeric_different_answers(response, ground_truth):
+    assert math.compute_score(response, ground_truth, match="numeric") == 0.0
+    assert math.compute_score(response, ground_truth, format_score=0.1, match="numeric") == 0.1  # an answer was given
 
 
 @pytest.mark.parametrize("response", ["The answer is 5", "\\boxed{}", "\\boxed{\\frac{1}{2}", "\\boxed5"])
-def test_math_without_a_boxed_answer_scores_zero(response):
-    assert math.compute_score(response, "5", format_score=0.1) == 0.0
+def test_math_numeric_without_a_boxed_answer_scores_zero(response):
+    assert math.compute_score(response, "5", format_score=0.1, match="numeric") == 0.0
 
 
-def test_math_last_boxed_answer_extraction():
-    assert math.last_boxed_answer("\\boxed{a{b{c}}d} and \\boxed{\\frac{1}{\\sqrt{2}}}") == "\\frac{1}{\\sqrt{2}}"
-    assert math.last_boxed_answer("\\boxed{1} \\fbox{2}") == "2"
-    assert math.last_boxed_answer("$\\boxed 42$") == "42"
-    assert math.last_boxed_answer(None) is None
+def test_math_numeric_last_boxed_answer_extraction():
+    text = "\\boxed{a{b{c}}d} and \\boxed{\\frac{1}{\\sqrt{2}}}"
+    assert math_numeric.last_boxed_answer(text) == math.last_boxed_answer(text) == "\\frac{1}{\\sqrt{2}}"
+    assert math_numeric.last_boxed_answer("\\boxed{1} \\fbox{2}") == "2"
+    assert math.last_boxed_answer("\\boxed{1} \\fbox{2}") == "1"  # verl reads \fbox only without a \boxed
+    assert math_numeric.last_boxed_answer("$\\boxed 42$") == math.last_boxed_answer("$\\boxed 42$") == "42"
+    assert math_numeric.last_boxed_answer(None) is math.last_boxed_answer(None) is None
 
 
-def test_math_bad_ground_truth_scores_zero():
+def test_math_numeric_bad_ground_truth_scores_zero():
     for ground_truth in (None, "", "   ", {"answer": 5}, [5], "\\boxed{"):
-        assert math.compute_score("\\boxed{5}", ground_truth, format_score=0.1) == 0.0
-    assert math.compute_score("\\boxed{5}", 5) == 1.0
-    assert math.compute_score("\\boxed{5}", np.int64(5)) == 1.0
+        assert math.compute_score("\\boxed{5}", ground_truth, format_score=0.1, match="numeric") == 0.0
+    assert math.compute_score("\\boxed{5}", 5, match="numeric") == 1.0
+    assert math.compute_score("\\boxed{5}", np.int64(5), match="numeric") == 1.0
+
+
+def test_data_source_math_numeric_is_the_lenient_boxed_scorer():
+    """reward.math_match=numeric: data_source "math" scores as before verl parity (0/1 on the last box), not
+    with DAPO's "Answer:" line (1/-1)."""
+    assert math.compute_score_math_source("\\boxed{0.50}", "\\frac12", match="numeric") == 1.0
+    assert math.compute_score_math_source("Answer: 5", "5", match="numeric") == 0.0
+    assert math.compute_score_math_source("\\boxed{0.50}", "\\frac12") == -1.0

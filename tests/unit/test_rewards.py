@@ -65,15 +65,48 @@ def test_unknown_data_source_names_the_known_ones():
 
 
 def test_builtin_scorers_are_registered_under_verl_and_tinyzero_data_source_names():
-    from rl_megatron.rewards import READS_PROMPT, countdown, gsm8k, math
+    from rl_megatron.rewards import KEYWORDS_FROM_CONFIG, READS_PROMPT, countdown, gsm8k, math, math_dapo
 
     expected = {"countdown": countdown.compute_score, "openai/gsm8k": gsm8k.compute_score,
                 "gsm8k": gsm8k.compute_score, "lighteval/MATH": math.compute_score,
                 "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
-                "HuggingFaceH4/MATH-500": math.compute_score, "math": math.compute_score}
+                "HuggingFaceH4/MATH-500": math.compute_score, "math": math.compute_score_math_source,
+                "math_dapo": math_dapo.compute_score, "math_dapo_reasoning": math_dapo.compute_score}
     for name, scorer in expected.items():
         assert REGISTRY[name] is scorer, name
     assert READS_PROMPT == {"countdown"}  # only TinyZero's countdown reads the prompt's "Assistant:" marker
+    # The match modes come from the reward config.
+    assert KEYWORDS_FROM_CONFIG == {"openai/gsm8k": {"match": "gsm8k_match"}, "gsm8k": {"match": "gsm8k_match"},
+                                    **{name: {"match": "math_match"} for name in ("lighteval/MATH", "math",
+                                       "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")}}
+
+
+def test_keywords_from_config_follow_the_registrations():
+    """The built-in scorers get their match modes from the reward config; a scorer registered again under a
+    built-in's name (a user's own) gets only the keywords it asks for."""
+    from rl_megatron.config.schema import RewardConfig
+    from rl_megatron.rewards import KEYWORDS_FROM_CONFIG, keywords_from_config
+
+    cfg = RewardConfig(gsm8k_match="numeric")
+    keywords = keywords_from_config(cfg)
+    assert keywords["openai/gsm8k"] == {"match": "numeric"}
+    assert keywords["lighteval/MATH"] == keywords["math"] == {"match": "exact"}
+    builtin = REGISTRY["openai/gsm8k"]
+    try:
+        register("openai/gsm8k")(lambda solution_str, ground_truth: 0.5)
+        assert "openai/gsm8k" not in keywords_from_config(cfg)
+    finally:
+        register("openai/gsm8k", from_config={"match": "gsm8k_match"})(builtin)
+    assert KEYWORDS_FROM_CONFIG["openai/gsm8k"] == {"match": "gsm8k_match"}
+
+
+def test_scorer_processes_call_the_scorers_with_their_keywords():
+    from rl_megatron.rewards.worker import score_chunk
+
+    samples = [("openai/gsm8k", "#### 72.00", "72", None), ("arithmetic", "7", "7", None)]
+    progress = [0.0, 0.0]
+    assert score_chunk(samples, None, {}, progress) == ([0.0, 1.0], [])
+    assert score_chunk(samples, None, {"openai/gsm8k": {"match": "numeric"}}, progress) == ([1.0, 1.0], [])
 
 
 def test_register_takes_several_names_and_the_prompt_flag():
