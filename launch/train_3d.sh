@@ -16,10 +16,19 @@ Role of this node, from (first match):
   SLURM_NODEID/SLURM_PROCID, SLURM_NNODES,
   SLURM_JOB_NODELIST (first host = head)              under srun, one task per node (slurm_train_3d.sbatch)
   nothing                                             a single node
-Settings (environment): RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_OBJECT_STORE_MEMORY (bytes; Ray's
-default), RAY_JOIN_TIMEOUT (600 s), RAY_WATCH_INTERVAL (10 s: how often the other nodes check that the head
-is up; they leave after 3 misses), GPUS_PER_NODE (default: SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or
-nvidia-smi), GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .venv/bin/python, else python3).
+Settings (environment): RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_DASHBOARD_HOST (127.0.0.1: reach the
+dashboard with `ssh -L 8265:localhost:8265 HEAD`), RAY_OBJECT_STORE_MEMORY (bytes; Ray's default),
+RAY_JOIN_TIMEOUT (600 s), RAY_WATCH_INTERVAL (10 s: how often the other nodes check that the head is up; they
+leave after 3 misses), GPUS_PER_NODE (default: SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or nvidia-smi),
+GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .venv/bin/python, else python3).
+
+Ray authentication (token) is on: only processes holding the cluster's token can use it. The token comes from
+  RAY_AUTH_TOKEN                                      the same value in every node's environment, or
+  RAY_AUTH_TOKEN_PATH                                 a file every node can read, or by default
+  <trainer.log_dir>/<trainer.experiment_name>/ray_auth_token
+Node 0 writes a new token (mode 0600) to the file if it is missing; the other nodes wait until they can read it,
+so the file must be on storage every node shares. RAY_AUTH_MODE=disabled turns authentication off: insecure,
+anyone who can reach the head's Ray ports can then run code on every node.
 
   --dry-run   check the config against this environment and print the plan (nodes, GPUs per role,
               TP/PP/EP/DP, memory per GPU) and the commands; starts nothing
@@ -57,10 +66,11 @@ fi
 # Every check runs here, before Ray starts; a failure exits with the message from Python.
 assignments=$("$python" -m rl_megatron.launch prepare "${check[@]}" "$@")
 # These are set by the eval below (shell-quoted by Python).
-NODE_RANK='' HEAD_HOST='' RAY_PORT='' EXPECTED_NODES='' EXPECTED_GPUS='' JOIN_TIMEOUT='' LOG_FILE='' PLAN=''
-RAY_CLI=() RAY_START=() TRAIN=()
+NODE_RANK='' HEAD_HOST='' RAY_PORT='' EXPECTED_NODES='' EXPECTED_GPUS='' JOIN_TIMEOUT='' LOG_FILE='' TOKEN_FILE=''
+PLAN='' RAY_CLI=() RAY_START=() TRAIN=() RAY_ENV=()
 eval "$assignments"
-export RAY_JOIN_TIMEOUT=$JOIN_TIMEOUT
+# RAY_ENV: Ray's authentication mode and token file, for every Ray command here and the trainer.
+export RAY_JOIN_TIMEOUT=$JOIN_TIMEOUT "${RAY_ENV[@]}"
 
 mkdir -p "$(dirname "$LOG_FILE")"
 exec > >(tee -a "$LOG_FILE") 2>&1
@@ -101,7 +111,7 @@ fi
 # The other nodes' Ray must outlive a SIGTERM while node 0 saves: they leave when the head's run ends.
 trap 'echo "node $NODE_RANK: SIGTERM: staying up until node 0 has saved and ended"' TERM
 
-"$python" -m rl_megatron.launch wait-head "$HEAD_HOST" "$RAY_PORT"
+"$python" -m rl_megatron.launch wait-head "$HEAD_HOST" "$RAY_PORT" ${TOKEN_FILE:+--token-file "$TOKEN_FILE"}
 # The head's port can answer before its GCS accepts nodes: retry the join a few times.
 for attempt in 1 2 3 4 5; do
   if "${RAY_START[@]}"; then ray_started=1; break; fi

@@ -3,9 +3,11 @@
   prepare [--dry-run] [--check] CONFIG [key=value ...]
                                                check config + environment, print the plan; without
                                                --dry-run print shell assignments for the script to eval
+                                               and, on the head, write the Ray token file if it is missing
                                                (--check: the head runs `rl_megatron.doctor`, not training)
   wait-cluster NODES GPUS                      (head) until that many nodes and GPUs joined Ray
-  wait-head HOST PORT / watch-head HOST PORT   (workers) until the head is up / while it is up
+  wait-head HOST PORT [--token-file PATH]      (workers) until the head is up and its token file is here
+  watch-head HOST PORT                         (workers) while the head is up
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
+from rl_megatron.launch.auth import RayAuth, ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
 
 DEFAULT_RAY_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_DASHBOARD_HOST = "127.0.0.1"  # the dashboard and job API run code on the cluster: reach them by ssh -L
 DEFAULT_JOIN_TIMEOUT_S = 600
 DEFAULT_WATCH_INTERVAL_S = 10  # a worker node checks the head this often; it leaves after 3 misses in a row
 # Ray's CLI from this interpreter's environment: `ray` need not be on PATH (an unactivated venv).
@@ -50,6 +55,8 @@ class NodeLaunch:
     run_dir: str
     log_file: str
     plan_text: str
+    auth: RayAuth
+    dashboard: Optional[str]  # host:port the head's dashboard listens on (None on the other nodes)
 
 
 def check_environment(node: NodeEnvironment, nnodes: int, gpus_per_node: int, nodes_keys: str) -> None:
@@ -88,9 +95,13 @@ def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLau
     object_store = _env_int("RAY_OBJECT_STORE_MEMORY", None)
     if object_store is not None:
         common.append(f"--object-store-memory={object_store}")
+    dashboard = None
     if node.node_rank == 0:
-        ray_start = [*RAY_CLI, "start", "--head", f"--port={port}", "--dashboard-host=0.0.0.0",
-                     f"--dashboard-port={_env_int('RAY_DASHBOARD_PORT', DEFAULT_DASHBOARD_PORT)}", *common]
+        dashboard_host = os.environ.get("RAY_DASHBOARD_HOST") or DEFAULT_DASHBOARD_HOST
+        dashboard_port = _env_int("RAY_DASHBOARD_PORT", DEFAULT_DASHBOARD_PORT)
+        dashboard = f"{dashboard_host}:{dashboard_port}"
+        ray_start = [*RAY_CLI, "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
+                     f"--dashboard-port={dashboard_port}", *common]
     else:
         ray_start = [*RAY_CLI, "start", f"--address={head_host}:{port}", *common]
     entry = "rl_megatron.doctor" if check else "rl_megatron.train"
@@ -98,7 +109,7 @@ def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLau
     run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
     return NodeLaunch(node, head_host, port, ray_start, train, plan.nnodes, plan.total_gpus if on_gpu else 0,
                       run_dir, os.path.join(run_dir, "logs", f"node{node.node_rank}.log"),
-                      render_plan(plan, cfg.model.path))
+                      render_plan(plan, cfg.model.path), ray_auth(os.environ, run_dir), dashboard)
 
 
 def describe_node(launch: NodeLaunch) -> str:
@@ -108,10 +119,14 @@ def describe_node(launch: NodeLaunch) -> str:
     gpus = f"{node.gpus} GPU(s) from {node.gpus_source}" if node.gpus is not None else node.gpus_source
     lines = [f"This node: rank {node.node_rank} of {node.nnodes} ({node.source}), {role}",
              f"  head {launch.head_host}:{launch.ray_port}; {gpus}",
+             f"  Ray authentication: {launch.auth.source}",
              f"  log {launch.log_file}",
              f"  would run: {shlex.join(launch.ray_start)}"]
     if node.node_rank == 0:
-        lines += [f"  then wait for {launch.expected_nodes} node(s) and {launch.expected_gpus} GPU(s) "
+        port = launch.dashboard.rpartition(":")[2]
+        lines += [f"  dashboard {launch.dashboard} (RAY_DASHBOARD_HOST); from your machine: "
+                  f"ssh -L {port}:localhost:{port} {launch.head_host}, then http://localhost:{port}",
+                  f"  then wait for {launch.expected_nodes} node(s) and {launch.expected_gpus} GPU(s) "
                   f"(RAY_JOIN_TIMEOUT={_env_int('RAY_JOIN_TIMEOUT', DEFAULT_JOIN_TIMEOUT_S)} s)",
                   f"  then: {shlex.join(launch.train)}"]
     return "\n".join(lines)
@@ -122,11 +137,11 @@ def shell_assignments(launch: NodeLaunch) -> str:
     values = {"NODE_RANK": launch.node.node_rank, "HEAD_HOST": launch.head_host, "RAY_PORT": launch.ray_port,
               "EXPECTED_NODES": launch.expected_nodes, "EXPECTED_GPUS": launch.expected_gpus,
               "JOIN_TIMEOUT": _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S),
-              "RUN_DIR": launch.run_dir, "LOG_FILE": launch.log_file,
+              "RUN_DIR": launch.run_dir, "LOG_FILE": launch.log_file, "TOKEN_FILE": launch.auth.token_file or "",
               "PLAN": launch.plan_text + "\n" + describe_node(launch)}
     lines = [f"{name}={shlex.quote(str(value))}" for name, value in values.items()]
     lines += [f"RAY_CLI=({shlex.join(RAY_CLI)})", f"RAY_START=({shlex.join(launch.ray_start)})",
-              f"TRAIN=({shlex.join(launch.train)})"]
+              f"TRAIN=({shlex.join(launch.train)})", f"RAY_ENV=({shlex.join(launch.auth.exports())})"]
     return "\n".join(lines)
 
 
@@ -148,6 +163,8 @@ def parse_args(argv):
         command = commands.add_parser(name, help=text)
         command.add_argument("host")
         command.add_argument("port", type=int)
+        if name == "wait-head":
+            command.add_argument("--token-file", help="and until node 0's Ray token file can be read here")
     return parser.parse_args(argv)
 
 
@@ -164,12 +181,15 @@ def _run(args) -> None:
         if args.dry_run:
             print(launch.plan_text + "\n" + describe_node(launch) + "\nDry run: nothing was started.")
         else:  # the script prints PLAN once its per-node log is open
+            if launch.node.node_rank == 0 and launch.auth.token_file:
+                write_token_file(launch.auth.token_file)  # before `ray start --head`, which needs it
             print(shell_assignments(launch))
     elif args.command == "wait-cluster":
         timeout = _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S)
         print(ray_cluster.wait_for_cluster("auto", args.nodes, args.gpus, timeout), file=sys.stderr)
     elif args.command == "wait-head":
-        ray_cluster.wait_for_head(args.host, args.port, _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S))
+        ray_cluster.wait_for_head(args.host, args.port, _env_int("RAY_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT_S),
+                                  token_file=args.token_file)
     else:
         ray_cluster.watch_head(args.host, args.port, _env_int("RAY_WATCH_INTERVAL", DEFAULT_WATCH_INTERVAL_S))
 

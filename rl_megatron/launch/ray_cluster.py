@@ -1,6 +1,7 @@
 """Waiting for a multi-node Ray cluster: the head waits for every node and GPU, the workers for the head."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Optional
@@ -48,13 +49,29 @@ def port_open(host: str, port: int, timeout_s: float = 3.0) -> bool:
         return False
 
 
-def wait_for_head(host: str, port: int, timeout_s: float, poll_s: float = 2.0) -> None:
-    """Block until the head's Ray port accepts connections (the head node may start later than this one)."""
+def _holds_token(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
+def wait_for_head(host: str, port: int, timeout_s: float, poll_s: float = 2.0,
+                  token_file: Optional[str] = None) -> None:
+    """Block until the head's Ray port accepts connections (the head node may start later than this one) and, with
+    a `token_file`, until node 0's token can be read here: shared file systems can show a new file late."""
     deadline = time.monotonic() + timeout_s
     while not port_open(host, port):
         if time.monotonic() >= deadline:
             raise LaunchError(f"The Ray head {host}:{port} did not come up within {timeout_s:g} s (RAY_JOIN_TIMEOUT). "
                               "Check node 0's log, MASTER_ADDR / the first host of SLURM_JOB_NODELIST, and RAY_PORT.")
+        time.sleep(poll_s)
+    while token_file and not _holds_token(token_file):
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"The Ray head {host}:{port} is up, but its token file {token_file} is missing or empty "
+                              f"on this node after {timeout_s:g} s (RAY_JOIN_TIMEOUT): node 0 writes it, so it must be "
+                              "on storage every node shares. Put trainer.log_dir there, or set RAY_AUTH_TOKEN_PATH to "
+                              "a file there, or RAY_AUTH_TOKEN to the same token on every node.")
         time.sleep(poll_s)
 
 

@@ -1,14 +1,17 @@
-"""The multi-node launch plan: parameter counts from config.json, memory per GPU, placement checks, and this
-node's role from torchrun-style / SLURM variables."""
+"""The multi-node launch plan: parameter counts from config.json, memory per GPU, placement checks, this
+node's role from torchrun-style / SLURM variables, and Ray's authentication."""
 import json
+import os
 import socket
+import stat
 import threading
 
 import pytest
 
 from rl_megatron.config import ConfigError, load_config, worker_pools
 from rl_megatron.launch import build_plan, format_plan
-from rl_megatron.launch.__main__ import check_environment
+from rl_megatron.launch.__main__ import check_environment, describe_node, plan_node, shell_assignments
+from rl_megatron.launch.auth import ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
 from rl_megatron.launch.memory import RankParameters, rank_parameters, training_state_bytes
 from rl_megatron.launch.ray_cluster import cluster_shortfall, port_open, wait_for_head
@@ -167,6 +170,57 @@ def test_wait_for_head_sees_a_listening_port_and_times_out_on_a_closed_one():
     assert not port_open("127.0.0.1", port)
     with pytest.raises(LaunchError, match="did not come up within 0.2 s"):
         wait_for_head("127.0.0.1", port, timeout_s=0.2, poll_s=0.1)
+
+
+def test_ray_auth_is_on_by_default_and_takes_the_token_where_ray_would(tmp_path):
+    default = ray_auth({}, str(tmp_path / "run"))
+    assert default.exports() == ["RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={tmp_path}/run/ray_auth_token"]
+    given = ray_auth({"RAY_AUTH_TOKEN_PATH": "~/shared/token"}, "run")
+    assert given.token_file == os.path.expanduser("~/shared/token") and "(RAY_AUTH_TOKEN_PATH;" in given.source
+    in_env = ray_auth({"RAY_AUTH_TOKEN": "s3cret", "RAY_AUTH_TOKEN_PATH": "/x"}, "run")  # Ray's precedence
+    assert in_env.exports() == ["RAY_AUTH_MODE=token"] and "s3cret" not in in_env.source
+    off = ray_auth({"RAY_AUTH_MODE": "disabled"}, "run")
+    assert off.exports() == ["RAY_AUTH_MODE=disabled"] and "insecure" in off.source
+    with pytest.raises(LaunchError, match="RAY_AUTH_MODE='tokn'"):
+        ray_auth({"RAY_AUTH_MODE": "tokn"}, "run")
+
+
+def test_token_file_is_the_owners_only_kept_across_launches_and_refused_when_others_can_read_it(tmp_path):
+    path = tmp_path / "run" / "ray_auth_token"
+    write_token_file(str(path))
+    token = path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(token) == 64
+    assert os.listdir(path.parent) == ["ray_auth_token"]  # no partial file left
+    write_token_file(str(path))  # the same command again (a resumed run) keeps the token
+    assert path.read_text() == token
+    path.chmod(0o644)
+    with pytest.raises(LaunchError, match="can be read by other users .*chmod 600"):
+        write_token_file(str(path))
+
+
+def test_wait_for_head_waits_for_the_token_file_too(tmp_path):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)  # the kernel completes the probes' connections: no accept needed
+    port, token = server.getsockname()[1], tmp_path / "ray_auth_token"
+    with pytest.raises(LaunchError, match="token file .* missing or empty on this node after 0.2 s"):
+        wait_for_head("127.0.0.1", port, timeout_s=0.2, poll_s=0.1, token_file=str(token))
+    token.write_text("0" * 64)
+    wait_for_head("127.0.0.1", port, timeout_s=5, poll_s=0.1, token_file=str(token))
+    server.close()
+
+
+def test_opt_out_and_dashboard_host_reach_the_plan_and_the_script(monkeypatch, tmp_path):
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_PORT", "RAY_DASHBOARD_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"NNODES": "1", "NODE_RANK": "0", "GPUS_PER_NODE": "2", "RAY_AUTH_MODE": "disabled",
+                        "RAY_DASHBOARD_HOST": "0.0.0.0"}.items():
+        monkeypatch.setenv(name, value)
+    launch = plan_node(DEMO, [f"trainer.log_dir={tmp_path}"])
+    described, script = describe_node(launch), shell_assignments(launch)
+    assert "Ray authentication: OFF (RAY_AUTH_MODE=disabled) - insecure" in described
+    assert "--dashboard-host=0.0.0.0 --dashboard-port=8265" in described and "dashboard 0.0.0.0:8265" in described
+    assert "RAY_ENV=(RAY_AUTH_MODE=disabled)" in script and "TOKEN_FILE=''" in script
 
 
 def test_separate_rollout_engines_get_a_pool_after_the_actors_nodes():
