@@ -24,6 +24,7 @@ import torch
 
 from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
+from rl_megatron.models.tiny import build_tokenizer
 
 BENCHES = ("generate", "log_probs", "update", "reshard", "train")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
@@ -111,6 +112,9 @@ def main(argv=None) -> None:
         json.dump(bench_model_config(args.hidden, args.layers, args.vocab, tied=tied,
                                      max_positions=max(2048, args.seq), experts=MOE_EXPERTS if args.moe else 0,
                                      **widths), f)
+    # The benchmarks feed random token ids; the config's pre-flight check wants a tokenizer (the demo's fits any
+    # vocabulary of at least its 18 tokens).
+    build_tokenizer().save_pretrained(model_dir)
     if args.name == "reshard":
         from rl_megatron.bench import reshard
 

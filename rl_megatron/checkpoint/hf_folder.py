@@ -9,8 +9,7 @@ import os
 import torch
 
 from rl_megatron.checkpoint.model import copy_side_files
-
-INDEX_FILE = "model.safetensors.index.json"
+from rl_megatron.models.hf_weights import INDEX_FILE
 # The names config.json uses for a parameter dtype (transformers < 5 writes torch_dtype, >= 5 dtype).
 CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 

@@ -4,7 +4,9 @@ The trainer (through `load_config`), `python -m rl_megatron.launch prepare [--dr
 all go through `preflight`. Each value has been checked against its rule in schema.py by `resolve`; here come the
 checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`), the
 user's code (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the
-layouts (`rl_megatron.models.checks`).
+layouts (`rl_megatron.models.checks`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with
+the first prompt encoded) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
+the files' headers).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from rl_megatron.config.layout import check_actor_layout, check_model_against_la
 from rl_megatron.config.model_files import model_config
 from rl_megatron.config.pools import uses_reference
 from rl_megatron.config.schema import Config
-from rl_megatron.data.section import check_data_section
+from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
+from rl_megatron.models.hf_weights import check_hf_weights
+from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.custom import load_custom_fn
 
@@ -36,7 +40,11 @@ def preflight(cfg: Config) -> None:
     check_actor_layout(cfg)
     check_role_layouts(cfg)
     check_moe_knobs(cfg)
-    check_model_against_layouts(cfg, model_config(cfg))
+    hf = model_config(cfg)
+    check_model_against_layouts(cfg, hf)
+    # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
+    check_first_prompt_encodes(cfg.data, checked_tokenizer(cfg.model.path, hf), cfg.model.path)
+    _check_initial_weights(cfg, hf)
 
 
 def _check_trainer(cfg: Config) -> None:
@@ -73,6 +81,20 @@ def check_creatable_folder(path: str, key: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: '{path}' is not writable: no permission to write in '{existing}'. Point {key} "
                           "at a folder you can write to.")
+
+
+def _check_initial_weights(cfg: Config, hf: dict) -> None:
+    """The HF weights the workers will load (`models.gpt.load_hf_weights`), from the safetensors headers: the
+    policy's and the reference's from model.path, unless model.random_init or model.checkpoint (whose own check
+    covers it) gives them; the critic's trunk from critic.model_path, unless model.random_init. Both are built from
+    model.path's config.json (`hf`)."""
+    model, critic = cfg.model, cfg.critic
+    if model.random_init:
+        return
+    if model.checkpoint is None:
+        check_hf_weights(model.path, hf, "model.path")
+    if critic.enable and (model.checkpoint is not None or critic.model_path != model.path):
+        check_hf_weights(critic.model_path, hf, "critic.model_path", output_layer=False)  # its value head is new
 
 
 def _check_algorithm(cfg: Config) -> None:

@@ -22,6 +22,8 @@ REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 LAYOUT_HINT = ("verl's layout has the columns data_source (string), prompt (list of {role, content} messages, or a "
                "string), reward_model (struct with a ground_truth field) and optionally extra_info; "
                "`python -m rl_megatron.data.prepare --help` writes such files")
+READ_FIX = ("Write it with pyarrow.parquet.write_table or pandas.DataFrame.to_parquet (or "
+            "`python -m rl_megatron.data.prepare`), or remove it from the list.")
 
 
 class DataFileError(ConfigError):
@@ -120,15 +122,40 @@ def read_parquet_rows(path: str, key: str) -> list[dict]:
     return rows
 
 
-def _read_table(path: str, key: str) -> pa.Table:
-    fix = ("Write it with pyarrow.parquet.write_table or pandas.DataFrame.to_parquet (or "
-           "`python -m rl_megatron.data.prepare`), or remove it from the list.")
+def read_first_prompt(path: str, key: str):
+    """The prompt of the file's first row, read alone (only that column's first batch): what the pre-flight check
+    encodes. The loader reads and checks every row (`read_parquet_rows`); the problems found here are worded alike."""
+    check_data_file(path, key)
+    _check_not_empty(path, key)
+    try:
+        parquet = pq.ParquetFile(path)
+        if "prompt" not in parquet.schema_arrow.names:
+            raise DataFileError(key, path, f"has no column 'prompt' (its columns: "
+                                f"{', '.join(parquet.schema_arrow.names)})", f"{LAYOUT_HINT}.", column="prompt")
+        prompt_type = parquet.schema_arrow.field("prompt").type
+        first = next(parquet.iter_batches(batch_size=1, columns=["prompt"]), None)
+    except (pa.ArrowException, OSError) as err:
+        raise DataFileError(key, path, f"is not a readable parquet file ({one_line(err)})", READ_FIX) from None
+    if first is None or first.num_rows == 0:
+        raise DataFileError(key, path, "has no rows", "Point the key at a file with prompts.")
+    prompt = first.column(0)[0].as_py()
+    _check_type(key, path, "prompt", [prompt], _is_text(prompt_type) or _is_message_list(prompt_type),
+                "lists of {role, content} messages (both strings) or strings")
+    _check_prompt(key, path, 0, prompt)
+    return prompt
+
+
+def _check_not_empty(path: str, key: str) -> None:
     if os.path.getsize(path) == 0:
-        raise DataFileError(key, path, "is empty (0 bytes)", fix)
+        raise DataFileError(key, path, "is empty (0 bytes)", READ_FIX)
+
+
+def _read_table(path: str, key: str) -> pa.Table:
+    _check_not_empty(path, key)
     try:
         return pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
-        raise DataFileError(key, path, f"is not a readable parquet file ({one_line(err)})", fix) from None
+        raise DataFileError(key, path, f"is not a readable parquet file ({one_line(err)})", READ_FIX) from None
 
 
 def _is_text(arrow_type: pa.DataType) -> bool:

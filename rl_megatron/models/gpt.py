@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.family import family_of, moe_experts, rope_scaling, rope_theta, table_for
+from rl_megatron.models.hf_weights import INDEX_FILE
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -240,7 +241,7 @@ class SafetensorsReader:
     def __init__(self, folder: str):
         from safetensors import safe_open
 
-        index_file = os.path.join(folder, "model.safetensors.index.json")
+        index_file = os.path.join(folder, INDEX_FILE)
         if os.path.isfile(index_file):
             with open(index_file) as f:
                 weight_map = json.load(f)["weight_map"]

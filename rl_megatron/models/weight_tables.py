@@ -197,6 +197,7 @@ class DenseTable:
         q, kv = heads * head_dim, groups * head_dim
         qkv = FusedQKV(groups=groups, heads=heads, head_dim=head_dim)
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.num_layers, self.experts = hf_config["num_hidden_layers"], 0  # routed experts per layer: none
         attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
 
         def entry(names, layout, shapes):
@@ -229,6 +230,23 @@ class DenseTable:
             "decoder.final_layernorm.weight": entry(["model.norm.weight"], Replicated(), [(hidden,)]),
             "output_layer.weight": entry([output_name], vocab_layout, [(vocab, hidden)]),
         }
+
+    def hf_tensors(self, output_layer: bool = True) -> dict[str, Shape]:
+        """Every HF tensor that loading a whole model of this table reads (`models.gpt.load_hf_weights` looks up
+        each parameter here), with its shape: what a model folder must hold. In the table's order: the embedding,
+        final norm and output layer, then layer by layer. Without `output_layer` (a critic, whose value head
+        replaces the output layer) lm_head is not needed; with tied embeddings the output layer is the embedding."""
+        needed: dict[str, Shape] = {}
+        for name, entry in self.other.items():
+            if output_layer or name != "output_layer.weight":
+                needed.update(zip(entry.hf_names, entry.hf_shapes))
+        for layer in range(self.num_layers):
+            for entry in self.layer.values():
+                per_expert = any("{e}" in name for name in entry.hf_names)
+                for expert in range(self.experts) if per_expert else (None,):
+                    needed.update((name.format(i=layer, e=expert), shape)
+                                  for name, shape in zip(entry.hf_names, entry.hf_shapes))
+        return needed
 
     def lookup(self, megatron_name: str, layer_offset: int, expert_offset: int = 0) -> Entry:
         """The HF names (layer and expert indices resolved to global ones: this chunk's first layer is
@@ -272,6 +290,7 @@ class MoeTable(DenseTable):
     def __init__(self, hf_config: dict, padded_vocab: int, names: ExpertNames, experts: int, expert_width: int,
                  qkv_bias: bool, qk_layernorm: bool):
         super().__init__(hf_config, padded_vocab, qkv_bias, qk_layernorm)
+        self.experts = experts
         hidden = hf_config["hidden_size"]
         block = f"model.layers.{{i}}.{names.block}."
         expert = block + "experts.{e}."

@@ -15,7 +15,6 @@ from contextlib import ExitStack
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from rl_megatron import platform
 from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, outcome_token_rewards,
@@ -26,6 +25,7 @@ from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choo
 from rl_megatron.config import Config, ConfigError, model_config, to_yaml
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
+from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
@@ -53,7 +53,7 @@ class Trainer:
         import_user_modules(cfg.trainer.imports)  # before anything looks up what they register
         self.rollout_fn: RolloutFn = load_callable(cfg.rollout.function, "rollout.function")
         self.hf_config = model_config(cfg)  # config.json with the moe section's overrides
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = checked_tokenizer(cfg.model.path, self.hf_config)  # the one the pre-flight check loaded
         self.pad_id = pad_token_id(self.tokenizer)
         self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed)
         validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train

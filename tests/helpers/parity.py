@@ -33,8 +33,11 @@ def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):
 
 def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) -> str:
     """A tiny HF model of `family` with every parameter random (norm weights and biases too, so that a wrong
-    mapping of any of them shows); `extra` sets further config fields."""
+    mapping of any of them shows), and the demo model's tokenizer (its 18 tokens are the model's vocabulary);
+    `extra` sets further config fields."""
     import transformers
+
+    from rl_megatron.models.tiny import build_tokenizer
 
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
                     "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
@@ -53,6 +56,7 @@ def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) 
         for name, param in model.named_parameters():
             param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
     model.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
     return str(folder)
 
 

@@ -3,13 +3,18 @@
 Each case runs the real entry point in a subprocess. A configuration problem must exit with code 2, print a single
 line starting with `error:` on stderr and no traceback, and do so quickly (Ray and Megatron are never started).
 """
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
+import torch
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = "configs/demo_cpu.yaml"
+DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 FAIL_FAST_S = 20  # a config error must be reported well before Ray (or Megatron, or vLLM) could start
 
 
@@ -132,3 +137,94 @@ def test_a_ray_address_where_no_head_answers():
     error, = proc.stderr.strip().splitlines()
     assert error.startswith("error: ray.address='127.0.0.1:") and "ray.connect_timeout_s=2 s" in error, error
     assert seconds < FAIL_FAST_S, seconds
+
+
+# ---------------------------------------------------------------------------- the model folder: tokenizer and weights
+# Each broken folder is the demo model's (tokenizer, config) with real safetensors weights (conftest's tiny_model_dir),
+# broken in one way. Without the pre-flight check these started a run on an empty tokenizer, or failed in a worker's
+# traceback after Ray and the workers had started.
+
+
+def model_copy(source, folder, skip=()) -> str:
+    return str(shutil.copytree(source, folder, ignore=shutil.ignore_patterns(*skip)))
+
+
+def run_on_weights(folder):
+    return run_train("--config", DEMO, f"model.path={folder}", "model.random_init=false")
+
+
+def test_model_folder_without_tokenizer_files(tmp_path):
+    folder = model_copy(DEMO_MODEL, tmp_path / "no-tokenizer", skip=("tokenizer*",))
+    proc, seconds = run_train("--config", DEMO, f"model.path={folder}")
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "no tokenizer", "tokenizer.json", "EMPTY tokenizer")
+
+
+def test_tokenizer_larger_than_the_models_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = model_copy(DEMO_MODEL, tmp_path / "big-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<extra_0>", "<extra_1>"])  # 20 tokens; config.json's vocab_size is 18
+    tokenizer.save_pretrained(folder)
+    proc, seconds = run_train("--config", DEMO, f"model.path={folder}")
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "tokenizer.json", "20 tokens", "vocab_size=18")
+
+
+def test_no_safetensors_without_random_init():
+    proc, seconds = run_train("--config", DEMO, "model.random_init=false")  # the demo model has no weights
+    assert_config_error(proc, seconds, "model.path='configs/models/tiny-qwen2-digits'", "no *.safetensors",
+                        "model.random_init=true")
+
+
+def test_truncated_safetensors_file(tmp_path, tiny_model_dir):
+    folder = model_copy(tiny_model_dir, tmp_path / "truncated")
+    weights = os.path.join(folder, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    proc, seconds = run_on_weights(folder)
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "'model.safetensors'", "cut short")
+
+
+def test_sharded_weights_whose_index_names_a_missing_shard(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from rl_megatron.checkpoint.hf_folder import write_hf_folder
+
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    state = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    write_hf_folder(state, str(folder), hf_config, tiny_model_dir, torch.float32, max_shard_bytes=100_000,
+                    progress=lambda line: None)
+    shards = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    assert len(shards) > 2
+    os.remove(folder / shards[1])
+    proc, seconds = run_on_weights(folder)
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "model.safetensors.index.json", f"'{shards[1]}'",
+                        "missing")
+
+
+def test_safetensors_lacking_a_tensor_the_model_needs(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = model_copy(tiny_model_dir, tmp_path / "lacking")
+    weights = os.path.join(folder, "model.safetensors")
+    state = load_file(weights)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, weights)
+    proc, seconds = run_on_weights(folder)
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "'model.layers.1.mlp.down_proj.weight'",
+                        "(model.safetensors)")
+
+
+def test_safetensors_with_a_misshapen_tensor(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = model_copy(tiny_model_dir, tmp_path / "misshapen")
+    weights = os.path.join(folder, "model.safetensors")
+    state = load_file(weights)
+    state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # config.json implies (64, 64)
+    save_file(state, weights)
+    proc, seconds = run_on_weights(folder)
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "'model.layers.0.self_attn.k_proj.weight'",
+                        "in 'model.safetensors'", "[32, 64]", "[64, 64]")

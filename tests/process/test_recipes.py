@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.model_folders import write_header_only_weights, write_text_tokenizer
 
 from rl_megatron.config import load_config
 from rl_megatron.launch import format_plan
@@ -28,11 +29,15 @@ QWEN2_5 = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_laye
 
 
 def model_folder(tmp_path, size):
+    """The released model's config.json, a small text tokenizer and safetensors of the model's shapes whose data
+    are holes (the pre-flight check reads the headers only)."""
     folder = tmp_path / f"Qwen-{size}"
     folder.mkdir()
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
               "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151643, **QWEN2_5[size]}
     (folder / "config.json").write_text(json.dumps(config))
+    write_text_tokenizer(str(folder))
+    write_header_only_weights(str(folder), config, files=4)
     return str(folder)
 
 

@@ -5,6 +5,7 @@ No Ray, no Megatron: these run in well under a second.
 """
 import json
 import os
+import shutil
 
 import pytest
 
@@ -36,12 +37,15 @@ def write(folder, name, text) -> str:
 
 
 def model_folder(folder, **hf) -> str:
-    """A model folder whose config.json has the demo model's shape, changed by `hf` (None drops a field)."""
+    """A model folder whose config.json has the demo model's shape, changed by `hf` (None drops a field), with the
+    demo model's tokenizer (and, like it, no weights: for random_init configs)."""
     config = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64,
               "vocab_size": 18, **hf}
     config = {key: value for key, value in config.items() if value is not None}
     os.makedirs(folder, exist_ok=True)
     write(folder, "config.json", json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(DEMO_MODEL, name), folder)
     return str(folder)
 
 
@@ -76,9 +80,9 @@ def test_schema_defaults_fill_keys_the_yaml_leaves_out():
     assert cfg.ray.address is None
 
 
-def test_overrides_apply_to_nested_keys_and_are_typed():
+def test_overrides_apply_to_nested_keys_and_are_typed(tiny_model_dir):
     cfg = load_demo("actor.optim.lr=0.5", "trainer.total_steps=5", "trainer.target_reward=null",
-                    "model.random_init=false", "actor.optim.betas=[0.8,0.95]", "trainer.experiment_name=123")
+                    f"model.path={tiny_model_dir}", "model.random_init=false", "actor.optim.betas=[0.8,0.95]", "trainer.experiment_name=123")
     assert cfg.actor.optim.lr == 0.5 and isinstance(cfg.actor.optim.lr, float)
     assert cfg.trainer.total_steps == 5 and isinstance(cfg.trainer.total_steps, int)
     assert cfg.trainer.target_reward is None
@@ -103,12 +107,12 @@ def test_override_value_may_contain_equals_sign():
 
 
 def test_no_yaml_at_all_uses_the_schema_defaults_plus_overrides():
-    cfg = load_config(None, [f"model.path={DEMO_MODEL}"])
+    cfg = load_config(None, [f"model.path={DEMO_MODEL}", "model.random_init=true"])  # the demo model has no weights
     assert cfg.actor.optim.lr == 1e-6 and cfg.trainer.total_steps == 100
 
 
 def test_an_empty_section_in_yaml_is_allowed(tmp_path):
-    path = write(tmp_path, "c.yaml", f"trainer:\nmodel:\n  path: {DEMO_MODEL}\n")
+    path = write(tmp_path, "c.yaml", f"trainer:\nmodel:\n  path: {DEMO_MODEL}\n  random_init: true\n")
     assert load_config(path).trainer.total_steps == 100
 
 

@@ -215,7 +215,8 @@ def test_task_and_train_files_exclude_each_other(tmp_path):
 
 
 def test_config_keys_are_checked_when_the_config_loads(tmp_path):
-    path = write_parquet(tmp_path / "train.parquet", sum_rows(PAIRS))
+    # Plain-text prompts: the demo's tokenizer has no chat template (the pre-flight check encodes the first prompt).
+    path = write_parquet(tmp_path / "train.parquet", sum_rows(PAIRS, as_messages=False))
     cfg = load_config(DEMO_CONFIG, ["data.task=null", f"data.train_files=[{path}]",
                                                 f"data.val_files={path}"])
     assert (cfg.data.train_files, cfg.data.val_files, cfg.data.task) == ([path], [path], None)

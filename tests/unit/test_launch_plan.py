@@ -234,9 +234,10 @@ def test_separate_rollout_engines_get_a_pool_after_the_actors_nodes():
     assert "node 2: rollout pool, 1 x 8 = 8 GPUs" in format_plan(cfg, gpu_memory_gib=80)
 
 
-def test_worker_pools_are_the_plans_pools_with_each_roles_layout():
+def test_worker_pools_are_the_plans_pools_with_each_roles_layout(tiny_model_dir):
     """The trainer's worker groups and the printed plan come from the same pools."""
     cfg = cluster("actor.tensor_model_parallel_size=2", "actor.use_kl_loss=true", "model.random_init=false",
+                  f"model.path={tiny_model_dir}",  # separate reference workers load the model's weights
                   "ref.placement=separate",
                   "ref.nnodes=1", "ref.n_gpus_per_node=4", "ref.tensor_model_parallel_size=1",
                   "rollout.placement=separate", "rollout.nnodes=1", "rollout.n_gpus_per_node=8")

@@ -63,7 +63,7 @@ def test_checkpoint_tensor_of_the_wrong_shape_is_named():
         shard_from_hf(entry, [torch.randn(6)], 0, 1)
 
 
-HF = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8,
+HF = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8,
       "intermediate_size": 16, "vocab_size": 10, "tie_word_embeddings": False}
 
 

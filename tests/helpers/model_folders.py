@@ -1,0 +1,46 @@
+"""Model folders at the size of released models, for what reads only their headers and config: complete
+safetensors headers whose data sections are holes (sparse files: the right size, no disk, written in milliseconds),
+and a small text tokenizer with a chat template."""
+import json
+import math
+import os
+import struct
+
+from rl_megatron.models.family import table_for
+from rl_megatron.models.hf_weights import DTYPE_BYTES, INDEX_FILE
+from rl_megatron.models.tiny import TEXT_CHARACTERS, build_tokenizer
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def write_header_only_weights(folder: str, hf: dict, files: int = 1, dtype: str = "BF16") -> list[str]:
+    """Every tensor the model of config.json `hf` loads (its weight table's), in `files` safetensors files (with
+    the index when more than one) whose data are holes. Returns the file names."""
+    tensors = list(table_for(hf, hf["vocab_size"]).hf_tensors().items())
+    per_file = math.ceil(len(tensors) / files)
+    names, weight_map = [], {}
+    for number in range(files):
+        name = "model.safetensors" if files == 1 else f"model-{number + 1:05d}-of-{files:05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for tensor, shape in tensors[number * per_file:(number + 1) * per_file]:
+            size = math.prod(shape) * DTYPE_BYTES[dtype]
+            header[tensor] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            weight_map[tensor] = name
+            offset += size
+        raw = json.dumps(header).encode()
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)  # the data section: a hole
+        names.append(name)
+    if files > 1:
+        with open(os.path.join(folder, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return names
+
+
+def write_text_tokenizer(folder: str) -> None:
+    """The tiny model's printable-ASCII tokenizer, with a chat template: real task prompts encode to tokens."""
+    tokenizer = build_tokenizer(TEXT_CHARACTERS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
