@@ -3,6 +3,7 @@ the last lines of its log, instead of Ray's raw "The actor is dead because its w
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import psutil
@@ -10,6 +11,8 @@ import ray
 
 LOG_LINES = 12  # of each of the worker's stdout and stderr files
 GIB = 1 << 30
+# In Ray's OOM message: "Memory on the node (IP: 10.0.0.5, ID: 1f6d...) was 22.1GB used / 23.5GB limit (0.94)".
+RAY_MEMORY_FIGURES = re.compile(r"Memory on the node \(IP: (?P<ip>[^,]+),[^)]*\) was (?P<used>[^(]+)")
 
 
 class WorkerDied(RuntimeError):
@@ -51,10 +54,11 @@ def memory_now() -> str:
 def cause_of_death(ray_message: str, local: bool, oom_kills_before: int | None) -> str:
     """Why the worker died, in plain words, from Ray's message and (on this node) the kernel's OOM count."""
     if "low on memory" in ray_message:  # Ray's memory monitor: its message carries the node's figures
-        figures = next((line.strip() for line in ray_message.splitlines() if "Memory on the node" in line), "")
-        return ("Ray's memory monitor killed it: the node was running out of memory. " + figures +
-                " Lower the memory the run needs (smaller rollout.max_tokens, micro-batches, or "
-                "rollout.gpu_memory_utilization) or give the node more.")
+        figures = RAY_MEMORY_FIGURES.search(ray_message)
+        used = f" (node {figures['ip']}: {figures['used'].strip()})" if figures else ""
+        return (f"Ray's memory monitor killed it: the node was running out of memory{used}. Lower the memory the "
+                "run needs (smaller rollout.max_tokens, micro-batches, or rollout.gpu_memory_utilization) or give "
+                "the node more (Ray kills workers above RAY_memory_usage_threshold of it, 0.95 by default).")
     if local:
         after = oom_kills()
         if None not in (after, oom_kills_before) and after > oom_kills_before:

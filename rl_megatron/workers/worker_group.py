@@ -20,7 +20,7 @@ import logging
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -192,10 +192,12 @@ class WorkerGroup:
                 ray.get(ping, timeout=0)
             except GetTimeoutError:
                 continue
-            except RayActorError as death:  # Ray's word on the cause comes with every call to a dead actor
+            # Ray's word on the cause comes with every call to a dead actor (OutOfMemoryError: its memory monitor
+            # killed the worker while it was being created).
+            except (RayActorError, OutOfMemoryError) as death:
                 where = placement[rank] if placement else None
-                return describe_death(self.name, rank, self.pool.world_size, where, death.error_msg or str(death),
-                                      here, self.oom_kills_before)
+                return describe_death(self.name, rank, self.pool.world_size, where,
+                                      getattr(death, "error_msg", None) or str(death), here, self.oom_kills_before)
         return None
 
     def call_async(self, name: str, *args, **kwargs) -> list:

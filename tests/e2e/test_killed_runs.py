@@ -1,10 +1,11 @@
 """Runs that die, as users meet them: the controller SIGKILLed before its first checkpoint leaves no process behind,
 and the same command then starts the run's records afresh (no step logged twice); a worker killed mid-run stops
 the controller with a report (which role, rank and node, why, its log, the checkpoint to resume from) and exit
-code 3; the same command then resumes, and every step is logged exactly once."""
+code 3; the same command then resumes, and every step is logged exactly once. Workers killed by Ray's memory monitor
+are reported as out of memory, with the node's figures."""
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -75,3 +76,17 @@ def test_a_killed_controller_and_a_dead_worker(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "(step 3)" in done.stdout
     assert logged_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_a_worker_killed_for_memory_is_said_so_with_the_figures(tmp_path):
+    """Ray's own memory monitor, set to a threshold this machine is already above, kills the workers as they
+    start: the report says so plainly, with the node's figures, and the exit code is a dead worker's."""
+    env = dict(os.environ, RAY_memory_usage_threshold="0.01", RAY_memory_monitor_refresh_ms="200")
+    done = subprocess.run([sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
+                           f"trainer.log_dir={tmp_path}", *RUN], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == WORKER_DIED, done.stderr[-4000:]
+    report = done.stderr[done.stderr.index("error: "):]
+    assert "error: The actor+rollout worker rank" in report and "died: Ray's memory monitor killed it" in report
+    assert re.search(r"the node was running out of memory \(node [\d.]+: [\d.]+GB used / [\d.]+GB limit\)", report)
+    assert "No checkpoint was saved yet" in report and "Traceback" not in report, report
