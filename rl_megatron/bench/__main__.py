@@ -160,7 +160,7 @@ def run(args, model_dir: str) -> dict:
 
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0, eos_token_id=hf["eos_token_id"])
+    engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0)
     prompts = batch.input_ids[:, : args.seq - response].tolist()
     counts = []
     seconds = timed(lambda: counts.append(sum(len(g.response_ids) for g in engine.generate(prompts, n=1))), repeats=2)

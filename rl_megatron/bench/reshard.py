@@ -55,8 +55,7 @@ def measure_rank(cfg, repeats: int) -> dict:
     hf = model_config(cfg)
     actor = MegatronActor(cfg, hf, optimizer_steps=10)
     rank = dist.get_rank()
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=rank // cfg.rollout.tensor_parallel_size,
-                        eos_token_id=hf["eos_token_id"])
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=rank // cfg.rollout.tensor_parallel_size)
     try:
         sources = actor.weight_sources()
         resharder = Resharder(*sources, vllm_targets(engine.model()), bucket_bytes=cfg.resharding.bucket_mb << 20,
@@ -126,14 +125,12 @@ def receive_rank(cfg, syncs: int, host: str, port: int, size: int) -> dict:
     """An engine worker of a separate-engine sync (`RolloutWorker.sync_weights`'s path)."""
     import torch.distributed as dist
 
-    from rl_megatron.config import model_config
     from rl_megatron.resharding import engine_mismatches, vllm_targets
     from rl_megatron.resharding import checksum
     from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=0,
-                        eos_token_id=model_config(cfg)["eos_token_id"])
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=0)
     try:
         targets = vllm_targets(engine.model())
         group = weight_group(host, port, 1 + dist.get_rank(), size)

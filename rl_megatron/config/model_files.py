@@ -50,3 +50,32 @@ def model_config(cfg: Config) -> dict:
     """model.path's config.json with the moe section's overrides: the model every process builds."""
     hf = read_hf_config(cfg.model.path)
     return {**hf, **moe_hf_overrides(cfg, hf)}
+
+
+def end_of_sequence_ids(model_path: str, hf: dict) -> list[int]:
+    """The token ids generation stops at: config.json's `eos_token_id` (`hf`) and generation_config.json's, each
+    one id or a list (Llama 3.1 lists three), in that order without repeats. ConfigError naming model.path when
+    there is none, or one is not a token id of the model."""
+    ids = _id_list(hf.get("eos_token_id"))
+    generation_file = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(generation_file):
+        try:
+            with open(generation_file) as f:
+                ids += _id_list(json.load(f).get("eos_token_id"))
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+            raise ConfigError(f"model.path='{model_path}': generation_config.json is not a readable JSON object "
+                              f"({one_line(err)}). Fix or remove the file.") from None
+    ids = list(dict.fromkeys(ids))
+    vocab_size = hf.get("vocab_size")
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or i < 0
+           or (isinstance(vocab_size, int) and i >= vocab_size)]
+    if not ids or bad:
+        problem = f"{bad[0]!r} is not a token id below vocab_size={vocab_size}" if bad else "none is given"
+        raise ConfigError(f"model.path='{model_path}': the end-of-sequence token ids (eos_token_id in config.json "
+                          f"or generation_config.json) tell generation where to stop, but {problem}. Set "
+                          "eos_token_id as the model's original folder has it.")
+    return ids
+
+
+def _id_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]

@@ -20,6 +20,7 @@ import torch
 
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
+from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
@@ -170,11 +171,12 @@ def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[in
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, eos_token_id: int,
-                 hf_overrides: dict | None = None, load_format: str = "dummy"):
+    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
+                 load_format: str = "dummy"):
         """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
         model has them. `load_format`: "dummy" (the trainer writes every weight before the first generation) or
-        "auto" (the folder's own safetensors, as any vLLM user loads it)."""
+        "auto" (the folder's own safetensors, as any vLLM user loads it). Generation stops at the folder's
+        end-of-sequence ids (`end_of_sequence_ids`: the engine has no tokenizer to take them from)."""
         configure_engine_process()
         from vllm import LLM  # after the environment is set: vLLM reads some of it at import
 
@@ -184,7 +186,8 @@ class VLLMEngine:
                 remove_stale_cpu_shm()
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
                   else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
-        self.cfg, self.eos_token_id = cfg, eos_token_id
+        self.cfg = cfg
+        self.stop_token_ids = end_of_sequence_ids(model_path, read_hf_config(model_path))
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
@@ -225,7 +228,7 @@ class VLLMEngine:
 
         settings = dict(n=n, temperature=self.cfg.temperature if temperature is None else temperature,
                         top_p=self.cfg.top_p, top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens,
-                        stop_token_ids=[self.eos_token_id], logprobs=0, detokenize=False)
+                        stop_token_ids=self.stop_token_ids, logprobs=0, detokenize=False)
         per_prompt = (SamplingParams(**settings) if seeds is None
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)

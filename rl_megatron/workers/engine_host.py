@@ -29,7 +29,7 @@ class EngineHost:
         cfg = self.cfg
         # The shards of one engine must sample alike: they share a seed.
         self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
-                                 seed=cfg.trainer.seed + self.engine_index, eos_token_id=self.hf_config["eos_token_id"],
+                                 seed=cfg.trainer.seed + self.engine_index,
                                  hf_overrides=moe_hf_overrides(cfg, self.hf_config))
 
     def _rollout_axis(self) -> tuple[int, int, bool]:

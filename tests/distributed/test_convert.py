@@ -209,7 +209,7 @@ def _vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> l
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
-                        eos_token_id=2, load_format="auto")
+                        load_format="auto")
     try:
         return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
     finally:

@@ -30,11 +30,9 @@ def test_update_after_offload_equals_update_without(trips, layout):
 
 def _engine_phase_switch(cfg):
     """The calls the trainer makes around a generation, on a CPU engine: accepted, and the engine unchanged."""
-    from rl_megatron.config import read_hf_config
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=0,
-                        eos_token_id=read_hf_config(cfg.model.path)["eos_token_id"])
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=0)
     try:
         prompts = [[5, 6, 7], [8, 9]]
         before = [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]

@@ -30,7 +30,7 @@ def plan_errors_leave_the_engine_untouched(cfg, engine_model_dir: str, drop_from
     actor = MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
     if drop_from_table:
         del actor.table.layer[drop_from_table]
-    engine = VLLMEngine(engine_model_dir, cfg.rollout, "float32", seed=0, eos_token_id=2)
+    engine = VLLMEngine(engine_model_dir, cfg.rollout, "float32", seed=0)
     try:
         before = {n: p.clone() for n, p in engine.model().named_parameters()}
         with pytest.raises(PlanError) as error:

@@ -64,7 +64,7 @@ def test_a_killed_controller_and_a_dead_worker(tmp_path):
     _, stderr = run.communicate(timeout=120)
     assert run.returncode == WORKER_DIED, stderr[-4000:]
     report = stderr[stderr.index("error: "):]
-    assert f"error: The actor+rollout worker rank" in report and f"pid {victim.pid}) died: its process was killed" \
+    assert "error: The actor+rollout worker rank" in report and f"pid {victim.pid}) died: its process was killed" \
         in report and "node 0 = " in report, report
     assert f"-{victim.pid}.err" in report  # its log, named (with its last lines when it wrote any)
     assert "The last checkpoint is step 3" in report and "the same command resumes from it" in report, report

@@ -26,7 +26,7 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
     hf = read_hf_config(cfg.model.path)
     actor = MegatronActor(cfg, hf, optimizer_steps=10)
     engine_index = dist.get_rank() // cfg.rollout.tensor_parallel_size
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=engine_index, eos_token_id=hf["eos_token_id"])
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=engine_index)
     try:
         # A first generation with the dummy weights: nothing the engine derives from its weights (packed copies,
         # cached KV) may outlive the sync.

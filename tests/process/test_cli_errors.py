@@ -228,3 +228,13 @@ def test_safetensors_with_a_misshapen_tensor(tmp_path, tiny_model_dir):
     proc, seconds = run_on_weights(folder)
     assert_config_error(proc, seconds, f"model.path='{folder}'", "'model.layers.0.self_attn.k_proj.weight'",
                         "in 'model.safetensors'", "[32, 64]", "[64, 64]")
+
+
+def test_model_folder_without_end_of_sequence_ids(tmp_path):
+    """Generation needs to know where to stop: without eos_token_id a worker failed with a KeyError after start-up."""
+    folder = model_copy(DEMO_MODEL, tmp_path / "no-eos", skip=("generation_config.json",))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    del config["eos_token_id"]
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    proc, seconds = run_train("--config", DEMO, f"model.path={folder}")
+    assert_config_error(proc, seconds, f"model.path='{folder}'", "end-of-sequence token ids", "none is given")

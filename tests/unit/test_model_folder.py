@@ -14,6 +14,7 @@ from helpers.parity import family_model_dir
 from safetensors.torch import save_file
 
 from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config.model_files import end_of_sequence_ids
 from rl_megatron.data.section import check_first_prompt_encodes, resolve_data_section
 from rl_megatron.config.schema import DataConfig
 from rl_megatron.models import tokenizer as tokenizer_module
@@ -215,3 +216,19 @@ def test_the_first_prompt_of_the_train_files_is_read_alone(tmp_path):
         check_first_prompt_encodes(data, tokenizer, DEMO_MODEL)
     check_first_prompt_encodes(resolve_data_section(DataConfig(train_files=[path], apply_chat_template=False)),
                                tokenizer, DEMO_MODEL)
+
+
+# ------------------------------------------------------------------------------------ where generation stops
+def test_end_of_sequence_ids_take_lists_and_the_generation_config(tmp_path):
+    """Llama 3.1 lists three ids in config.json; Qwen2.5-Instruct adds <|endoftext|> in generation_config.json."""
+    folder = str(shutil.copytree(DEMO_MODEL, tmp_path / "model"))
+    config = dict(hf_config(folder), eos_token_id=[2, 3])
+    assert end_of_sequence_ids(folder, config) == [2, 3]  # generation_config.json's 2 comes once
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [4, 2]}, f)
+    assert end_of_sequence_ids(folder, config) == [2, 3, 4]
+    with pytest.raises(ConfigError, match=r"but 18 is not a token id below vocab_size=18"):
+        end_of_sequence_ids(folder, dict(config, eos_token_id=18))
+    os.remove(os.path.join(folder, "generation_config.json"))
+    with pytest.raises(ConfigError, match=r"model.path='.*/model'.*but none is given"):
+        end_of_sequence_ids(folder, {k: v for k, v in config.items() if k != "eos_token_id"})
