@@ -143,6 +143,7 @@ class WorkerGroup:
         remote_cls = ray.remote(worker_cls)
         self.pool, self.name = pool, name or worker_cls.__name__
         self.oom_kills_before = oom_kills()  # the kernel's count on this node, to tell an OOM kill later
+        self.placement: list[WorkerPlacement] = []  # known once the workers report it (below)
         runtime_env = {"env_vars": env or {}}
         self.workers = [remote_cls.options(**pool.options(rank), runtime_env=runtime_env)
                         .remote(rank, pool.world_size, *args) for rank in range(pool.world_size)]
@@ -186,7 +187,6 @@ class WorkerGroup:
             except RayError:
                 pass
         here = ray.get_runtime_context().get_node_id()
-        placement = getattr(self, "placement", [])  # empty while the group starts
         for rank, ping in enumerate(pings):
             try:
                 ray.get(ping, timeout=0)
@@ -195,7 +195,7 @@ class WorkerGroup:
             # Ray's word on the cause comes with every call to a dead actor (OutOfMemoryError: its memory monitor
             # killed the worker while it was being created).
             except (RayActorError, OutOfMemoryError) as death:
-                where = placement[rank] if placement else None
+                where = self.placement[rank] if self.placement else None
                 return describe_death(self.name, rank, self.pool.world_size, where,
                                       getattr(death, "error_msg", None) or str(death), here, self.oom_kills_before)
         return None
@@ -220,14 +220,17 @@ class WorkerGroup:
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        # Leaving on an error, live workers may be stuck in a collective with a dead peer: they get a short wait.
-        self.shutdown(wait_s=10 if exc_type else 120)
+        self.shutdown(after_error=exc_type is not None)
 
-    def shutdown(self, wait_s: float = 120) -> None:
-        """Let the workers release what outlives a process (shared memory) within `wait_s`, stop them, free their
-        devices."""
+    def shutdown(self, after_error: bool = False) -> None:
+        """Let the workers release what outlives a process (shared memory), stop them, free their devices. After an
+        error, live workers may be stuck in a collective with a dead peer: they get 10 s, not 120, and what their
+        `close` raises is not reported over the error."""
         closing = [worker.close.remote() for worker in self.workers]
-        ray.wait(closing, num_returns=len(closing), timeout=wait_s)
+        if after_error:
+            ray.wait(closing, num_returns=len(closing), timeout=10)
+        else:
+            ray.get(closing, timeout=120)
         for worker in self.workers:
             ray.kill(worker)
         self.pool.release()
