@@ -39,8 +39,8 @@ def write(folder, name, text) -> str:
 def model_folder(folder, **hf) -> str:
     """A model folder whose config.json has the demo model's shape, changed by `hf` (None drops a field), with the
     demo model's tokenizer (and, like it, no weights: for random_init configs)."""
-    config = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64,
-              "vocab_size": 18, **hf}
+    config = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "hidden_size": 64, "vocab_size": 18, "eos_token_id": 2, **hf}
     config = {key: value for key, value in config.items() if value is not None}
     os.makedirs(folder, exist_ok=True)
     write(folder, "config.json", json.dumps(config))
