@@ -1,8 +1,7 @@
 """Runs that die, as users meet them: the controller SIGKILLed before its first checkpoint leaves no process behind,
 and the same command then starts the run's records afresh (no step logged twice); a worker killed mid-run stops
 the controller with a report (which role, rank and node, why, its log, the checkpoint to resume from) and exit
-code 3; the same command then resumes, and every step is logged exactly once. Workers killed by Ray's memory monitor
-are reported as out of memory, with the node's figures."""
+code 3. Workers killed by Ray's memory monitor are reported as out of memory, with the node's figures."""
 import json
 import os
 import re
@@ -69,13 +68,9 @@ def test_a_killed_controller_and_a_dead_worker(tmp_path):
     assert f"-{victim.pid}.err" in report  # its log, named (with its last lines when it wrote any)
     assert "The last checkpoint is step 3" in report and "the same command resumes from it" in report, report
     assert "Traceback" not in report and "Unhandled error" not in report, report
-    assert logged_steps(tmp_path)[:3] == [1, 2, 3]  # started afresh: step 1 of the killed run is gone
-
-    # 3. The same command resumes from step 3 and finishes; every step is logged once.
-    done = subprocess.run(run.args, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "(step 3)" in done.stdout
-    assert logged_steps(tmp_path) == [1, 2, 3, 4]
+    # Started afresh: step 1 of the killed run is gone. (The same command then resumes from step 3's checkpoint,
+    # logging each step once: test_checkpoint_resume.py's killed run shows that.)
+    assert logged_steps(tmp_path) in ([1, 2, 3], [1, 2, 3, 4])  # step 4 may be logged before the worker died
 
 
 def test_a_worker_killed_for_memory_is_said_so_with_the_figures(tmp_path):
