@@ -8,11 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers.runs import REPO, train
+from helpers.runs import REPO, start_until as run_until, train
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.checkpoint.run import (LATEST_FILE, CheckpointWarning, choose_resume, finish_save, saved_steps,
                                         start_save, step_dir)
@@ -47,15 +46,9 @@ def assert_same_metrics(expected: dict, actual: dict, tolerance: float) -> None:
 
 
 def start_until(log_dir, until, *overrides) -> subprocess.Popen:
-    """Start the trainer in its own process group and return once `until()` holds (the process still runs)."""
-    process = subprocess.Popen(command(log_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not until():
-        assert process.poll() is None, process.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, "the run did not get there in 5 minutes"
-        time.sleep(0.1)
-    return process
+    """The trainer in its own process group, returned once `until()` holds (the process still runs)."""
+    return run_until(command(log_dir, *overrides), until, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     start_new_session=True)
 
 
 def latest(log_dir) -> int | None:

@@ -7,11 +7,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import psutil
 
-from helpers.runs import REPO
+from helpers.runs import REPO, start_until as run_until
 from rl_megatron.checkpoint.run import LATEST_FILE
 from rl_megatron.train import WORKER_DIED
 
@@ -19,16 +18,9 @@ RUN = ("trainer.total_steps=4", "trainer.save_every=3", "trainer.target_reward=n
 
 
 def start_until(log_dir, until) -> subprocess.Popen:
-    """The demo's command in a process of its own; returns once `until()` holds (the run still going)."""
-    process = subprocess.Popen([sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
-                                f"trainer.log_dir={log_dir}", *RUN], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not until():
-        assert process.poll() is None, process.communicate()[1][-4000:]
-        assert time.monotonic() < deadline, "the run did not get there in 5 minutes"
-        time.sleep(0.05)
-    return process
+    """The demo's command, returned once `until()` holds (the run still going)."""
+    return run_until([sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
+                      f"trainer.log_dir={log_dir}", *RUN], until, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def logged_steps(log_dir) -> list[int]:

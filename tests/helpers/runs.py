@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,3 +19,18 @@ def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return done.stdout, rows, run_dir
+
+
+def start_until(cmd: list[str], until, **popen) -> subprocess.Popen:
+    """Start `cmd` from the repository's root (`popen`: Popen's options) and return once `until()` holds, the process
+    still running; fails with the end of its output if it ends first, or after 5 minutes."""
+    process = subprocess.Popen(cmd, cwd=REPO, text=True, **popen)
+    deadline = time.monotonic() + 300
+    while not until():
+        if process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"the run ended (exit code {process.returncode}) first: {(out or '') + (err or '')}"
+                                 [-4000:])
+        assert time.monotonic() < deadline, "the run did not get there in 5 minutes"
+        time.sleep(0.05)
+    return process
