@@ -49,7 +49,7 @@ def checkpointed_roles(cfg: Config) -> tuple[Role, ...]:
 
 def checkpoint_root(cfg: Config) -> str:
     """Where the run's step folders go: trainer.checkpoint_dir, or <log_dir>/<experiment_name>/checkpoints."""
-    return cfg.trainer.checkpoint_dir or os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name, "checkpoints")
+    return cfg.trainer.checkpoint_dir or os.path.join(cfg.trainer.run_dir, "checkpoints")
 
 
 def resume_hint(cfg: Config) -> str:

@@ -51,7 +51,7 @@ def preflight(cfg: Config) -> None:
 def _check_trainer(cfg: Config) -> None:
     """Validation, resuming and the initial weights."""
     t, model = cfg.trainer, cfg.model
-    check_creatable_folder(os.path.join(t.log_dir, t.experiment_name), "trainer.log_dir")
+    check_creatable_folder(t.run_dir, "trainer.log_dir")
     if t.checkpoint_dir is not None:
         check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
     if (t.val_every or t.val_before_train) and not cfg.data.val_files:

@@ -6,6 +6,7 @@ bound, hint)` and a name's choices by its `Literal` type; `rl_megatron.config.fi
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -38,6 +39,11 @@ class TrainerConfig:
     resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
     imports: list[str] = field(default_factory=list)  # your modules (dotted names or .py paths) imported first in the controller, the workers and the scorer processes, e.g. for @rl_megatron.rewards.register
+
+    @property
+    def run_dir(self) -> str:
+        """Where the run's outputs go: <log_dir>/<experiment_name>."""
+        return os.path.join(self.log_dir, self.experiment_name)
 
 
 @dataclass

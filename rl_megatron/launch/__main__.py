@@ -106,7 +106,7 @@ def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLau
         ray_start = [*RAY_CLI, "start", f"--address={head_host}:{port}", *common]
     entry = "rl_megatron.doctor" if check else "rl_megatron.train"
     train = [sys.executable, "-m", entry, "--config", config, *overrides, "ray.address=auto"]
-    run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
+    run_dir = cfg.trainer.run_dir
     return NodeLaunch(node, head_host, port, ray_start, train, plan.nnodes, plan.total_gpus if on_gpu else 0,
                       run_dir, os.path.join(run_dir, "logs", f"node{node.node_rank}.log"),
                       render_plan(plan, cfg.model.path), ray_auth(os.environ, run_dir), dashboard)

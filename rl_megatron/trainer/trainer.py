@@ -60,7 +60,7 @@ class Trainer:
         self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val")
                            if validating else None)
         self._check_scorers()
-        self.run_dir = os.path.join(cfg.trainer.log_dir, cfg.trainer.experiment_name)
+        self.run_dir = cfg.trainer.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
