@@ -25,9 +25,13 @@ def resolve(cfg: Config) -> Config:
     if critic.enable is None:
         critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
     for role in (cfg.ref, critic):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                    "max_tokens_per_micro_batch"):
             if getattr(role, key) is None:
                 setattr(role, key, getattr(actor, key))
+    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        if getattr(critic, key) is None:
+            setattr(critic, key, getattr(actor, key))
     critic.model_path = critic.model_path or cfg.model.path
     # 0 (as well as unset) means the actor's: the critic trains on the actor's mini-batches unless told otherwise.
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
