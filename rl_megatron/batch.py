@@ -130,6 +130,7 @@ class TrainBatch(RowTensors):
     input_ids: Tensor  # long, prompt + response tokens, then pad_id
     response_mask: Tensor  # float 0/1: the label positions that join the loss (the samples' loss masks)
     pad_id: int
+    lengths: Tensor | None = None  # [B] long: each row's prompt + response tokens (None: every row is full length)
     rollout_log_probs: Tensor | None = None  # the engine's, at sampling time
     old_log_probs: Tensor | None = None  # Megatron's, before this step's update
     ref_log_probs: Tensor | None = None  # the reference policy's (KL)
@@ -150,12 +151,19 @@ class TrainBatch(RowTensors):
             input_ids[row, : prompt + response] = torch.tensor(s.prompt_ids + s.response_ids)
             response_mask[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.loss_mask, dtype=torch.float)
             rollout_log_probs[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.rollout_log_probs)
-        return cls(input_ids, response_mask, pad_id, rollout_log_probs=rollout_log_probs)
+        lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
+        return cls(input_ids, response_mask, pad_id, lengths, rollout_log_probs=rollout_log_probs)
 
     def select(self, *names: str) -> TrainBatch:
         """The sequences with only the computed fields `names` (what one worker call reads: less to send)."""
-        return TrainBatch(self.input_ids, self.response_mask, self.pad_id,
+        return TrainBatch(self.input_ids, self.response_mask, self.pad_id, self.lengths,
                           **{name: getattr(self, name) for name in names})
+
+    def sequence_lengths(self) -> list[int]:
+        """Each row's real tokens (prompt + response), before the right padding."""
+        if self.lengths is None:
+            return [self.input_ids.shape[1]] * self.input_ids.shape[0]
+        return self.lengths.tolist()
 
     def labels(self) -> Tensor:
         """The token each position predicts (pad at the last position)."""

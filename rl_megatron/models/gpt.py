@@ -14,6 +14,7 @@ from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.family import family_of, moe_experts, rope_scaling, rope_theta, table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
+from rl_megatron.models.packed_attention import PackedDotProductAttention
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -130,8 +131,10 @@ def layer_spec(qk_layernorm: bool, num_experts: int | None = None, moe_grouped_g
     if uses_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                     normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # packed rows, untouched otherwise
+    return spec
 
 
 class ValueHead(torch.nn.Module):
@@ -177,6 +180,11 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
     # setting Megatron-LM itself uses with interleaving) keep them apart; the plain 1F1B schedule rejects them.
     config.overlap_p2p_comm = vpp is not None
     config.batch_p2p_comm = vpp is None
+    # Micro-batches vary in shape (token budgets, packing): stages exchange each activation's shape first. Megatron
+    # refuses that with MoE's all-gather dispatcher, so such models run a pass's micro-batches in one shape instead
+    # (workers/megatron_actor.py).
+    config.variable_seq_lengths = pp > 1 and not (config.num_moe_experts
+                                                 and config.moe_token_dispatcher_type == "allgather")
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm),

@@ -4,13 +4,16 @@
   policy (a copy of the initial actor, or loaded from model.path).
 - `MegatronCritic`: the same trunk with a scalar value head; values of given sequences, and value updates.
 
-Batches (`TrainBatch`) here are this data-parallel rank's slice. Sequences are right-padded, so plain causal
-attention needs no mask and position ids are 0..S-1. Position t of `response_mask` / `*log_probs` / `values` refers
-to the token at t + 1 (the label predicted at t; the value of the state before that token).
+Batches (`TrainBatch`) here are this data-parallel rank's slice. Every pass cuts it into micro-batches (a sample
+count, or a token budget) whose samples are packed into one row or right-padded to the micro-batch's longest
+(`rl_megatron.sequences`); per-token outputs come back per sample, so the losses and what a pass returns do not
+depend on the grouping. Position t of `response_mask` / `*log_probs` / `values` refers to the token at t + 1 (the
+label predicted at t; the value of the state before that token).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -31,10 +34,23 @@ from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_tab
 from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
+from rl_megatron.models.packed_attention import packed_seq_params
+from rl_megatron.sequences import (MicroBatch, fixed_bins, micro_batch, round_up, scatter_rows, split_to_count,
+                                   token_budget_bins)
 from rl_megatron.workers.distributed import owns_dp_output
 
-# loss_of(micro-batch, model output, the mini-batch's LossScale) -> (loss, its detached stats)
-LossOf = Callable[[TrainBatch, torch.Tensor, LossScale], tuple[torch.Tensor, LossStats]]
+# tokens_of(micro-batch, model output) -> per-token outputs in the model's layout (rows x tokens)
+TokensOf = Callable[[MicroBatch, torch.Tensor], TokenOutputs]
+# loss_of(the micro-batch's samples, their per-token outputs, the mini-batch's LossScale) -> (loss, detached stats)
+LossOf = Callable[[TrainBatch, TokenOutputs, LossScale], tuple[torch.Tensor, LossStats]]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a role cuts its samples into micro-batches."""
+    micro_batch_size: int  # samples per micro-batch, without a token budget
+    max_tokens: int | None  # the token budget of a micro-batch (None: micro_batch_size samples each)
+    packing: bool  # samples share one row (else one right-padded row each)
 
 
 class MegatronModel:
@@ -43,10 +59,10 @@ class MegatronModel:
     Weights: copied from `initial` (a model of the same layout in this process), else loaded from `checkpoint` (a
     Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed."""
 
-    def __init__(self, cfg: Config, hf_config: dict, micro_batch_size: int, *, optim: OptimConfig | None = None,
+    def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, optim: OptimConfig | None = None,
                  optimizer_steps: int = 0, value_head: bool = False, weights_path: str | None = None,
                  checkpoint: str | None = None, initial: MegatronModel | None = None):
-        self.cfg, self.hf_config, self.micro_batch_size = cfg, hf_config, micro_batch_size
+        self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
@@ -64,8 +80,17 @@ class MegatronModel:
                     load_hf_weights(chunk, hf_config, weights_path)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         # Sequence parallelism (MoE at TP > 1) splits every sequence over the TP ranks.
+        config = self.chunks[0].config
         self.sequence_multiple = (parallel_state.get_tensor_model_parallel_world_size()
-                                  if self.chunks[0].config.sequence_parallel else 1)
+                                  if config.sequence_parallel else 1)
+        # Peers that cannot exchange shapes run every micro-batch of a pass in one shape: pipeline stages without
+        # Megatron's variable_seq_lengths, and the all-gather dispatcher's expert-parallel peers (other DP ranks).
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        allgather_peers = (config.num_moe_experts and config.moe_token_dispatcher_type == "allgather"
+                           and parallel_state.get_expert_model_parallel_world_size() > 1)
+        self.one_shape = bool((pp > 1 and not config.variable_seq_lengths) or allgather_peers)
+        self.interleaved = len(self.chunks) > 1
+        self.token_counts = [0, 0]  # real and computed tokens of the passes since the last update (padding ratio)
         self.model = self.chunks
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -104,17 +129,41 @@ class MegatronModel:
         load_checkpoint_into(self.chunks, ckpt_dir, self.hf_config, optimizer=self.optimizer,
                              scheduler=self.scheduler)
 
-    def _forward(self, micro: TrainBatch, model):
-        ids = micro.input_ids
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        return model(ids, positions, None)
+    def micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        """`batch` in micro-batches: a count every data-parallel rank agrees on (the pipeline's stages and the
+        expert-parallel peers run as many), a multiple of PP with interleaving (Megatron's schedule runs them in
+        groups of PP), each a token budget's worth or micro_batch_size samples."""
+        lengths = batch.sequence_lengths()
+        if self.batching.max_tokens is None:
+            bins = fixed_bins(len(lengths), self.batching.micro_batch_size)
+        else:
+            bins = token_budget_bins(lengths, self.batching.max_tokens)
+        count = self._dp_max(len(bins))
+        if self.interleaved:
+            count = round_up(count, parallel_state.get_pipeline_model_parallel_world_size())
+        micros = [micro_batch(batch, rows, self.batching.packing, self.sequence_multiple)
+                  for rows in split_to_count(bins, lengths, count)]
+        if self.one_shape:
+            rows = self._dp_max(max(m.input_ids.shape[0] for m in micros))
+            tokens = self._dp_max(max(m.input_ids.shape[1] for m in micros))
+            micros = [m.padded_to(rows, tokens) for m in micros]
+        self.token_counts[0] += sum(lengths)
+        self.token_counts[1] += sum(m.computed_tokens() for m in micros)
+        return micros
 
-    def run(self, batch: TrainBatch, loss_func, forward_only: bool) -> list:
-        """Megatron's pipeline schedule over `batch` in micro-batches; loss_func(micro, output) -> (loss, stats)
-        runs on the last stage. Returns the stats of each micro-batch there."""
-        size = self.micro_batch_size
-        batch = batch.padded_to_multiple(self.sequence_multiple)
-        micros = [micro.to(platform.device()) for micro in batch.chunks(size)]
+    def _dp_max(self, value: int) -> int:
+        total = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return int(total.item())
+
+    def _forward(self, micro: MicroBatch, model):
+        packed = None if micro.cu_seqlens is None else packed_seq_params(micro.cu_seqlens, micro.input_ids.device)
+        return model(micro.input_ids, micro.position_ids, None, packed_seq_params=packed)
+
+    def run(self, micros: list[MicroBatch], loss_func, forward_only: bool) -> list:
+        """Megatron's pipeline schedule over `micros`; loss_func(micro, output) -> (loss, stats) runs on the last
+        stage. Returns the stats of each micro-batch there, in order."""
+        micros = [micro.to(platform.device()) for micro in micros]
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
@@ -122,24 +171,26 @@ class MegatronModel:
 
         for chunk in self.model:
             chunk.train(not forward_only)
-        # Every chunk runs every micro-batch, so each chunk reads the micro-batches through its own iterator.
+        # Every chunk runs every micro-batch, so each chunk reads the micro-batches through its own iterator. The
+        # shapes given are the (common) shape where stages cannot exchange shapes, else Megatron exchanges them.
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(micros) for _ in self.model], model=self.model,
-            num_microbatches=len(micros), seq_length=batch.input_ids.shape[1], micro_batch_size=size,
-            forward_only=forward_only)
+            num_microbatches=len(micros), seq_length=max(m.input_ids.shape[1] for m in micros),
+            micro_batch_size=max(m.input_ids.shape[0] for m in micros), forward_only=forward_only)
 
     @torch.no_grad()
-    def infer(self, batch: TrainBatch,
-              outputs_of: Callable[[TrainBatch, torch.Tensor], TokenOutputs]) -> TokenOutputs | None:
+    def infer(self, batch: TrainBatch, tokens_of: TokensOf) -> TokenOutputs | None:
         """Per-token outputs of a forward pass, from the ranks that own them (None elsewhere)."""
-        outputs = self.run(batch, lambda micro, output: (output.new_zeros(()), outputs_of(micro, output)),
+        micros = self.micro_batches(batch)
+        outputs = self.run(micros, lambda micro, output: (output.new_zeros(()),
+                                                          micro.unpack_outputs(tokens_of(micro, output))),
                            forward_only=True)
         if not owns_dp_output():
             return None
-        # Without the sequence-parallel padding.
-        return TokenOutputs.cat([o.to("cpu") for o in outputs]).truncated(batch.input_ids.shape[1])
+        return scatter_rows([(m.rows, o.to("cpu")) for m, o in zip(micros, outputs)], batch.rows(),
+                            batch.input_ids.shape[1])
 
-    def train(self, batch: TrainBatch, mini_batch_samples: int, epochs: int, horizon: int,
+    def train(self, batch: TrainBatch, mini_batch_samples: int, epochs: int, horizon: int, tokens_of: TokensOf,
               loss_of: LossOf) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (over all DP ranks), one optimizer
         step each. `loss_of` normalises by the mini-batch's global `LossScale` (with `horizon`, the generation budget
@@ -148,7 +199,6 @@ class MegatronModel:
         Returns each stat of the losses (see `LossStats`), added over micro-batches and ranks: token sums divided by
         the response tokens, losses averaged over optimizer steps."""
         mini_size = mini_batch_samples // self.dp_size
-        num_micro = mini_size // self.micro_batch_size
         totals = LossStats(tokens=0.0, token_sums={})
         grad_norms = []
         steps = 0
@@ -159,17 +209,18 @@ class MegatronModel:
                 dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
                 scale = LossScale(tokens=max(counts[0].item(), 1.0), sequences=counts[1].item(),
                                   horizon=horizon)
+                micros = self.micro_batches(mini)
 
                 def loss_func(micro, output):
-                    loss, stats = loss_of(micro, output, scale)
+                    loss, stats = loss_of(micro.samples, micro.unpack_outputs(tokens_of(micro, output)), scale)
                     # The schedule divides by the number of micro-batches and DDP averages over DP ranks: undo
                     # both, so that the gradient is that of the mini-batch's loss.
-                    return loss * num_micro * self.dp_size, stats
+                    return loss * len(micros) * self.dp_size, stats
 
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                for stats in self.run(mini, loss_func, forward_only=False):
+                for stats in self.run(micros, loss_func, forward_only=False):
                     totals.add(stats)
                 _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
@@ -177,6 +228,14 @@ class MegatronModel:
                 steps += 1
         return self._mean_stats(totals, steps) | {"grad_norm": sum(grad_norms) / len(grad_norms),
                                                   "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def padding_ratio(self) -> float:
+        """Padded tokens / computed tokens of this model's passes since the last call, over its DP ranks."""
+        counts = torch.tensor(self.token_counts, dtype=torch.float64)
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        self.token_counts = [0, 0]
+        real, computed = counts.tolist()
+        return 1.0 - real / computed if computed else 0.0
 
     def _mean_stats(self, totals: LossStats, steps: int) -> dict[str, float]:
         sum_keys, loss_keys = sorted(totals.token_sums), sorted(totals.losses)
@@ -196,8 +255,9 @@ class MegatronActor(MegatronModel):
     def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0, *, trainable: bool = True,
                  initial: MegatronActor | None = None):
         weights = None if cfg.model.random_init else cfg.model.path
-        micro = cfg.actor.micro_batch_size if trainable else cfg.ref.micro_batch_size
-        super().__init__(cfg, hf_config, micro, optim=cfg.actor.optim if trainable else None,
+        role = cfg.actor if trainable else cfg.ref
+        batching = Batching(role.micro_batch_size, role.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
+        super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if trainable else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
                          initial=initial)
         self.table = weight_table(self.chunks[0], hf_config)
@@ -208,49 +268,47 @@ class MegatronActor(MegatronModel):
             # The rollout engines on this machine read the policy's shards in place at each weight sync.
             share_parameters(self.chunks)
 
-    def _logits(self, output: torch.Tensor) -> torch.Tensor:
-        return prepare_logits(output, self.cfg.rollout.temperature, self.hf_config["vocab_size"])
+    def _token_outputs(self, micro: MicroBatch, output: torch.Tensor, with_entropy: bool) -> TokenOutputs:
+        """log p(token) (and the policy's entropy) at every position, under the sampling temperature."""
+        logits = prepare_logits(output, self.cfg.rollout.temperature, self.hf_config["vocab_size"])
+        ent = entropy(logits) if with_entropy else None
+        # The entropy's backward needs the logits that token_log_probs overwrites: give it a copy then.
+        log_probs = token_log_probs(logits if ent is None else logits.clone(), micro.labels)
+        return TokenOutputs(log_probs=log_probs, entropy=ent)
 
     def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         """log p(token) and the policy's entropy at every position, under the sampling temperature."""
-        def outputs_of(micro, output):
-            logits = self._logits(output)
-            ent = entropy(logits)
-            return TokenOutputs(log_probs=token_log_probs(logits, micro.labels()), entropy=ent)
-
-        return self.infer(batch.select(), outputs_of)
+        return self.infer(batch.select(), partial(self._token_outputs, with_entropy=True))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
         (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_is_cap."""
         actor = self.cfg.actor
 
-        def loss_of(micro, output, scale):
-            mask = micro.response_mask
-            logits = self._logits(output)
-            ent = entropy(logits) if actor.entropy_coeff else None
-            # The entropy's backward needs the logits that token_log_probs overwrites: give it a copy then.
-            log_probs = token_log_probs(logits if ent is None else logits.clone(), micro.labels())
+        def loss_of(samples, outputs, scale):
+            mask, log_probs = samples.response_mask, outputs.log_probs
             loss, stats = policy_loss(
-                log_probs, micro.old_log_probs, micro.advantages, mask, clip_ratio_low=actor.clip_ratio_low,
+                log_probs, samples.old_log_probs, samples.advantages, mask, clip_ratio_low=actor.clip_ratio_low,
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-                agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=micro.importance_weights)
+                agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=samples.importance_weights)
             stats.losses["pg_loss"] = loss.detach()
-            if ent is not None:
-                entropy_term = aggregate_loss(ent, mask, actor.loss_agg_mode, scale)
+            if outputs.entropy is not None:
+                entropy_term = aggregate_loss(outputs.entropy, mask, actor.loss_agg_mode, scale)
                 loss = loss - actor.entropy_coeff * entropy_term
                 stats.losses["entropy_loss"] = entropy_term.detach()
             if actor.use_kl_loss:
-                kl_term = aggregate_loss(kl_divergence(log_probs, micro.ref_log_probs, actor.kl_loss_type), mask,
+                kl_term = aggregate_loss(kl_divergence(log_probs, samples.ref_log_probs, actor.kl_loss_type), mask,
                                          actor.loss_agg_mode, scale)
                 loss = loss + actor.kl_loss_coef * kl_term
                 stats.losses["kl_loss"] = kl_term.detach()
             return loss, stats
 
+        tokens_of = partial(self._token_outputs, with_entropy=bool(actor.entropy_coeff))
         with self.router_metrics.recording() if self.router_metrics else nullcontext():
             metrics = self.train(batch, actor.ppo_mini_batch_size * self.cfg.rollout.n, actor.ppo_epochs,
-                                 self.cfg.rollout.max_tokens, loss_of)
+                                 self.cfg.rollout.max_tokens, tokens_of, loss_of)
         return ({f"actor/{key}": value for key, value in metrics.items()}
+                | {"perf/padding_ratio": self.padding_ratio()}
                 | (self.router_metrics.metrics() if self.router_metrics else {}))
 
     def weight_sources(self):
@@ -266,22 +324,28 @@ class MegatronCritic(MegatronModel):
 
     def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0):
         critic = cfg.critic
-        super().__init__(cfg, hf_config, critic.micro_batch_size, optim=critic.optim, optimizer_steps=optimizer_steps,
+        batching = Batching(critic.micro_batch_size, critic.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
+        super().__init__(cfg, hf_config, batching, optim=critic.optim, optimizer_steps=optimizer_steps,
                          value_head=True, weights_path=None if cfg.model.random_init else critic.model_path)
 
+    @staticmethod
+    def _token_outputs(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:
+        return TokenOutputs(values=output.squeeze(-1).float())
+
     def values(self, batch: TrainBatch) -> TokenOutputs | None:
-        return self.infer(batch.select(), lambda micro, output: TokenOutputs(values=output.squeeze(-1).float()))
+        return self.infer(batch.select(), self._token_outputs)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Clipped value-loss updates. `batch`: input_ids, response_mask, values (at rollout time), returns."""
         critic = self.cfg.critic
 
-        def loss_of(micro, output, scale):
-            loss, stats = value_loss(output.squeeze(-1).float(), micro.values, micro.returns, micro.response_mask, cliprange_value=critic.cliprange_value,
-                                     agg_mode=critic.loss_agg_mode, scale=scale)
+        def loss_of(samples, outputs, scale):
+            loss, stats = value_loss(outputs.values, samples.values, samples.returns, samples.response_mask,
+                                     cliprange_value=critic.cliprange_value, agg_mode=critic.loss_agg_mode,
+                                     scale=scale)
             stats.losses["vf_loss"] = loss.detach()
             return loss, stats
 
         metrics = self.train(batch, critic.ppo_mini_batch_size * self.cfg.rollout.n, critic.ppo_epochs,
-                             self.cfg.rollout.max_tokens, loss_of)
+                             self.cfg.rollout.max_tokens, self._token_outputs, loss_of)
         return {f"critic/{key}": value for key, value in metrics.items()}

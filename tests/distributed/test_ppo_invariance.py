@@ -27,7 +27,7 @@ def ppo_batch(model_dir: str, temperature: float) -> TrainBatch:
     g = torch.Generator().manual_seed(2)
     noise = lambda scale: scale * torch.randn(log_probs.shape, generator=g)  # noqa: E731
     mask = batch.response_mask
-    return TrainBatch(batch.input_ids, mask, batch.pad_id, old_log_probs=(log_probs + noise(0.3)) * mask,
+    return TrainBatch(batch.input_ids, mask, batch.pad_id, batch.lengths, old_log_probs=(log_probs + noise(0.3)) * mask,
                       ref_log_probs=(log_probs + noise(0.5)) * mask, advantages=noise(1.0) * mask,
                       importance_weights=torch.rand(mask.shape, generator=g) + 0.5, values=noise(0.5) * mask,
                       returns=(noise(0.5) + 1.0) * mask)

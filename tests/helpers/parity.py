@@ -17,7 +17,7 @@ def make_batch(vocab: int) -> TrainBatch:
         response_mask[row, PROMPT - 1:PROMPT - 1 + length] = 1.0
         input_ids[row, PROMPT + length:] = 0  # right padding
     advantages = torch.randn(BATCH, generator=g)
-    return TrainBatch(input_ids, response_mask, pad_id=0, advantages=advantages)
+    return TrainBatch(input_ids, response_mask, pad_id=0, lengths=PROMPT + lengths, advantages=advantages)
 
 
 def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):

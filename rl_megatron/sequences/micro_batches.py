@@ -1,0 +1,114 @@
+"""A micro-batch: some of a rank's samples, as the rows the model computes, and the way back to per-sample tensors.
+
+Two layouts of the same samples:
+
+- packed (`sequence_packing`): one row, the samples back to back; `cu_seqlens` marks where each starts, so that
+  attention stays within a sample (Transformer Engine's THD layout on GPU, `models/packed_attention.py` on CPU) and
+  rotary positions restart per sample. No padding but the row's tail up to `multiple`.
+- padded: one row per sample, right-padded to the micro-batch's longest sample (not the whole batch's).
+
+Either way the model's per-token outputs come back through `unpack` as [samples, longest] tensors laid out as the
+`TrainBatch` is (position t holds what is predicted at t: the label t + 1), zero beyond each sample's tokens. So the
+losses see the same tensors whatever the layout, and their normalisation does not depend on the grouping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rl_megatron.batch import TokenOutputs, TrainBatch
+
+
+@dataclass
+class MicroBatch:
+    samples: TrainBatch  # the micro-batch's samples, right-padded to the longest of them
+    rows: list[int]  # their rows in the rank's batch
+    input_ids: Tensor  # [rows, tokens]: what the model reads (packed: one row)
+    position_ids: Tensor  # [rows, tokens]
+    cu_seqlens: list[int] | None  # packed: the start of each sample in the row, then the row's end (the tail of
+    # padding, if any, is a span of its own); None: padded rows
+
+    @property
+    def labels(self) -> Tensor:
+        """The token each model position predicts (the next one in its row; pad after the row's last)."""
+        ids = self.input_ids
+        return torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), self.samples.pad_id)], dim=1)
+
+    def computed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(self.samples.to(device), self.rows, self.input_ids.to(device),
+                          self.position_ids.to(device), self.cu_seqlens)
+
+    def padded_to(self, rows: int, tokens: int) -> MicroBatch:
+        """The same samples in a model input of `rows` x `tokens` (pipeline stages and expert-parallel peers that
+        cannot exchange shapes all run one shape): extra rows are all padding, extra tokens are padding that
+        attends to itself (packed: a span of its own)."""
+        ids = F.pad(self.input_ids, (0, tokens - self.input_ids.shape[1], 0, rows - self.input_ids.shape[0]),
+                    value=self.samples.pad_id)
+        positions = torch.arange(tokens).expand_as(ids)
+        cu_seqlens = self.cu_seqlens
+        if cu_seqlens is not None:
+            real = sum(self.samples.sequence_lengths())
+            cu_seqlens = self.cu_seqlens[:len(self.rows) + 1] + ([tokens] if tokens > real else [])
+            positions = torch.cat([self.position_ids[0, :real], torch.arange(tokens - real)]).unsqueeze(0)
+        return MicroBatch(self.samples, self.rows, ids, positions, cu_seqlens)
+
+    def unpack(self, per_token: Tensor) -> Tensor:
+        """Model-layout [rows, tokens] -> [samples, longest], zero beyond each sample's tokens."""
+        lengths = self.samples.sequence_lengths()
+        longest = self.samples.input_ids.shape[1]
+        if self.cu_seqlens is None:
+            out = per_token[:len(lengths), :longest]
+        else:
+            index = torch.cat([torch.arange(start, start + longest) for start in self.cu_seqlens[:len(lengths)]])
+            out = per_token[0].index_select(0, index.clamp(max=per_token.shape[1] - 1).to(per_token.device))
+            out = out.view(len(lengths), longest, *per_token.shape[2:])
+        inside = torch.arange(longest, device=out.device).unsqueeze(0) < torch.tensor(lengths, device=out.device
+                                                                                      ).unsqueeze(1)
+        return torch.where(inside, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    def unpack_outputs(self, outputs: TokenOutputs) -> TokenOutputs:
+        return TokenOutputs(**{name: self.unpack(value) for name, value in outputs.tensors().items()})
+
+
+def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int = 1) -> MicroBatch:
+    """Rows `rows` of `batch` as one micro-batch; `multiple`: the model's tokens per row must be a multiple of it
+    (sequence parallelism splits them over the TP ranks)."""
+    picked = batch._with({k: v[rows] for k, v in batch.tensors().items()})
+    lengths = picked.sequence_lengths()
+    samples = picked.truncated(max(lengths))
+    if not packing:
+        input_ids = _pad_tokens(samples.input_ids, multiple, batch.pad_id)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return MicroBatch(samples, rows, input_ids, positions, None)
+    ids = torch.cat([row[:length] for row, length in zip(samples.input_ids, lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(length) for length in lengths])
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    input_ids = _pad_tokens(ids, multiple, batch.pad_id)
+    tail = input_ids.shape[1] - ids.shape[1]
+    if tail:  # the padding is a sample of its own: it attends to itself only
+        starts.append(input_ids.shape[1])
+        positions = torch.cat([positions, torch.arange(tail)])
+    return MicroBatch(samples, rows, input_ids, positions.unsqueeze(0), starts)
+
+
+def _pad_tokens(ids: Tensor, multiple: int, pad_id: int) -> Tensor:
+    return F.pad(ids, (0, -ids.shape[1] % multiple), value=pad_id)
+
+
+def scatter_rows(parts: list[tuple[list[int], TokenOutputs]], count: int, length: int) -> TokenOutputs:
+    """Per-sample outputs of micro-batches ((rows, outputs [samples, longest]) each) in the rank's row order, as
+    [count, length] tensors (zero beyond each sample)."""
+    first = parts[0][1].tensors()
+    out = {name: value.new_zeros(count, length) for name, value in first.items()}
+    for rows, outputs in parts:
+        for name, value in outputs.tensors().items():
+            out[name][rows, :value.shape[1]] = value
+    return TokenOutputs(**out)
