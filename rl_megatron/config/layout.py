@@ -45,6 +45,13 @@ def check_actor_layout(cfg: Config) -> None:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is not a multiple of "
                           f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; make it a multiple.")
     samples = a.ppo_mini_batch_size * r.n
+    if samples % dp:
+        raise ConfigError(
+            f"A mini-batch holds actor.ppo_mini_batch_size x rollout.n = {samples} samples, which do not split over "
+            f"data-parallel size {dp}. Change one of them.")
+    if a.max_tokens_per_micro_batch is not None:
+        _check_token_budget(samples // dp, pp if vpp > 1 else 1)
+        return
     if samples % (dp * a.micro_batch_size):
         raise ConfigError(
             f"A mini-batch holds actor.ppo_mini_batch_size x rollout.n = {samples} samples, which is not a multiple "
@@ -58,6 +65,17 @@ def check_actor_layout(cfg: Config) -> None:
             f"data-parallel rank (actor.ppo_mini_batch_size x rollout.n / (data-parallel size {dp} x "
             f"actor.micro_batch_size={a.micro_batch_size}) = {micro_per_mini}) to be a multiple of "
             f"actor.pipeline_model_parallel_size={pp}. Change actor.micro_batch_size or actor.ppo_mini_batch_size.")
+
+
+def _check_token_budget(samples_per_rank: int, micro_batch_multiple: int) -> None:
+    """With a token budget a rank's mini-batch becomes as many micro-batches as its tokens need (every sample in
+    one at worst). The interleaved schedule wants a multiple of PP of them, which needs that many samples."""
+    if samples_per_rank % micro_batch_multiple:
+        raise ConfigError(
+            f"actor.virtual_pipeline_model_parallel_size > 1 runs micro-batches in groups of "
+            f"actor.pipeline_model_parallel_size={micro_batch_multiple}, so a rank's mini-batch "
+            f"(actor.ppo_mini_batch_size x rollout.n / data-parallel size = {samples_per_rank} samples) must be a "
+            "multiple of it. Change actor.ppo_mini_batch_size or rollout.n.")
 
 
 def _check_engines(cfg: Config, actor_devices: int) -> None:
@@ -112,10 +130,12 @@ def check_role_layouts(cfg: Config) -> None:
                               f"{model_parallel}. Choose sizes whose product divides the device count.")
         dp = world // model_parallel
         samples = prompts * cfg.rollout.n
-        if samples % (dp * role.micro_batch_size):
-            raise ConfigError(f"{name}: a batch of {samples} samples (prompts x rollout.n) does not "
-                              f"split into data-parallel size {dp} x {name}.micro_batch_size={role.micro_batch_size}. "
-                              f"Change {name}.micro_batch_size or the mini-batch size.")
+        per_micro_batch = 1 if role.max_tokens_per_micro_batch is not None else role.micro_batch_size
+        if samples % (dp * per_micro_batch):
+            split = (f"data-parallel size {dp}" if per_micro_batch == 1 else
+                     f"data-parallel size {dp} x {name}.micro_batch_size={role.micro_batch_size}")
+            raise ConfigError(f"{name}: a batch of {samples} samples (prompts x rollout.n) does not split into "
+                              f"{split}. Change {name}.micro_batch_size or the mini-batch size.")
 
 
 def check_model_against_layouts(cfg: Config, hf: dict) -> None:

@@ -24,7 +24,7 @@ def token_budget_bins(lengths: list[int], budget: int) -> list[list[int]]:
             target = len(bins) - 1
         bins[target].append(index)
         loads[target] += lengths[index]
-    return [sorted(b) for b in bins]
+    return sorted(sorted(b) for b in bins)
 
 
 def split_to_count(bins: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:

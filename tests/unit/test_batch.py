@@ -46,7 +46,8 @@ def test_select_keeps_the_sequences_and_the_named_fields():
     batch.advantages = torch.ones(2, 5)
     sent = batch.select("advantages")
     assert sent.pad_id == 3 and sent.rollout_log_probs is None and sent.advantages is batch.advantages
-    assert set(sent.tensors()) == {"input_ids", "response_mask", "advantages"}
+    assert set(sent.tensors()) == {"input_ids", "response_mask", "lengths", "advantages"}
+    assert sent.lengths.tolist() == batch.sequence_lengths() == [5, 3]
 
 
 def test_split_and_concat_round_trip_and_keep_the_pad_id():

@@ -549,3 +549,17 @@ def test_the_users_code_is_imported_before_anything_starts_and_named_when_it_fai
 def test_the_default_rollout_function_and_no_imports():
     cfg = load_demo()
     assert cfg.rollout.function == "rl_megatron.rollout.single_turn:generate" and cfg.trainer.imports == []
+
+
+def test_token_budget_lifts_the_micro_batch_divisibility_but_keeps_the_interleaving_rule(tmp_path):
+    # 48 samples per mini-batch over 2 data-parallel ranks: no micro_batch_size to divide it with a token budget.
+    cfg = load_demo("actor.tensor_model_parallel_size=1", "actor.micro_batch_size=48",
+                    "actor.max_tokens_per_micro_batch=512")
+    assert cfg.ref.max_tokens_per_micro_batch == cfg.critic.max_tokens_per_micro_batch == 512
+    model = model_folder(tmp_path / "m", num_hidden_layers=4)
+    # 2 devices at PP 2 -> DP 1; 3 prompts x 1 sample = 3 samples: not a multiple of PP for interleaving.
+    message = config_error(f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                           "actor.pipeline_model_parallel_size=2", "actor.virtual_pipeline_model_parallel_size=2",
+                           "actor.max_tokens_per_micro_batch=512", "actor.ppo_mini_batch_size=3", "rollout.n=1",
+                           "data.train_batch_size=6")
+    assert "3 samples" in message and "actor.pipeline_model_parallel_size=2" in message

@@ -1,0 +1,84 @@
+"""Micro-batch plans (sample counts, token budgets, equal counts on every rank, DP balance) and the packed and
+padded layouts of a micro-batch, against hand-worked cases."""
+import pytest
+import torch
+
+from rl_megatron.batch import TokenOutputs, TrainBatch
+from rl_megatron.sequences import (balanced_order, fixed_bins, micro_batch, scatter_rows, split_to_count,
+                                   token_budget_bins)
+
+
+def test_fixed_bins_are_consecutive_runs():
+    assert fixed_bins(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_token_budget_bins_first_fit_decreasing():
+    lengths = [7, 3, 9, 2, 5, 4]
+    # Longest first: 9 -> A; 7 -> B; 5 -> C; 4 -> C (9); 3 -> B (10); 2 fits nowhere (11, 12, 11) -> D.
+    assert token_budget_bins(lengths, 10) == [[0, 1], [2], [3], [4, 5]]
+    # A sample over the budget runs alone; nothing is lost.
+    assert token_budget_bins([30, 2, 2], 10) == [[0], [1, 2]]
+
+
+def test_split_to_count_halves_the_heaviest_bin_and_keeps_the_budget():
+    lengths = [4, 4, 4, 4, 9]
+    bins = token_budget_bins(lengths, 16)  # 9 -> A; 4 -> A (13); 4, 4, 4 -> B (12)
+    assert bins == [[0, 4], [1, 2, 3]]
+    assert split_to_count(bins, lengths, 3) == [[0], [1, 2, 3], [4]]  # A (13 tokens) is the heaviest
+    assert split_to_count(bins, lengths, 4) == [[0], [1, 3], [2], [4]]
+    assert sorted(i for b in split_to_count(bins, lengths, 5) for i in b) == list(range(5))
+    with pytest.raises(ValueError):
+        split_to_count(bins, lengths, 6)
+
+
+def test_balanced_order_evens_tokens_per_rank_within_each_optimizer_step():
+    lengths = [100, 90, 10, 5, 80, 70, 20, 15]  # 2 ranks x 2 mini-batches of 2 samples each
+    order = balanced_order(lengths, parts=2, group_size=2)
+    assert sorted(order) == list(range(8))
+    # Step 0 takes rows 0,1 (rank 0) and 4,5 (rank 1) before and after: the same samples, balanced tokens.
+    rank0, rank1 = order[:4], order[4:]
+    assert {*rank0[:2], *rank1[:2]} == {0, 1, 4, 5} and {*rank0[2:], *rank1[2:]} == {2, 3, 6, 7}
+    load = lambda rows: sum(lengths[i] for i in rows)  # noqa: E731
+    assert abs(load(rank0) - load(rank1)) < abs(load([0, 1, 2, 3]) - load([4, 5, 6, 7]))
+    assert balanced_order(lengths, parts=1, group_size=8) == list(range(8))
+
+
+def two_rows() -> TrainBatch:
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 1, 0, 0, 0], [0, 0, 1, 1, 0]], dtype=torch.float)
+    return TrainBatch(ids, mask, pad_id=0, lengths=torch.tensor([3, 5]))
+
+
+def test_packed_micro_batch_layout_and_unpacking():
+    micro = micro_batch(two_rows(), [1, 0], packing=True, multiple=3)
+    assert micro.input_ids.tolist() == [[8, 9, 10, 11, 12, 5, 6, 7, 0]]  # 8 tokens, padded to 9
+    assert micro.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0]]
+    assert micro.cu_seqlens == [0, 5, 8, 9]  # the padding is a span of its own
+    assert micro.labels.tolist() == [[9, 10, 11, 12, 5, 6, 7, 0, 0]]
+    per_token = torch.arange(9.0).unsqueeze(0)
+    assert micro.unpack(per_token).tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 0, 0]]
+    assert micro.computed_tokens() == 9
+
+
+def test_padded_micro_batch_is_cut_to_its_longest_sample():
+    batch = two_rows()
+    micro = micro_batch(batch._with({"input_ids": torch.nn.functional.pad(batch.input_ids, (0, 3)),
+                                     "response_mask": torch.nn.functional.pad(batch.response_mask, (0, 3))}),
+                        [0], packing=False)
+    assert micro.input_ids.tolist() == [[5, 6, 7]] and micro.cu_seqlens is None
+    assert micro.unpack(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[1, 2, 3]]
+
+
+def test_one_shape_padding_keeps_the_samples():
+    micro = micro_batch(two_rows(), [0, 1], packing=True).padded_to(1, 10)
+    assert micro.cu_seqlens == [0, 3, 8, 10] and micro.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
+    rows = micro_batch(two_rows(), [0], packing=False).padded_to(2, 4)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0]]
+    assert rows.unpack(torch.ones(2, 4)).tolist() == [[1, 1, 1]]
+
+
+def test_scatter_rows_restores_the_batch_order():
+    a = TokenOutputs(log_probs=torch.tensor([[1.0, 2.0]]))
+    b = TokenOutputs(log_probs=torch.tensor([[3.0, 4.0, 5.0], [6.0, 0.0, 0.0]]))
+    out = scatter_rows([([1], a), ([2, 0], b)], count=3, length=4)
+    assert out.log_probs.tolist() == [[6, 0, 0, 0], [1, 2, 0, 0], [3, 4, 5, 0]]
