@@ -97,7 +97,7 @@ def run(args, model_dir: str) -> dict:
     flops_per_token = training_flops_per_token(hf, args.seq)
     value = flops_per_token * tokens / seconds
 
-    micro_tokens = actor.micro_batch_size * args.seq
+    micro_tokens = actor.batching.micro_batch_size * args.seq
     gemm = (min(micro_tokens, 8192), *largest_gemm(hf))
     limit = matmul_flops_per_s(*gemm, device=platform.device(), dtype=getattr(torch, args.dtype))
     peak, device_name = nominal_peak(args.dtype)
@@ -105,7 +105,7 @@ def run(args, model_dir: str) -> dict:
             "limit_name": "matmul FLOP/s", "limit": limit, "tokens_per_s": tokens / seconds, "seconds": seconds,
             "mfu": value / peak if peak else None, "nominal_peak_flops": peak, "device": device_name,
             "dtype": args.dtype, "layers_impl": "transformer_engine" if uses_transformer_engine() else "local",
-            "batch": args.batch, "seq": args.seq, "micro_batch": actor.micro_batch_size,
+            "batch": args.batch, "seq": args.seq, "micro_batch": actor.batching.micro_batch_size,
             "flops_per_token": flops_per_token, "matmul_weights": matmul_weights(hf),
             "params": sum(p.numel() for chunk in actor.chunks for p in chunk.parameters()),
             "matmul_shape": list(gemm)}

@@ -25,6 +25,12 @@ class WorkerPool:
     layout: dict  # tp, pp (and for the actor's pool vpp, cp, ep, etp)
 
     @property
+    def data_parallel_size(self) -> int:
+        """What the model parallel sizes leave of the pool's devices (its Megatron roles' data parallelism)."""
+        layout = self.layout
+        return self.nnodes * self.gpus_per_node // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
+
+    @property
     def nodes_key(self) -> str:
         return f"{self.name.devices_section}.nnodes"
 

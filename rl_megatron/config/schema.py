@@ -30,6 +30,7 @@ class TrainerConfig:
     nnodes: int = checked(1, POSITIVE)  # nodes in the Ray cluster
     n_gpus_per_node: int = checked(2, POSITIVE)  # devices per node given to the actor (CPU slots when there is no GPU)
     progress_bar: bool = True  # show a tqdm progress bar on the console
+    balance_batch: bool = True  # order each step's samples so that the actor's data-parallel ranks get equal token counts in every mini-batch (the mini-batches keep their samples)
     val_every: int = checked(0, NOT_NEGATIVE, OFF_AT_ZERO)  # validate on the validation split every this many steps, and after the last (0: never)
     val_before_train: bool = False  # validate once before the first step (the starting point of the curves)
     val_generations_to_log: int = checked(4, NOT_NEGATIVE, OFF_AT_ZERO)  # validation samples shown as a text table in tensorboard

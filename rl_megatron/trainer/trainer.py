@@ -22,7 +22,7 @@ from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_con
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choose_resume, finish_save, start_save
-from rl_megatron.config import Config, ConfigError, model_config, to_yaml
+from rl_megatron.config import Config, ConfigError, model_config, to_yaml, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.models.tokenizer import checked_tokenizer
@@ -31,6 +31,7 @@ from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
+from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.stopping import StopSignals
@@ -110,6 +111,7 @@ class Trainer:
             with timer("gen"):
                 samples = self.rollout(prompts, Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, "train",
                                                          step))
+            samples, group_ids = self.balance(samples)
             scoring = self.scorer.submit_samples(samples, self.tokenizer)  # scored while Megatron computes
             batch = TrainBatch.from_samples(samples, self.pad_id)
             entropy = self.forward_passes(batch)
@@ -117,7 +119,7 @@ class Trainer:
                 scores, metrics = scoring.result()
             for sample, score in zip(samples, scores.tolist()):
                 sample.reward = score
-            metrics |= self.advantages(batch, scores)
+            metrics |= self.advantages(batch, scores, group_ids)
             metrics |= self.update(batch, step)
         self.reward_history.append(scores.mean().item())
         return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds)
@@ -136,6 +138,17 @@ class Trainer:
                               "rl_megatron.batch.Sample, the n samples of each prompt together, in prompt order.")
         return samples
 
+    def balance(self, samples: list[Sample]) -> tuple[list[Sample], torch.Tensor]:
+        """The samples in the order that gives each of the actor's data-parallel ranks the same number of tokens in
+        every mini-batch (trainer.balance_batch; the slowest rank sets the step time), and each one's prompt group."""
+        order = list(range(len(samples)))
+        if self.cfg.trainer.balance_batch:
+            dp = worker_pools(self.cfg)[0].data_parallel_size
+            mini_batch = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
+            order = balanced_order([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp, mini_batch)
+        # The rollout returns the samples of a prompt together: their group is their position // n.
+        return [samples[i] for i in order], torch.tensor(order) // self.cfg.rollout.n
+
     def forward_passes(self, batch: TrainBatch) -> torch.Tensor:
         """The policy's log-probs (and entropy, returned), the reference's log-probs and the critic's values of the
         step's sequences, before any update."""
@@ -150,7 +163,7 @@ class Trainer:
                 batch.values = self.critic.values(batch.select()).values
         return old.entropy
 
-    def advantages(self, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
+    def advantages(self, batch: TrainBatch, scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
         """Token rewards (with the in-reward KL penalty when on), advantages and returns, rollout-correction
         weights; written into `batch`."""
         alg, mask, metrics = self.cfg.algorithm, batch.response_mask, {}
@@ -160,7 +173,6 @@ class Trainer:
                                                  self.kl_ctrl.value, alg.kl_penalty)
             metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
             self.kl_ctrl.update(kl, n_steps=batch.rows())
-        group_ids = torch.arange(batch.rows()) // self.cfg.rollout.n  # samples of a prompt are adjacent
         batch.advantages, returns = compute_advantages(
             alg.adv_estimator, token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std)
