@@ -24,16 +24,7 @@ from __future__ import annotations
 import torch
 
 from rl_megatron import platform
-
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, by torch.cuda.get_device_name(). Any other
-# device reports its MFU as unknown rather than a guess.
-NOMINAL_BF16_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA H200": 989e12,  # H200 SXM
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-}
+from rl_megatron.platform.device_stats import nominal_bf16_flops
 
 # Qwen2.5-0.5B's shape: the default model on GPU.
 QWEN2_5_0_5B = {"hidden": 896, "layers": 24, "vocab": 151936, "heads": 14, "kv_heads": 2, "intermediate": 4864,
@@ -82,7 +73,7 @@ def nominal_peak(dtype: str) -> tuple[float | None, str]:
     if not platform.has_cuda():
         return None, "cpu"
     name = torch.cuda.get_device_name()
-    return (NOMINAL_BF16_FLOPS.get(name) if dtype == "bfloat16" else None), name
+    return (nominal_bf16_flops(name) if dtype == "bfloat16" else None), name
 
 
 def run(args, model_dir: str) -> dict:

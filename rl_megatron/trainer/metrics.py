@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from rl_megatron.algorithms import masked_mean, rollout_mismatch_metrics
-from rl_megatron.batch import Sample, TrainBatch
+from rl_megatron.batch import Sample, SampleStatus, TrainBatch
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
 
@@ -30,7 +30,7 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
     metrics = {
         "reward/mean": scores.mean().item(),
         "reward/std": scores.std().item(),
-        "response_length/mean": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float).mean().item(),
+        **length_metrics(samples),
         "actor/entropy": masked_mean(entropy, mask).item(),
         "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
         # vLLM's sampling log-probs against Megatron's for the same tokens (1 and 0 when both agree).
@@ -46,6 +46,19 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
                         # 1 - Var(returns - values) / Var(returns): how much of the returns the critic predicts.
                         "critic/vf_explained_var": (1 - residual_var / torch.var(returns[mask.bool()])).item()})
     return metrics
+
+
+def length_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Response and prompt lengths in tokens, and the share of responses cut off at rollout.max_tokens (or at
+    rollout.max_model_len): vLLM's finish reason, recorded as the sample's status. A response whose stop token
+    falls exactly on the limit is not cut off (vLLM checks for the stop token first)."""
+    responses = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    prompts = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float)
+    clipped = sum(s.status == SampleStatus.TRUNCATED for s in samples)
+    return {"response_length/mean": responses.mean().item(), "response_length/max": responses.max().item(),
+            "response_length/min": responses.min().item(), "response_length/clip_ratio": clipped / len(samples),
+            "prompt_length/mean": prompts.mean().item(), "prompt_length/max": prompts.max().item(),
+            "prompt_length/min": prompts.min().item()}
 
 
 def window_mean(rewards: list[float]) -> float:

@@ -34,6 +34,7 @@ from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
+from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import validate
 from rl_megatron.trainer.workers import build_workers, sync_weights
@@ -106,6 +107,8 @@ class Trainer:
         """One RL step: generate -> score -> forward passes -> advantages -> update -> sync."""
         timer = self.timer
         timer.seconds.clear()
+        for group in self.model_groups:
+            group.reset_peak_memory()
         with timer("step"):
             prompts = self.loader.next_batch()
             with timer("gen"):
@@ -122,7 +125,7 @@ class Trainer:
             metrics |= self.advantages(batch, scores, group_ids)
             metrics |= self.update(batch, step)
         self.reward_history.append(scores.mean().item())
-        return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds)
+        return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds) | self.perf_metrics(samples)
 
     # -- the stages of a step --------------------------------------------------------------------------------------
 
@@ -197,6 +200,14 @@ class Trainer:
             with self.timer("sync_weights"):
                 sync_weights(self.actor, self.engine_group)
         return metrics
+
+    def perf_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """The actor's MFU in the step's timings and the memory its Megatron workers used (`trainer/perf.py`)."""
+        stats = {group: group.device_stats() for group in self.model_groups}
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        actor_peaks = [s.peak_flops for s in stats[self.actor]]
+        return (actor_mfu_metrics(self.hf_config, lengths, self.timer.seconds, actor_peaks, self.cfg.actor.ppo_epochs)
+                | memory_metrics([s for group_stats in stats.values() for s in group_stats]))
 
     # -- around the steps ------------------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.schema import Config
+from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
 from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import Resharder, vllm_targets
 from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
@@ -58,6 +59,9 @@ class HybridWorker(EngineHost):
         from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
 
         cfg = self.cfg
+        # Every worker measures at once (on CPU), before anything else runs in the group: what each gets while its
+        # peers compute too, as in a step.
+        self.peak_flops = peak_flops(cfg.model.dtype)
         init_distributed(self.rank, self.world_size, master_addr, master_port, seed=cfg.trainer.seed, **self.layout)
         if Role.ACTOR in self.roles:
             self.models[Role.ACTOR] = MegatronActor(cfg, self.hf_config, optimizer_steps(
@@ -156,6 +160,16 @@ class HybridWorker(EngineHost):
     @dispatch(axis="dp", phase=train(Role.CRITIC))
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self.models[Role.CRITIC].update(batch)
+
+    @dispatch(axis=None)
+    def reset_peak_memory(self) -> None:
+        """A step starts: the GPU's peak memory is counted from here."""
+        reset_gpu_peak_memory()
+
+    @dispatch(axis=None)
+    def device_stats(self) -> DeviceStats:
+        """This device's peak FLOP/s and the memory the step used (see `platform.device_stats`)."""
+        return read_device_stats(self.peak_flops)
 
     @dispatch(axis=None)
     def join_weight_group(self, host: str, port: int, size: int) -> None:

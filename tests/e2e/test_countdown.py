@@ -36,6 +36,11 @@ def test_countdown_trains_and_validates(tmp_path, countdown_data):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in steps)
+    # Responses cut off at rollout.max_tokens=16 (a random model rarely samples its stop token) are 16 tokens long.
+    for r in steps:
+        clipped = r["response_length/clip_ratio"]
+        assert r["response_length/max"] <= 16 and (clipped == 0 or r["response_length/max"] == 16)
+        assert clipped < 1 or r["response_length/min"] == 16
     validations = [r for r in rows if "val/countdown/reward_mean" in r]
     assert [r["step"] for r in validations] == [0, 2]  # before training, and at the last step
     # pass@2 is the share of the 4 test prompts with a solved sample (not a share of their 8 samples)

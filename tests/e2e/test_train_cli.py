@@ -6,11 +6,13 @@ import shutil
 
 from helpers.runs import REPO, train
 
-STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
-                "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/entropy", "mismatch/token_mult_prob_error",
-                "mismatch/max_abs_logprob_diff", "critic/advantages/mean",
+STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_length/max", "response_length/min",
+                "response_length/clip_ratio", "prompt_length/mean", "prompt_length/max", "actor/pg_loss",
+                "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/entropy",
+                "mismatch/token_mult_prob_error", "mismatch/max_abs_logprob_diff", "critic/advantages/mean",
                 "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/sync_weights",
-                "timing_s/step", "perf/tokens_per_s"}
+                "timing_s/step", "perf/tokens_per_s", "perf/mfu/actor", "perf/mfu/actor_infer",
+                "perf/cpu_memory_used_gb"}
 
 
 def test_demo_learns_arithmetic_from_reward(tmp_path):
@@ -21,6 +23,13 @@ def test_demo_learns_arithmetic_from_reward(tmp_path):
     assert len(rows) < 400, "stopped by the step limit, not by reaching the target"
     assert "Target mean reward 0.8 reached." in stdout
     assert all(STEP_METRICS <= set(r) and r["step"] == i + 1 for i, r in enumerate(rows))
+    # One-token answers (rollout.max_tokens=1) are cut off at the limit unless the token is the stop token: every
+    # right answer (a digit) is, so the share cut off is at least the mean reward (1 for a right answer, else 0).
+    assert all(r["response_length/max"] == 1 and r["reward/mean"] <= r["response_length/clip_ratio"] <= 1
+               for r in rows)
+    # Against the matrix-multiply rate each CPU worker measured at its start; no GPU, no GPU memory figure.
+    assert all(0 < r["perf/mfu/actor"] < 1 and 0 < r["perf/mfu/actor_infer"] < 1 for r in rows)
+    assert not any("perf/max_memory_allocated_gb" in r for r in rows)
     # Trainer (Megatron) and sampler (vLLM) compute the same distribution.
     assert max(r["mismatch/token_mult_prob_error"] for r in rows) <= 1.001
     # float32 on both sides, summed in different orders: a few ULPs of a large log-prob (1.19e-5 at step 158 on the
