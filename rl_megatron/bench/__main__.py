@@ -11,7 +11,10 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   the actor's rank 0 to N engine processes of their own (the limit: a copy of the model's bytes);
 - train (forward + backward + optimizer step): tokens/s and model FLOP/s against a plain matrix multiply of the
   model's largest GEMM in the same dtype, and MFU against the device's nominal bf16 peak; on GPU Qwen2.5-0.5B's
-  shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count).
+  shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count);
+- variable_length (old log-probs + one update over long-tailed response lengths): real tokens/s of packed
+  token-budget micro-batches against right-padded fixed ones, with padding ratios and peak memory of each, and
+  again with the longest sample doubled (rl_megatron/bench/variable_length.py documents the distribution).
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
 from rl_megatron.models.tiny import build_tokenizer
 
-BENCHES = ("generate", "log_probs", "update", "reshard", "train")
+BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
-MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192}}
+MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
+                  "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096, "batch": 16, "seq": 2048}}
 MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
@@ -73,7 +77,9 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, help="vocabulary (default 4096; reshard 8192; train on GPU 151936)")
     parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4)")
     parser.add_argument("--seq", type=int, help="tokens per sequence, prompt + response (default 256; train on GPU "
-                                                 "1024)")
+                                                 "1024); variable_length: the longest response (default 2048)")
+    parser.add_argument("--max-tokens", type=int,
+                        help="variable_length: the token budget of a micro-batch (default: twice the longest sample)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repeats: reshard syncs (the median is reported), train steps (the mean)")
@@ -110,7 +116,8 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix="rl_megatron_bench_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(bench_model_config(args.hidden, args.layers, args.vocab, tied=tied,
-                                     max_positions=max(2048, args.seq), experts=MOE_EXPERTS if args.moe else 0,
+                                     max_positions=max(2048, 2 * args.seq + 256),
+                                     experts=MOE_EXPERTS if args.moe else 0,
                                      **widths), f)
     # The benchmarks feed random token ids; the config's pre-flight check wants a tokenizer (the demo's fits any
     # vocabulary of at least its 18 tokens).
@@ -123,6 +130,10 @@ def main(argv=None) -> None:
         from rl_megatron.bench import train
 
         result = train.run(args, model_dir)
+    elif args.name == "variable_length":
+        from rl_megatron.bench import variable_length
+
+        result = variable_length.run(args, model_dir)
     else:
         result = run(args, model_dir)
     if args.json:
@@ -134,6 +145,10 @@ def main(argv=None) -> None:
         mfu = (f"{result['mfu']:.3f} of {result['nominal_peak_flops']:.4g}" if result["mfu"] is not None else
                f"unknown (no nominal {result['dtype']} peak for {result['device']})")
         print(f"  {result['tokens_per_s']:.4g} tokens/s, MFU {mfu}")
+    if result["bench"] == "variable_length":
+        for way, figures in result["ways"].items():
+            print(f"  {way:<24} {figures['tokens_per_s']:9.4g} tokens/s  padding {figures['padding_ratio']:.3f}  "
+                  f"peak memory {figures['peak_memory_gib']:.3f} GiB")
 
 
 def run(args, model_dir: str) -> dict:
