@@ -172,6 +172,12 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
     config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size(),
                                 etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
                                 weights_follow=weights_follow)
+    context = parallel_state.get_context_parallel_world_size()
+    if context > 1 and not uses_transformer_engine():
+        raise ValueError(f"actor.context_parallel_size={context} needs Transformer Engine's attention on a CUDA device "
+                         "(context-parallel attention passes key/value chunks between the CP ranks inside TE's kernels;"
+                         " Megatron's local attention cannot): set actor.context_parallel_size=1 here.")
+    config.context_parallel_size = context
     # Megatron reads the chunk count from the config when it splits the layers (None: no interleaving).
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     config.virtual_pipeline_model_parallel_size = vpp

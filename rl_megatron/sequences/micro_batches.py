@@ -13,6 +13,7 @@ losses see the same tensors whatever the layout, and their normalisation does no
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,21 +29,34 @@ class MicroBatch:
     rows: list[int]  # their rows in the rank's batch
     input_ids: Tensor  # [rows, tokens]: what the model reads (packed: one row)
     position_ids: Tensor  # [rows, tokens]
-    cu_seqlens: list[int] | None  # packed: the start of each sample in the row, then the row's end (the tail of
-    # padding, if any, is a span of its own); None: padded rows
+    cu_seqlens: list[int] | None  # packed: the start of each sample's span in the row, then the row's end (the
+    # tail of padding, if any, is a span of its own); None: padded rows
+    context_index: Tensor | None = None  # context parallelism: the row's positions this rank computes
+
+    def model_inputs(self) -> tuple[Tensor, Tensor]:
+        """(token ids, position ids) this rank's model reads: the row, or its context-parallel share."""
+        if self.context_index is None:
+            return self.input_ids, self.position_ids
+        return self.input_ids[:, self.context_index], self.position_ids[:, self.context_index]
 
     @property
     def labels(self) -> Tensor:
         """The token each model position predicts (the next one in its row; pad after the row's last)."""
         ids = self.input_ids
-        return torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), self.samples.pad_id)], dim=1)
+        labels = torch.cat([ids[:, 1:], ids.new_full((ids.shape[0], 1), self.samples.pad_id)], dim=1)
+        return labels if self.context_index is None else labels[:, self.context_index]
 
     def computed_tokens(self) -> int:
         return self.input_ids.numel()
 
     def to(self, device) -> MicroBatch:
         return MicroBatch(self.samples.to(device), self.rows, self.input_ids.to(device),
-                          self.position_ids.to(device), self.cu_seqlens)
+                          self.position_ids.to(device), self.cu_seqlens,
+                          None if self.context_index is None else self.context_index.to(device))
+
+    def context_shard(self, rank: int, size: int) -> MicroBatch:
+        """This micro-batch as context-parallel rank `rank` of `size` computes it (`context_chunks`)."""
+        return dataclasses.replace(self, context_index=context_chunks(self.cu_seqlens, rank, size))
 
     def padded_to(self, rows: int, tokens: int) -> MicroBatch:
         """The same samples in a model input of `rows` x `tokens` (pipeline stages and expert-parallel peers that
@@ -53,7 +67,7 @@ class MicroBatch:
         positions = torch.arange(tokens).expand_as(ids)
         cu_seqlens = self.cu_seqlens
         if cu_seqlens is not None:
-            real = sum(self.samples.sequence_lengths())
+            real = self.cu_seqlens[len(self.rows)]  # where the samples' spans end
             cu_seqlens = self.cu_seqlens[:len(self.rows) + 1] + ([tokens] if tokens > real else [])
             positions = torch.cat([self.position_ids[0, :real], torch.arange(tokens - real)]).unsqueeze(0)
         return MicroBatch(self.samples, self.rows, ids, positions, cu_seqlens)
@@ -76,9 +90,11 @@ class MicroBatch:
         return TokenOutputs(**{name: self.unpack(value) for name, value in outputs.tensors().items()})
 
 
-def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int = 1) -> MicroBatch:
+def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int = 1,
+                span_multiple: int = 1) -> MicroBatch:
     """Rows `rows` of `batch` as one micro-batch; `multiple`: the model's tokens per row must be a multiple of it
-    (sequence parallelism splits them over the TP ranks)."""
+    (sequence parallelism splits them over the TP ranks); `span_multiple`: packed, each sample's span is padded to
+    a multiple of it (context parallelism cuts every span into 2 x CP chunks)."""
     picked = batch._with({k: v[rows] for k, v in batch.tensors().items()})
     lengths = picked.sequence_lengths()
     samples = picked.truncated(max(lengths))
@@ -86,17 +102,33 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
         input_ids = _pad_tokens(samples.input_ids, multiple, batch.pad_id)
         positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         return MicroBatch(samples, rows, input_ids, positions, None)
-    ids = torch.cat([row[:length] for row, length in zip(samples.input_ids, lengths)]).unsqueeze(0)
-    positions = torch.cat([torch.arange(length) for length in lengths])
+    spans = [length + -length % span_multiple for length in lengths]
+    ids = torch.cat([F.pad(row[:length], (0, span - length), value=batch.pad_id)
+                     for row, length, span in zip(samples.input_ids, lengths, spans)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(span) for span in spans])
     starts = [0]
-    for length in lengths:
-        starts.append(starts[-1] + length)
+    for span in spans:
+        starts.append(starts[-1] + span)
     input_ids = _pad_tokens(ids, multiple, batch.pad_id)
     tail = input_ids.shape[1] - ids.shape[1]
     if tail:  # the padding is a sample of its own: it attends to itself only
         starts.append(input_ids.shape[1])
         positions = torch.cat([positions, torch.arange(tail)])
     return MicroBatch(samples, rows, input_ids, positions.unsqueeze(0), starts)
+
+
+def context_chunks(cu_seqlens: list[int], rank: int, size: int) -> Tensor:
+    """The positions of a packed row that context-parallel rank `rank` of `size` computes: every span cut into
+    2 x size equal chunks, of which the rank takes chunk `rank` and chunk 2 x size - 1 - rank, so that under the
+    causal mask each rank has as much work (Megatron's and Transformer Engine's THD split, as NeMo-RL packs)."""
+    index = []
+    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
+        chunk = (end - start) // (2 * size)
+        if chunk * 2 * size != end - start:
+            raise ValueError(f"a span of {end - start} tokens does not cut into 2 x {size} chunks")
+        for part in (rank, 2 * size - 1 - rank):
+            index.append(torch.arange(start + part * chunk, start + (part + 1) * chunk))
+    return torch.cat(index)
 
 
 def _pad_tokens(ids: Tensor, multiple: int, pad_id: int) -> Tensor:

@@ -63,7 +63,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def owns_dp_output() -> bool:
-    """Whether this rank returns the results of its data-parallel slice (last PP stage, first TP rank)."""
+    """Whether this rank returns the results of its data-parallel slice (last PP stage, first TP and CP rank)."""
     from megatron.core import parallel_state
 
-    return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    return (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)

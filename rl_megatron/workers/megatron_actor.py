@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn as dist_nn
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -35,8 +36,8 @@ from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.models.packed_attention import packed_seq_params
-from rl_megatron.sequences import (MicroBatch, fixed_bins, micro_batch, round_up, scatter_rows, split_to_count,
-                                   token_budget_bins)
+from rl_megatron.sequences import (MicroBatch, context_chunks, fixed_bins, micro_batch, round_up, scatter_rows,
+                                   split_to_count, token_budget_bins)
 from rl_megatron.workers.distributed import owns_dp_output
 
 # tokens_of(micro-batch, model output) -> per-token outputs in the model's layout (rows x tokens)
@@ -90,6 +91,9 @@ class MegatronModel:
                            and parallel_state.get_expert_model_parallel_world_size() > 1)
         self.one_shape = bool((pp > 1 and not config.variable_seq_lengths) or allgather_peers)
         self.interleaved = len(self.chunks) > 1
+        # Context parallelism cuts every packed span into 2 x CP chunks (each a multiple of the SP split).
+        self.context_size = parallel_state.get_context_parallel_world_size()
+        self.span_multiple = 2 * self.context_size * self.sequence_multiple if self.context_size > 1 else 1
         self.token_counts = [0, 0]  # real and computed tokens of the passes since the last update (padding ratio)
         self.model = self.chunks
         self.optimizer = self.scheduler = None
@@ -141,7 +145,7 @@ class MegatronModel:
         count = self._dp_max(len(bins))
         if self.interleaved:
             count = round_up(count, parallel_state.get_pipeline_model_parallel_world_size())
-        micros = [micro_batch(batch, rows, self.batching.packing, self.sequence_multiple)
+        micros = [micro_batch(batch, rows, self.batching.packing, self.sequence_multiple, self.span_multiple)
                   for rows in split_to_count(bins, lengths, count)]
         if self.one_shape:
             rows = self._dp_max(max(m.input_ids.shape[0] for m in micros))
@@ -149,7 +153,22 @@ class MegatronModel:
             micros = [m.padded_to(rows, tokens) for m in micros]
         self.token_counts[0] += sum(lengths)
         self.token_counts[1] += sum(m.computed_tokens() for m in micros)
+        if self.context_size > 1:
+            rank = parallel_state.get_context_parallel_rank()
+            micros = [m.context_shard(rank, self.context_size) for m in micros]
         return micros
+
+    def _per_sample(self, micro: MicroBatch, outputs: TokenOutputs) -> TokenOutputs:
+        """Per-token outputs in the model's layout -> per sample; under context parallelism each rank's share of the
+        row first gathered from the CP group (differentiable: each rank's loss then sees the whole row, and its
+        gradient reaches each rank's own positions, as NeMo-RL gathers its CP log-probs)."""
+        if micro.context_index is not None:
+            order = torch.argsort(torch.cat([context_chunks(micro.cu_seqlens, rank, self.context_size)
+                                             for rank in range(self.context_size)])).to(micro.input_ids.device)
+            group = parallel_state.get_context_parallel_group()
+            outputs = TokenOutputs(**{name: torch.cat(dist_nn.all_gather(value.contiguous(), group=group), dim=1
+                                                      )[:, order] for name, value in outputs.tensors().items()})
+        return micro.unpack_outputs(outputs)
 
     def _dp_max(self, value: int) -> int:
         total = torch.tensor([value], dtype=torch.long)
@@ -158,7 +177,8 @@ class MegatronModel:
 
     def _forward(self, micro: MicroBatch, model):
         packed = None if micro.cu_seqlens is None else packed_seq_params(micro.cu_seqlens, micro.input_ids.device)
-        return model(micro.input_ids, micro.position_ids, None, packed_seq_params=packed)
+        input_ids, position_ids = micro.model_inputs()
+        return model(input_ids, position_ids, None, packed_seq_params=packed)
 
     def run(self, micros: list[MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's pipeline schedule over `micros`; loss_func(micro, output) -> (loss, stats) runs on the last
@@ -183,7 +203,7 @@ class MegatronModel:
         """Per-token outputs of a forward pass, from the ranks that own them (None elsewhere)."""
         micros = self.micro_batches(batch)
         outputs = self.run(micros, lambda micro, output: (output.new_zeros(()),
-                                                          micro.unpack_outputs(tokens_of(micro, output))),
+                                                          self._per_sample(micro, tokens_of(micro, output))),
                            forward_only=True)
         if not owns_dp_output():
             return None
@@ -212,7 +232,7 @@ class MegatronModel:
                 micros = self.micro_batches(mini)
 
                 def loss_func(micro, output):
-                    loss, stats = loss_of(micro.samples, micro.unpack_outputs(tokens_of(micro, output)), scale)
+                    loss, stats = loss_of(micro.samples, self._per_sample(micro, tokens_of(micro, output)), scale)
                     # The schedule divides by the number of micro-batches and DDP averages over DP ranks: undo
                     # both, so that the gradient is that of the mini-batch's loss.
                     return loss * len(micros) * self.dp_size, stats

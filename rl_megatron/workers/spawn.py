@@ -28,7 +28,7 @@ def _entry(rank, world_size, port, layout, fn, args, results):
 
 
 def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, args=(),
-                    timeout: float = 600, etp: int | None = None, port: int | None = None) -> list:
+                    timeout: float = 600, etp: int | None = None, port: int | None = None, cp: int = 1) -> list:
     """fn(*args) on every rank after init_distributed (its store at `port`, default a free one); returns the
     results in rank order. A rank that raises stops them all and its traceback is raised here."""
     from rl_megatron.workers.distributed import free_port
@@ -36,7 +36,7 @@ def run_distributed(fn, world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = port or free_port()
-    layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp}
+    layout = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "cp": cp}
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, layout, fn, args, results))
              for r in range(world_size)]
     for p in procs:

@@ -5,28 +5,13 @@ computed by the same ranks, and the padding each grouping computes is what it sh
 import pytest
 import torch
 
-from helpers.parity import config, family_model_dir
+from helpers.parity import config, family_model_dir, long_tailed_batch
 from helpers.ranks import build_actor
 from rl_megatron.batch import TrainBatch
 from rl_megatron.workers.spawn import run_distributed
 
 # reference first: (actor.max_tokens_per_micro_batch, actor.sequence_packing)
 GROUPINGS = [(None, False), (None, True), (40, False), (40, True)]
-PROMPT = 4
-
-
-def long_tailed_batch(count: int = 16) -> TrainBatch:
-    """Responses of 1 to 40 tokens, most short (a log-normal tail, as chains of thought), in random order."""
-    g = torch.Generator().manual_seed(5)
-    lengths = (torch.randn(count, generator=g) * 0.9 + 1.8).exp().round().clamp(1, 40).long()
-    width = PROMPT + int(lengths.max())
-    input_ids = torch.randint(3, 18, (count, width), generator=g)
-    mask = torch.zeros(count, width)
-    for row, length in enumerate(lengths.tolist()):
-        mask[row, PROMPT - 1:PROMPT - 1 + length] = 1.0
-        input_ids[row, PROMPT + length:] = 0
-    noise = lambda scale: scale * torch.randn(mask.shape, generator=g)  # noqa: E731
-    return TrainBatch(input_ids, mask, pad_id=0, lengths=PROMPT + lengths, advantages=noise(1.0) * mask)
 
 
 def every_grouping(cfgs, batch):

@@ -80,3 +80,17 @@ def hf_reference(model_dir: str, batch: TrainBatch, temperature: float):
     with torch.no_grad():
         log_probs, entropy = hf_token_log_probs(model, batch.input_ids, temperature)
     return log_probs, entropy, model.state_dict()
+
+
+def long_tailed_batch(count: int = 16) -> TrainBatch:
+    """Responses of 1 to 40 tokens, most short (a log-normal tail, as chains of thought), in random order."""
+    g = torch.Generator().manual_seed(5)
+    lengths = (torch.randn(count, generator=g) * 0.9 + 1.8).exp().round().clamp(1, 40).long()
+    width = PROMPT + int(lengths.max())
+    input_ids = torch.randint(3, 18, (count, width), generator=g)
+    mask = torch.zeros(count, width)
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, PROMPT - 1:PROMPT - 1 + length] = 1.0
+        input_ids[row, PROMPT + length:] = 0
+    noise = lambda scale: scale * torch.randn(mask.shape, generator=g)  # noqa: E731
+    return TrainBatch(input_ids, mask, pad_id=0, lengths=PROMPT + lengths, advantages=noise(1.0) * mask)

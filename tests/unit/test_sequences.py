@@ -82,3 +82,29 @@ def test_scatter_rows_restores_the_batch_order():
     b = TokenOutputs(log_probs=torch.tensor([[3.0, 4.0, 5.0], [6.0, 0.0, 0.0]]))
     out = scatter_rows([([1], a), ([2, 0], b)], count=3, length=4)
     assert out.log_probs.tolist() == [[6, 0, 0, 0], [1, 2, 0, 0], [3, 4, 5, 0]]
+
+
+def test_context_parallel_shares_cut_each_span_into_balanced_chunks_and_gather_back():
+    from rl_megatron.sequences import context_chunks
+
+    cu_seqlens = [0, 8, 12]  # spans of 8 and 4 tokens, 2 CP ranks: chunks of 2 and of 1 token
+    assert context_chunks(cu_seqlens, 0, 2).tolist() == [0, 1, 6, 7, 8, 11]
+    assert context_chunks(cu_seqlens, 1, 2).tolist() == [2, 3, 4, 5, 9, 10]
+    # What each rank computes, gathered in rank order and put back by the inverse permutation, is the row.
+    row = torch.arange(12.0).unsqueeze(0) * 10
+    order = torch.cat([context_chunks(cu_seqlens, rank, 2) for rank in range(2)])
+    gathered = torch.cat([row[:, context_chunks(cu_seqlens, rank, 2)] for rank in range(2)], dim=1)
+    assert torch.equal(gathered[:, torch.argsort(order)], row)
+    with pytest.raises(ValueError, match="2 x 2 chunks"):
+        context_chunks([0, 6], 0, 2)
+
+
+def test_packed_spans_padded_for_context_parallelism_keep_each_sample_at_its_start():
+    micro = micro_batch(two_rows(), [0, 1], packing=True, span_multiple=4)
+    assert micro.input_ids.tolist() == [[5, 6, 7, 0, 8, 9, 10, 11, 12, 0, 0, 0]]
+    assert micro.cu_seqlens == [0, 4, 12] and micro.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert micro.unpack(torch.arange(12.0).unsqueeze(0)).tolist() == [[0, 1, 2, 0, 0], [4, 5, 6, 7, 8]]
+    shard = micro.context_shard(1, 2)
+    ids, positions = shard.model_inputs()
+    assert ids.tolist() == [[6, 7, 10, 11, 12, 0]] and positions.tolist() == [[1, 2, 2, 3, 4, 5]]
+    assert shard.labels.tolist() == [[7, 0, 11, 12, 0, 0]]
