@@ -103,3 +103,22 @@ def test_reshard_to_separate_engines_reports_the_same_fields():
     # The sender holds one bucket (the largest tensor when it is bigger), not the 13 MB of weights.
     bound = max(result["bucket_bytes"], result["largest_tensor_bytes"]) + result["bucket_bytes"]
     assert result["peak_extra_bytes"] <= bound < result["bytes"]
+
+
+def test_variable_length_bench_compares_padded_budget_and_packed_micro_batches():
+    """Long-tailed lengths three ways (each in its own process): packing computes no padding, token budgets less
+    than right-padding to the batch's longest, and the figure is packed's real tokens/s over padded's."""
+    result = bench("variable_length", "--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "8", "--seq",
+                   "128", "--threads", "1", "--repeats", "1")
+    ways = result["ways"]
+    assert set(ways) == {"padded", "budget", "packed", "padded_longest_doubled", "packed_longest_doubled"}
+    assert ways["packed"]["padding_ratio"] == ways["packed_longest_doubled"]["padding_ratio"] == 0.0
+    assert 0 < ways["budget"]["padding_ratio"] < ways["padded"]["padding_ratio"]
+    assert ways["padded"]["padding_ratio"] < ways["padded_longest_doubled"]["padding_ratio"]
+    # Real tokens: both passes (log-probs, update) over the batch, prompts and responses.
+    real = 2 * (sum(result["prompt_lengths"]) + sum(result["response_lengths"]))
+    assert ways["packed"]["computed_tokens"] == pytest.approx(real)
+    longest = max(p + r for p, r in zip(result["prompt_lengths"], result["response_lengths"]))
+    assert ways["padded"]["computed_tokens"] == pytest.approx(2 * 8 * longest)
+    assert result["ratio"] == ways["packed"]["tokens_per_s"] / ways["padded"]["tokens_per_s"]
+    assert max(result["response_lengths"]) == 128 and min(result["response_lengths"]) >= 32
