@@ -16,8 +16,12 @@ def check_actor_layout(cfg: Config) -> None:
     world = t.nnodes * t.n_gpus_per_node
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
     vpp = a.virtual_pipeline_model_parallel_size
-    if cp != 1:
-        raise ConfigError(f"actor.context_parallel_size={cp}: only 1 is supported yet; set "
+    # Context parallelism splits each sample of a packed row into 2 x CP chunks (causal attention balanced over the
+    # CP ranks, as NeMo-RL does) and runs in Transformer Engine's attention; there is no right-padded path. Whether
+    # the workers have TE on a CUDA device is known only where the model is built; the config decides this much.
+    if cp > 1 and not a.sequence_packing:
+        raise ConfigError(f"actor.context_parallel_size={cp} needs actor.sequence_packing=true: context parallelism "
+                          "splits the samples of packed rows over the CP ranks. Set actor.sequence_packing=true, or "
                           "actor.context_parallel_size=1.")
     if vpp > 1 and pp == 1:
         raise ConfigError(f"actor.virtual_pipeline_model_parallel_size={vpp} needs pipeline stages to interleave: set "
@@ -119,11 +123,13 @@ def check_role_layouts(cfg: Config) -> None:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
                           f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size}; make it a multiple.")
     for name, role, prompts in (("ref", cfg.ref, cfg.data.train_batch_size), ("critic", c, c.ppo_mini_batch_size)):
+        model_parallel = role.tensor_model_parallel_size * role.pipeline_model_parallel_size
         if role.placement == "colocated":
+            # The actor's processes, hence its context-parallel groups too: CP ranks share a sample, not a DP slice.
             world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+            model_parallel *= a.context_parallel_size
         else:
             world = role.nnodes * role.n_gpus_per_node
-        model_parallel = role.tensor_model_parallel_size * role.pipeline_model_parallel_size
         if world % model_parallel:
             raise ConfigError(f"{name}: {world} devices ({name}.nnodes x {name}.n_gpus_per_node) are not divisible "
                               f"by {name}.tensor_model_parallel_size x {name}.pipeline_model_parallel_size = "

@@ -73,7 +73,7 @@ class ActorConfig:
     tensor_model_parallel_size: int = checked(1, POSITIVE)  # Megatron TP size of the policy
     pipeline_model_parallel_size: int = checked(1, POSITIVE)  # Megatron PP size of the policy
     virtual_pipeline_model_parallel_size: int = checked(1, POSITIVE)  # model chunks per PP stage (interleaved schedule; >1 needs PP>1)
-    context_parallel_size: int = checked(1, POSITIVE)  # Megatron CP size of the policy (only 1 is supported yet)
+    context_parallel_size: int = checked(1, POSITIVE)  # Megatron CP size of the policy: each sequence split over this many ranks (> 1 needs actor.sequence_packing and Transformer Engine on a CUDA device)
     expert_model_parallel_size: int = checked(1, POSITIVE)  # Megatron EP size: an MoE layer's experts split over this many ranks
     expert_tensor_parallel_size: Optional[int] = checked(None, POSITIVE)  # each expert's own TP size, at most TP (default: the TP)
     ppo_mini_batch_size: int = checked(16, POSITIVE)  # prompts per optimizer step (each brings rollout.n samples)

@@ -14,6 +14,9 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
 Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
 trainer.n_gpus_per_node) holds actor + rollout and the colocated reference / critic; a role with
 placement=separate gets its own nodes after it (engines first, then ref, then critic).
+Memory per GPU (`memory.py`'s formulas): each role's weights (and training state) or engine share, plus the largest
+of the pool's activations; a pool over the GPU's memory is refused where that memory is known (nvidia-smi on the
+launching node, GPU_MEMORY_GIB), naming the keys that lower it, and a warning over the 80 GiB assumed otherwise.
 """
 from __future__ import annotations
 
@@ -35,8 +38,14 @@ class RolePlan:
     name: str
     engine: str  # Megatron (trained), Megatron forward-only, or vLLM
     layout: str  # its parallel sizes, printed
-    memory_bytes: int  # per GPU
+    memory_bytes: int  # per GPU: weights (+ gradients and optimizer state), or the engine's share
     memory_note: str
+    activations: Optional[memory.Activations] = None  # a Megatron role's passes (None for the engines)
+    activation_note: str = ""
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activations.bytes if self.activations else 0
 
 
 @dataclass
@@ -55,8 +64,13 @@ class Pool:
         return self.nnodes * self.gpus_per_node
 
     @property
+    def activation_bytes(self) -> int:
+        """The largest of its roles' activations: the roles of a pool run their passes one at a time."""
+        return max((role.activation_bytes for role in self.roles), default=0)
+
+    @property
     def memory_bytes(self) -> int:
-        return sum(role.memory_bytes for role in self.roles)
+        return sum(role.memory_bytes for role in self.roles) + self.activation_bytes
 
 
 @dataclass
@@ -64,6 +78,7 @@ class ClusterPlan:
     pools: list[Pool]
     gpu_memory_gib: float
     gpu_memory_source: str
+    gpu_memory_known: bool  # measured or given (GPU_MEMORY_GIB), not assumed: a plan over it is refused
     on_gpu: bool
     total_parameters: int
     dtype: str
@@ -133,6 +148,10 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     notes = [_check_within_node(tp, f"{name}.tensor_model_parallel_size", pool, "TP group"),
              _check_stages(pp, f"{name}.pipeline_model_parallel_size", pool)]
     dp = pool.world // (tp * pp * cp)
+    if cp > 1:  # rank order tp-cp-...: one sequence's ranks are TP x CP consecutive ones, exchanging K/V every layer
+        span = tp * cp
+        where = "inside one node" if span <= pool.gpus_per_node else f"across {span // pool.gpus_per_node} nodes"
+        notes.append(f"TP x CP group ({span} GPUs share a sequence) {where}")
     if ep > 1:
         span = etp * ep
         where = "inside one node" if span <= pool.gpus_per_node else f"across {span // pool.gpus_per_node} nodes"
@@ -143,36 +162,82 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     dtype = cfg.model.dtype
     if trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
+        shards = f"DP={dp}" if cp == 1 else f"DP x CP={dp * cp}"
         note = f"{_count(params.total)} params/GPU: weights + fp32 grads + Adam" + (
-            f" (distributed optimizer over DP={dp})" if on_gpu and dp > 1 else "")
+            f" (distributed optimizer over {shards})" if on_gpu and dp * cp > 1 else "")
     else:
         bytes_ = memory.weight_bytes(params.total, dtype)
         note = f"{_count(params.total)} params/GPU: weights only"
-    layout = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
-              + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
-    return RolePlan(name, "Megatron" if trained else "Megatron forward", layout, bytes_, note)
+    sizes = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
+             + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
+    passes = role_passes(name, cfg, layout, on_gpu)
+    activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
+    budgeted = getattr(cfg, str(name)).max_tokens_per_micro_batch is not None
+    return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note, activations,
+                    _activation_note(activations, passes, budgeted, cfg.actor.sequence_packing))
 
 
-def _gpu_memory(measured_gib: Optional[float]) -> tuple[float, str]:
-    """GiB per GPU: the user's GPU_MEMORY_GIB, else what was measured (nvidia-smi), else an H100's."""
+def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool) -> memory.RolePasses:
+    """How a Megatron role's passes hold activations, from its config section and its pool's layout (a colocated
+    role shares the actor's processes, CP and VPP included; a separate one has CP 1)."""
+    section = getattr(cfg, str(name))
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    budget, packing = section.max_tokens_per_micro_batch, cfg.actor.sequence_packing
+    # A budget's bins never cut a sample: one longer than the budget runs alone (rl_megatron/sequences/bins.py).
+    tokens = max(budget, longest) if budget else section.micro_batch_size * longest
+    tp = layout["tp"]
+    recompute = section if name.trainable else None  # a frozen role runs without a graph: nothing to recompute
+    return memory.RolePasses(
+        tokens=tokens, row_tokens=min(tokens, longest), dtype=cfg.model.dtype, tp=tp, pp=layout["pp"],
+        vpp=layout.get("vpp", 1), cp=layout.get("cp", 1), etp=layout.get("etp", tp),
+        sequence_parallel=tp > 1 and cfg.actor.sequence_parallel is not False,
+        attention="fused" if on_gpu else "spans" if packing else "local", trains=name.trainable,
+        recompute=recompute.recompute_granularity if recompute else None,
+        recompute_method=recompute.recompute_method if recompute else None,
+        recompute_num_layers=recompute.recompute_num_layers if recompute else None,
+        policy_head=not name.value_head, entropy_bonus=name is Role.ACTOR and cfg.actor.entropy_coeff > 0)
+
+
+def _activation_note(activations: memory.Activations, passes: memory.RolePasses, budgeted: bool, packed: bool) -> str:
+    recompute = f"{passes.recompute or 'no'} recompute"
+    if passes.recompute == "full":
+        n = passes.recompute_num_layers or 1
+        recompute += (f" (block: the first {n} layer(s) of each chunk)" if passes.recompute_method == "block"
+                      else f" (uniform: groups of {n} layer(s))")
+    forward = f"{'log-probs' if passes.policy_head else 'values'} {_gib(activations.forward)}"
+    passes_text = f"update {_gib(activations.update)}, {forward}" if passes.trains else forward
+    split = f" / CP={passes.cp}" if passes.cp > 1 else ""
+    padding = " (right-padded: padding not counted)" if budgeted and not packed else ""
+    parts = [passes_text, f"{passes.tokens}{split} tokens per micro-batch{padding}", recompute if passes.trains else "",
+             "sequence parallel" if passes.sequence_parallel else "",
+             f"logits {_gib(activations.logits)}" if activations.logits else ""]
+    return ", ".join(part for part in parts if part)
+
+
+def _gpu_memory(measured_gib: Optional[float]) -> tuple[float, str, bool]:
+    """GiB per GPU, where the figure comes from, and whether it is known: the user's GPU_MEMORY_GIB, else what was
+    measured (nvidia-smi), else an H100's (assumed)."""
     if os.environ.get("GPU_MEMORY_GIB"):
-        return float(os.environ["GPU_MEMORY_GIB"]), "GPU_MEMORY_GIB"
+        return float(os.environ["GPU_MEMORY_GIB"]), "GPU_MEMORY_GIB", True
     if measured_gib is not None:
-        return measured_gib, "measured"
-    return DEFAULT_GPU_MEMORY_GIB, "assumed (H100 80GB); set GPU_MEMORY_GIB"
+        return measured_gib, "measured", True
+    return DEFAULT_GPU_MEMORY_GIB, "assumed (H100 80GB); set GPU_MEMORY_GIB", False
 
 
-def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool = True) -> ClusterPlan:
+def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool = True,
+               refuse_over_memory: bool = True) -> ClusterPlan:
     """The placement of every role and its memory per GPU; ConfigError (naming the key and the fix) when a
-    layout does not fit the nodes. `cfg` must come from load_config (validated, defaults resolved)."""
-    gib, gib_source = _gpu_memory(gpu_memory_gib)
+    layout does not fit the nodes, or (with `refuse_over_memory`, on GPUs whose memory is known) when a pool's
+    estimate exceeds the GPU's memory; over an assumed size it is a warning. `cfg` must come from load_config
+    (validated, defaults resolved)."""
+    gib, gib_source, known = _gpu_memory(gpu_memory_gib)
     hf = model_config(cfg)
     total = memory.rank_parameters(hf).total
     specs, pools = worker_pools(cfg), []
     for spec in specs:
         first_node = sum(pool.nnodes for pool in pools)
         pools.append(Pool(spec.name, first_node, spec.nnodes, spec.gpus_per_node, spec.nodes_key, spec.gpus_key))
-    plan = ClusterPlan(pools, gib, gib_source, on_gpu, total, cfg.model.dtype)
+    plan = ClusterPlan(pools, gib, gib_source, known, on_gpu, total, cfg.model.dtype)
     for spec, pool in zip(specs, pools):
         for name in spec.roles:
             if name is Role.ROLLOUT:
@@ -183,10 +248,65 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
 
     for pool in pools:
         if on_gpu and pool.memory_bytes > gib * memory.GIB:
-            plan.warnings.append(
-                f"the {pool.name} pool needs ~{_gib(pool.memory_bytes)} per GPU before activations, "
-                f"more than {gib:g} GiB: raise TP/PP of its roles, lower rollout.gpu_memory_utilization, or add GPUs.")
+            problem = _over_memory(pool, cfg, gib, gib_source)
+            if known and refuse_over_memory:
+                raise ConfigError(problem[0].upper() + problem[1:])
+            plan.warnings.append(problem + ("" if known else " Set GPU_MEMORY_GIB to your GPUs' memory: a plan over "
+                                            "a known size is refused."))
     return plan
+
+
+def _over_memory(pool: Pool, cfg: Config, gib: float, source: str) -> str:
+    """What a pool over the GPU's memory needs, and the keys that lower it (with their values now)."""
+    parts = [f"{role.name} {_gib(role.memory_bytes)}" for role in pool.roles]
+    largest = max(pool.roles, key=lambda role: role.activation_bytes)
+    if largest.activation_bytes:
+        parts.append(f"activations {_gib(largest.activation_bytes)}, the {largest.name}'s "
+                     f"{largest.activations.larger_pass} pass")
+    fixes = []
+    for role in pool.roles:
+        fixes += _memory_fixes(role.name, cfg, separate=pool.name == role.name and role.name is not Role.ACTOR)
+    return (f"the {pool.name} pool needs ~{_gib(pool.memory_bytes)} per GPU ({' + '.join(parts)}), more than the "
+            f"GPU's {gib:g} GiB ({source}). Change: " + "; ".join(fixes) + f"; or add nodes ({pool.nodes_key}).")
+
+
+def _yaml(value) -> str:
+    """A value as the config spells it (null, true, false)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _memory_fixes(name: Role, cfg: Config, separate: bool) -> list[str]:
+    """The keys that lower a role's memory per GPU, each with its value now and which way to turn it (keys already
+    at their most frugal setting are left out)."""
+    if name is Role.ROLLOUT:
+        return [f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} lower (a smaller KV cache)"]
+    section = getattr(cfg, str(name))
+    budget = section.max_tokens_per_micro_batch
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    fixes = [f"{name}.max_tokens_per_micro_batch={budget} lower" if budget else
+             f"{name}.max_tokens_per_micro_batch=null to a token budget (micro-batches are now "
+             f"{name}.micro_batch_size={section.micro_batch_size} samples of up to {longest} tokens)"]
+    if name.trainable:
+        granularity, method, layers = (section.recompute_granularity, section.recompute_method,
+                                       section.recompute_num_layers)
+        if granularity != "full":
+            fixes.append(f"{name}.recompute_granularity={_yaml(granularity)} to full (each layer keeps only its input)")
+        elif method == "block" or (layers or 1) > 1:
+            fixes.append(f"{name}.recompute_method={_yaml(method)} / {name}.recompute_num_layers={_yaml(layers)} to "
+                         "uniform / 1 (every layer recomputed, one at a time)")
+    if name is Role.ACTOR or separate:  # a colocated role runs at the actor's layout
+        fixes.append(f"{name}.tensor_model_parallel_size={section.tensor_model_parallel_size} / "
+                     f"{name}.pipeline_model_parallel_size={section.pipeline_model_parallel_size} higher (smaller "
+                     "shards; PP shrinks the state, not the first stage's activations)")
+    if name is Role.ACTOR:
+        a = cfg.actor
+        packing = "" if a.sequence_packing else " with actor.sequence_packing=true"
+        fixes.append(f"actor.context_parallel_size={a.context_parallel_size} higher{packing} (each sequence split "
+                     "over more GPUs)")
+        if a.sequence_parallel is False and a.tensor_model_parallel_size > 1:
+            fixes.append("actor.sequence_parallel=false to true (activations outside the TP regions split over the "
+                         "TP ranks)")
+    return fixes
 
 
 def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> RolePlan:
@@ -234,9 +354,16 @@ def render_plan(plan: ClusterPlan, model_path: str) -> str:
         for note in pool.placement_notes:
             lines.append(f"      placement  {note}")
     capacity = f" of {plan.gpu_memory_gib:g} GiB ({plan.gpu_memory_source})" if on_gpu else ""
-    lines.append(f"Memory per {device} (estimate; activations not included){capacity}:")
+    lines.append(f"Memory per {device} (estimate with activations; CUDA context and fragmentation not "
+                 f"included){capacity}:")
     for pool in plan.pools:
         parts = [f"{role.name} {_gib(role.memory_bytes)} ({role.memory_note})" for role in pool.roles]
+        largest = max(pool.roles, key=lambda role: role.activation_bytes)
+        if largest.activation_bytes:
+            parts.append(f"activations {_gib(largest.activation_bytes)} (the {largest.name}'s; one pass at a time)")
         lines.append(f"  {pool.name} pool: {_gib(pool.memory_bytes)} = " + " + ".join(parts))
+        for role in pool.roles:
+            if role.activations:
+                lines.append(f"    activations  {role.name} {_gib(role.activation_bytes)} ({role.activation_note})")
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)

@@ -4,8 +4,11 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 from helpers.runs import REPO
+from rl_megatron.config import load_config
+from rl_megatron.doctor import checks
 from rl_megatron.doctor.__main__ import guarded
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, table
 
@@ -47,3 +50,18 @@ def test_a_check_that_crashes_is_a_failure_naming_the_error_and_the_rest_still_r
     [result] = guarded("cycle", engine_start)
     assert result.status == FAIL and result.figure == "RuntimeError: CUDA error: invalid device ordinal"
     assert guarded("devices", lambda: Result("devices", PASS, "8 GPU(s)")) == [Result("devices", PASS, "8 GPU(s)")]
+
+
+def test_gpu_memory_over_the_plan_is_a_failure_with_the_fix_not_a_crash(monkeypatch):
+    """The plan refuses a config over a known GPU size; the doctor, which measures the GPUs, reports it as a FAIL
+    (the same message: the figures and the keys to change). The GPUs are faked: 2 GiB each."""
+    monkeypatch.setattr(checks.platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(checks.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(checks.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=2 << 30))
+    cfg = load_config(f"{REPO}/configs/demo_cpu.yaml", [f"model.path={REPO}/configs/models/tiny-qwen2-digits",
+                                                         "actor.max_tokens_per_micro_batch=1000000"])
+    result = checks.gpu_memory(cfg)
+    assert result.status == FAIL and "with activations, of 2.0 GiB" in result.figure
+    assert "actor.max_tokens_per_micro_batch=1000000 lower" in result.fix
+    assert checks.gpu_memory(load_config(f"{REPO}/configs/demo_cpu.yaml", [
+        f"model.path={REPO}/configs/models/tiny-qwen2-digits"])).status == PASS

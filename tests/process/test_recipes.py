@@ -1,15 +1,19 @@
-"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml) load,
-validate and fit their cluster: each with the real model's config.json and data prepared by
-`python -m rl_megatron.data.prepare`."""
+"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml,
+configs/moe/grpo_qwen3_30b_a3b.yaml) load, validate and fit their cluster, activations included: each with the real
+model's config.json and data prepared by `python -m rl_megatron.data.prepare` (DAPO's files, already in verl's
+layout, written here)."""
 import json
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers.model_folders import write_header_only_weights, write_text_tokenizer
 
-from rl_megatron.config import load_config
+from rl_megatron.config import ConfigError, load_config
 from rl_megatron.launch import format_plan
+from rl_megatron.rewards import score
 
 REPO = __file__.rsplit("/tests/", 1)[0]
 # The config.json fields of the released models that shape the layout and the memory.
@@ -49,12 +53,29 @@ def prepare(tmp_path, task, *args):
     return out
 
 
+def dapo_file(tmp_path):
+    """A row as in DAPO-Math-17k and DAPO's AIME-2024 (verl's layout; data_source math_dapo, the "Answer:" line)."""
+    row = {"data_source": "math_dapo",
+           "prompt": [{"role": "user", "content": "Solve the following math problem step by step. The last line of "
+                       "your response should be of the form Answer: $Answer (without quotes) where $Answer is the "
+                       "answer to the problem.\n\nWhat is $3 + 4$?\n\nRemember to put your answer on its own line "
+                       "after \"Answer:\"."}],
+           "ability": "MATH", "reward_model": {"ground_truth": "7", "style": "rule-lighteval/MATH_v2"},
+           "extra_info": {"index": "0"}}
+    path = tmp_path / "dapo-math-17k.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    return path
+
+
 @pytest.mark.parametrize("recipe,size,task", [("grpo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("ppo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k"),
+                                              ("grpo_qwen2_5_7b_math_8k", "7b", "dapo"),
                                               ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
-    if task == "countdown":
+    if task == "dapo":
+        train = val = dapo_file(tmp_path)
+    elif task == "countdown":
         out = prepare(tmp_path, task, "--num-samples", "16", "--test-size", "4")
         train, val = out / "train.parquet", out / "test.parquet"
     else:
@@ -70,10 +91,19 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     assert f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPUs" in plan
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
+    if task == "dapo":  # 8k responses: the activations of 16384-token micro-batches, with full recompute
+        assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7") == 1.0  # DAPO's scorer reads its data source
+        assert "actor pool: 69.5 GiB = actor 21.3 GiB" in plan and "rollout 40.0 GiB" in plan
+        assert "activations 8.2 GiB (the actor's; one pass at a time)" in plan
+        assert "16384 tokens per micro-batch, full recompute" in plan
+        # Without recomputation the update's 28 layers of activations would not fit beside the engine.
+        keys = [f"actor.{key}=null" for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")]
+        with pytest.raises(ConfigError, match=r"needs ~93.1 GiB .*actor.recompute_granularity=null to full"):
+            format_plan(load_config(f"{REPO}/configs/{recipe}.yaml", [
+                f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *keys]),
+                gpu_memory_gib=80)
 
 
 def test_recipe_names_the_one_key_to_set():
-    from rl_megatron.config import ConfigError
-
     with pytest.raises(ConfigError, match="model.path"):
         load_config(f"{REPO}/configs/grpo_qwen2_5_3b_countdown.yaml")

@@ -262,9 +262,22 @@ def test_tp_pp_cp_must_divide_the_devices(overrides):
     assert "divide" in message
 
 
-def test_context_parallel_other_than_one_is_not_supported():
-    message = config_error("actor.context_parallel_size=2")
-    assert "actor.context_parallel_size=2" in message and "actor.context_parallel_size=1" in message
+def test_context_parallel_needs_sequence_packing():
+    message = config_error("trainer.n_gpus_per_node=4", "actor.context_parallel_size=2", "actor.sequence_packing=false")
+    assert "actor.context_parallel_size=2" in message and "actor.sequence_packing=true" in message
+    assert "actor.context_parallel_size=1" in message  # the other way out
+
+
+def test_context_parallel_with_packing_takes_its_share_of_the_devices():
+    """CP ranks come out of data parallelism: 8 devices at TP 2 x CP 2 leave DP 2, so a mini-batch of 16 x 8 samples
+    splits into DP 2 x micro-batches of 64 but not of 48 (for the colocated reference and critic too, which counted
+    DP 4 here before); and TP x PP x CP must divide the devices."""
+    cfg = load_demo("trainer.n_gpus_per_node=8", "actor.context_parallel_size=2")
+    assert cfg.actor.context_parallel_size == 2 and cfg.actor.sequence_packing
+    message = config_error("trainer.n_gpus_per_node=8", "actor.context_parallel_size=2", "actor.micro_batch_size=48")
+    assert "data-parallel size 2 x actor.micro_batch_size=48" in message
+    message = config_error("trainer.n_gpus_per_node=6", "actor.context_parallel_size=2", "rollout.n=6")
+    assert "actor.context_parallel_size=2 = 4 does not divide" in message
 
 
 def test_tp_must_divide_the_attention_heads(tmp_path):

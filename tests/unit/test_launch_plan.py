@@ -13,7 +13,8 @@ from rl_megatron.launch import build_plan, format_plan
 from rl_megatron.launch.__main__ import check_environment, describe_node, plan_node, shell_assignments
 from rl_megatron.launch.auth import ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
-from rl_megatron.launch.memory import RankParameters, rank_parameters, training_state_bytes
+from rl_megatron.launch.memory import (ModelShape, RankParameters, RolePasses, activation_bytes, rank_parameters,
+                                       training_state_bytes)
 from rl_megatron.launch.ray_cluster import cluster_shortfall, port_open, wait_for_head
 
 DEMO = "configs/demo_cpu.yaml"
@@ -86,14 +87,109 @@ def test_plan_places_roles_and_estimates_memory():
     per_rank = rank_parameters(json.load(open("configs/models/tiny-qwen2-digits/config.json")), tp=2, pp=2)
     assert roles["actor"].memory_bytes == int(per_rank.total * (6 + 12 / 4))
     assert roles["ref"].memory_bytes == per_rank.total * 2
+    # The pool: every role's state, the engine's share, and the larger of the actor's and the reference's
+    # activations (one pass at a time).
+    assert roles["actor"].activation_bytes > roles["ref"].activation_bytes > 0
+    assert plan.pools[0].memory_bytes == sum(role.memory_bytes for role in roles.values()) + \
+        roles["actor"].activation_bytes
     text = format_plan(cfg, gpu_memory_gib=80)
     assert "nodes 0-1: actor pool, 2 x 8 = 16 GPUs" in text and "PP stage = 8 GPUs = 1 node(s)" in text
+    assert "activations  actor" in text and "activations  ref" in text and "(the actor's; one pass at a time)" in text
     assert "WARNING" not in text
-    # The engine takes the whole GPU, so the training state no longer fits beside it.
-    crowded = format_plan(cluster("rollout.gpu_memory_utilization=1.0"), gpu_memory_gib=1)
-    assert "WARNING: the actor pool needs" in crowded
-    # A GPU too small for the engine's own weights (84.9 K bf16 parameters = 170 KB).
-    assert "WARNING: the vLLM engine's weights" in format_plan(cfg, gpu_memory_gib=1e-4)
+    # The engine takes the whole GPU, so the training state no longer fits beside it: refused, the GPU's size known.
+    with pytest.raises(ConfigError, match="The actor pool needs .* more than the GPU's 1 GiB .*"
+                                          "rollout.gpu_memory_utilization=1.0 lower"):
+        format_plan(cluster("rollout.gpu_memory_utilization=1.0"), gpu_memory_gib=1)
+    # A GPU too small for the engine's own weights (84.9 K bf16 parameters = 170 KB): a warning (the plan is
+    # refused too, its state being over such a GPU, unless asked to describe it anyway as the doctor does).
+    tiny_gpu = build_plan(cfg, gpu_memory_gib=1e-4, refuse_over_memory=False)
+    assert any("the vLLM engine's weights" in warning for warning in tiny_gpu.warnings)
+
+
+TINY_QWEN2 = json.load(open("configs/models/tiny-qwen2-digits/config.json"))
+
+
+def test_actor_activations_in_the_plan_by_hand():
+    """The demo's tiny Qwen2 (h 64, 2 layers, 2 heads of 32 = 2 kv heads, FFN 128, vocabulary 18) at TP 2 with
+    sequence parallelism, micro-batches of 4 samples of up to 8 + 1 tokens (36 tokens): a layer keeps
+    2 * (4*64/2 + (3*64 + 3*64)/2 + 5*128/2) = 1280 bytes per token; the update's head 2 * 2*64/2 + 9 * (2 + 8)."""
+    plan = build_plan(cluster("actor.tensor_model_parallel_size=2"), gpu_memory_gib=80)
+    actor = plan.pools[0].roles[0]
+    assert actor.activations.update == 36 * (2 * 1280 + 128 + 90) and actor.activations.forward == 36 * 1280
+    # The same through the module's own entry point, from the config.json and the actor's keys.
+    passes = RolePasses(tokens=36, row_tokens=36, tp=2, sequence_parallel=True)
+    assert actor.activations == activation_bytes(ModelShape.of(TINY_QWEN2), passes)
+    # A token budget and full recompute: 2 layer inputs of 64 bytes, one layer remade (1280 > the head's 218).
+    budget = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.max_tokens_per_micro_batch=1000",
+                                "actor.recompute_granularity=full"), gpu_memory_gib=80).pools[0].roles[0]
+    assert budget.activations.update == 1000 * (2 * 64 + 1280)
+    assert "1000 tokens per micro-batch, full recompute (uniform: groups of 1 layer(s))" in budget.activation_note
+    # sequence_parallel=false: the norms' 4h whole on both TP ranks (+ 2 * 128 bytes a layer), and the head's
+    # inputs (+ 128).
+    whole = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.sequence_parallel=false"),
+                       gpu_memory_gib=80).pools[0].roles[0]
+    assert whole.activations.update == 36 * (2 * (1280 + 256) + 256 + 90)
+    # A budget below the longest sample (8 + 1 tokens): that sample runs alone, 9 tokens.
+    short = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.max_tokens_per_micro_batch=4"),
+                       gpu_memory_gib=80).pools[0].roles[0]
+    assert short.activations.tokens == 9
+    # CPU slots: packed rows attend per sample with torch's flash kernel, whose outputs per sample stay (+ 2 * 64/2
+    # a layer); right-padded rows go through Megatron's local attention, which keeps the fp32 softmax and its bf16
+    # copy over rows of 9 tokens, one head per rank (+ 9 * 6).
+    cpu = build_plan(cluster("actor.tensor_model_parallel_size=2"), on_gpu=False).pools[0].roles[0]
+    assert cpu.activations.update == 36 * (2 * (1280 + 64) + 218)
+    padded = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.sequence_packing=false"),
+                        on_gpu=False).pools[0].roles[0]
+    assert padded.activations.update == 36 * (2 * (1280 + 54) + 218)
+    budget_padded = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.sequence_packing=false",
+                                       "actor.max_tokens_per_micro_batch=100"), on_gpu=False).pools[0].roles[0]
+    assert "100 tokens per micro-batch (right-padded: padding not counted)" in budget_padded.activation_note
+
+
+def test_a_plan_over_the_gpus_memory_is_refused_naming_the_keys(monkeypatch):
+    monkeypatch.delenv("GPU_MEMORY_GIB", raising=False)
+    # 1M tokens per micro-batch without sequence parallelism: 2 * (1280 + 256) + 256 + 90 = 3418 bytes a token
+    # (3.2 GiB of activations per GPU), over a 2 GiB GPU.
+    overrides = ["actor.tensor_model_parallel_size=2", "actor.max_tokens_per_micro_batch=1000000",
+                 "actor.sequence_parallel=false", "rollout.gpu_memory_utilization=0.1"]
+    described = build_plan(cluster(*overrides), gpu_memory_gib=2, refuse_over_memory=False)
+    assert described.pools[0].activation_bytes == 3418 * 10 ** 6 and described.warnings
+    with pytest.raises(ConfigError) as err:
+        build_plan(cluster(*overrides), gpu_memory_gib=2)
+    message = str(err.value)
+    assert "The actor pool needs ~3.4 GiB per GPU" in message and "more than the GPU's 2 GiB (measured)" in message
+    assert "activations 3.2 GiB, the actor's update pass" in message
+    for key in ("actor.max_tokens_per_micro_batch=1000000 lower", "actor.recompute_granularity=null to full",
+                "actor.tensor_model_parallel_size=2 / actor.pipeline_model_parallel_size=1 higher",
+                "actor.context_parallel_size=1 higher", "actor.sequence_parallel=false to true",
+                "rollout.gpu_memory_utilization=0.1 lower", "trainer.nnodes"):
+        assert key in message, key
+    # Full recompute brings it under 2 GiB.
+    assert build_plan(cluster(*overrides, "actor.recompute_granularity=full"), gpu_memory_gib=2)
+    # GPU_MEMORY_GIB is a known size too.
+    monkeypatch.setenv("GPU_MEMORY_GIB", "2")
+    with pytest.raises(ConfigError, match="more than the GPU's 2 GiB [(]GPU_MEMORY_GIB[)]"):
+        build_plan(cluster(*overrides))
+    # An assumed size (no nvidia-smi, no GPU_MEMORY_GIB) warns instead, and says how to make it count.
+    monkeypatch.delenv("GPU_MEMORY_GIB")
+    huge = [*overrides[:1], "actor.max_tokens_per_micro_batch=100000000", *overrides[2:]]
+    text = format_plan(cluster(*huge))
+    assert "WARNING: the actor pool needs" in text and "Set GPU_MEMORY_GIB" in text
+    # CPU slots are never refused.
+    assert "WARNING" not in format_plan(cluster(*huge), gpu_memory_gib=2, on_gpu=False)
+
+
+def test_context_parallelism_in_the_plan():
+    """CP ranks come out of DP (16 GPUs at TP 2 x CP 2: DP 4), the distributed optimizer shards over DP x CP (8),
+    and each rank computes half of every micro-batch's tokens."""
+    cfg = cluster("actor.tensor_model_parallel_size=2", "actor.context_parallel_size=2")
+    actor = build_plan(cfg, gpu_memory_gib=80).pools[0].roles[0]
+    assert actor.layout == "TP=2 PP=1 CP=2 EP=1 DP=4" and "distributed optimizer over DP x CP=8" in actor.memory_note
+    per_rank = rank_parameters(TINY_QWEN2, tp=2)
+    assert actor.memory_bytes == int(per_rank.total * (6 + 12 / 8))
+    assert actor.activations.tokens == 18 and actor.activations.update == 18 * (2 * 1280 + 128 + 90)
+    assert "36 / CP=2 tokens per micro-batch" in actor.activation_note
+    assert "TP x CP group (4 GPUs share a sequence) inside one node" in format_plan(cfg, gpu_memory_gib=80)
 
 
 @pytest.mark.parametrize("overrides, key, fix", [

@@ -1,0 +1,117 @@
+"""The activation estimate of rl_megatron/launch/memory.py against figures worked out by hand from its docstring.
+
+One small dense layer throughout: h = 64, f = 128, 4 heads of 16 (h_q = 64), 2 kv heads (h_kv = 32), 4 layers,
+vocabulary 100, bfloat16 (w = 2), TP 2 with sequence parallelism, flash attention, T = 1000 tokens:
+  A     = 2 * (4*64/2 + (3*64 + 3*32)/2 + 5*128/2) = 2 * (128 + 144 + 320) = 1184 bytes per token
+  head  = 2 * 2*64/2 + 50 * (2 + 4c): 628 in an update (c = 2), 828 in a forward pass (c = 3), 1228 with the
+          entropy bonus (c = 5); the padded vocabulary is 100, 50 per TP rank
+"""
+import pytest
+
+from rl_megatron.launch.memory import (Activations, ModelShape, RolePasses, activation_bytes, in_flight,
+                                       layer_bytes)
+
+SHAPE = ModelShape(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, layers=4, vocab=100)
+T = 1000
+
+
+def passes(**changes) -> RolePasses:
+    return RolePasses(**{"tokens": T, "row_tokens": T, "tp": 2, "sequence_parallel": True, **changes})
+
+
+def test_one_layer_by_hand():
+    assert layer_bytes(SHAPE, passes()) == (1184, 0)
+    # Without sequence parallelism the norms' 4h are whole on every TP rank: 2 * (256 + 144 + 320).
+    assert layer_bytes(SHAPE, passes(sequence_parallel=False)) == (1440, 0)
+    # CPU, packed rows (torch's flash attention per sample): K, V repeated to the 4 query heads (2 * 2*64/2 = 128
+    # bytes) and the samples' outputs before they are joined (2 * 64/2 = 64).
+    assert layer_bytes(SHAPE, passes(attention="spans")) == (1184 + 192, 192)
+    # CPU, right-padded rows (Megatron's local attention): the repeated K, V and the fp32 softmax with its bf16 copy
+    # over rows of 10 tokens, 4/2 heads per rank (2 * 10 * 6 = 120 bytes).
+    assert layer_bytes(SHAPE, passes(attention="local", row_tokens=10)) == (1184 + 248, 248)
+    # float32: w = 4 and the softmax is kept once (4 * 10 * 2 heads = 80) + 4 * 64 repeated K, V.
+    assert layer_bytes(SHAPE, passes(attention="local", row_tokens=10, dtype="float32")) == (2368 + 336, 336)
+    # Without GQA nothing is repeated.
+    mha = ModelShape(**{**SHAPE.__dict__, "kv_heads": 4})
+    assert layer_bytes(mha, passes(attention="spans"))[1] == 64
+    # Per-head Q/K norms (Qwen3) keep the query's norm input: h_q / TP more.
+    qk_norm = ModelShape(**{**SHAPE.__dict__, "qk_norm": True})
+    assert layer_bytes(qk_norm, passes())[0] == 1184 + 2 * 32
+    # TP 4 over 2 kv heads: Megatron replicates them, one per rank (h_kv counted as 4 heads of 16).
+    assert layer_bytes(SHAPE, passes(tp=4))[0] == 2 * (4 * 64 / 4 + (3 * 64 + 3 * 64) / 4 + 5 * 128 / 4)
+
+
+def test_moe_layer_by_hand():
+    """8 experts of width 32, 2 per token, experts whole (ETP 1) beside attention at TP 2: each routed copy keeps
+    its input and output (2h) and its SwiGLU (5 f_e), per TP rank's share of the tokens; the router's fp32 logits
+    and probabilities 2 * 8 * 4 bytes over t_sp."""
+    moe = ModelShape(**{**SHAPE.__dict__, "ffn": 0, "experts": 8, "top_k": 2, "expert_ffn": 32})
+    elements = 4 * 64 / 2 + (3 * 64 + 3 * 32) / 2 + 2 * (2 * 64 * 1 + 5 * 32) / 2
+    assert layer_bytes(moe, passes(etp=1)) == (2 * elements + 2 * 8 * 4 / 2, 0)
+    # Experts split over ETP = TP = 2: every rank sees the copies of both ranks' tokens, half of each expert.
+    gathered = 4 * 64 / 2 + (3 * 64 + 3 * 32) / 2 + 2 * (2 * 64 * 2 + 5 * 32) / 2
+    assert layer_bytes(moe, passes())[0] == 2 * gathered + 32
+
+
+def test_shape_from_config_json():
+    moe = {"model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
+           "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 40}
+    assert ModelShape.of(moe) == ModelShape(hidden=32, ffn=64, heads=4, kv_heads=2, head_dim=8, layers=2, vocab=40,
+                                            qk_norm=True, experts=8, top_k=2, expert_ffn=16)
+    dense = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 18}
+    assert ModelShape.of(dense) == ModelShape(hidden=64, ffn=128, heads=4, kv_heads=4, head_dim=16, layers=2,
+                                              vocab=18)
+
+
+@pytest.mark.parametrize("changes, update, forward", [
+    # 4 layers x A kept, the head (628) on top of them.
+    ({}, T * (4 * 1184 + 628), T * 1184),
+    # Full recompute in groups of 2: 2 inputs of h/TP (2 * 64/2 bytes each); the backward remakes 2 layers, which
+    # outweighs the head, freed by then.
+    ({"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 2}, T * (2 * 64 + 2 * 1184),
+     T * 1184),
+    # Megatron requires a method and a layer count with full: unset they are read as uniform, 1 layer.
+    ({"recompute": "full"}, T * (4 * 64 + 1184), T * 1184),
+    # Block: the first layer keeps its input, the other 3 everything; one layer remade at a time.
+    ({"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}, T * (64 + 3 * 1184 + 1184),
+     T * 1184),
+    # Selective recompute with flash attention: nothing left to drop.
+    ({"recompute": "selective"}, T * (4 * 1184 + 628), T * 1184),
+    # ... with the local attention (rows of 10): the core's 248 bytes are dropped from the kept layers.
+    ({"recompute": "selective", "attention": "local", "row_tokens": 10}, T * (4 * 1184 + 628), T * 1432),
+    ({"attention": "local", "row_tokens": 10}, T * (4 * 1432 + 628), T * 1432),
+    # 1F1B over 2 stages: the first holds 2 micro-batches of its 2 layers (4736) > the last's 2368 + 628.
+    ({"pp": 2}, T * 2 * 2 * 1184, T * 1184),
+    # Interleaved, 2 chunks per stage: 2 x (1 + 1 / (2 x 2)) = 2.5 micro-batches in flight.
+    ({"pp": 2, "vpp": 2}, T * 2.5 * 2 * 1184, T * 1184),
+    # Context parallelism 2: 500 tokens per rank.
+    ({"cp": 2}, T // 2 * (4 * 1184 + 628), T // 2 * 1184),
+    # The entropy bonus: 5 fp32 copies of the logits in the update.
+    ({"entropy_bonus": True}, T * (4 * 1184 + 1228), T * 1184),
+    # The critic: a value head (its inputs h/TP + h, 2 bytes each) instead of logits.
+    ({"policy_head": False}, T * (4 * 1184 + 2 * (32 + 64)), T * 1184),
+])
+def test_role_passes_by_hand(changes, update, forward):
+    estimate = activation_bytes(SHAPE, passes(**changes))
+    assert (estimate.update, estimate.forward) == (int(update), int(forward))
+    assert estimate.bytes == max(int(update), int(forward)) and estimate.larger_pass == "update"
+
+
+def test_forward_pass_and_frozen_roles_by_hand():
+    """A frozen role (the reference) runs forward passes only: its logits with 3 fp32 copies when they outweigh a
+    layer; here with a vocabulary of 1000 (500 per rank: 2 * 64 + 500 * 14 = 7128 bytes per token)."""
+    shape = ModelShape(**{**SHAPE.__dict__, "vocab": 1000})
+    frozen = activation_bytes(shape, passes(trains=False))
+    assert frozen == Activations(bytes=T * 7128, tokens=T, update=0, forward=T * 7128, logits=T * 7000)
+    # The actor's forward pass (old log-probs) outweighs its update under full recompute.
+    actor = activation_bytes(shape, passes(recompute="full"))
+    assert actor.update == T * (4 * 64 + 2 * 64 + 500 * 10) and actor.larger_pass == "forward"
+    assert actor.bytes == T * 7128 and actor.logits == T * 7000
+    # The padded vocabulary: 1000 rounded up to a multiple of 128 x TP 2 = 1024, 512 per rank.
+    assert activation_bytes(shape, passes(trains=False), vocab_multiple=128).logits == T * 512 * 14
+
+
+def test_micro_batches_in_flight():
+    assert (in_flight(1, 1), in_flight(4, 1), in_flight(4, 2)) == (1, 4, 4 * (1 + 3 / 8))
