@@ -1,4 +1,4 @@
-"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train} [--json]`.
+"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train,recompute} [--json]`.
 
 Each prints its figure and the ratio to a limit measured in the same run on the same machine:
 - generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
@@ -11,7 +11,11 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   the actor's rank 0 to N engine processes of their own (the limit: a copy of the model's bytes);
 - train (forward + backward + optimizer step): tokens/s and model FLOP/s against a plain matrix multiply of the
   model's largest GEMM in the same dtype, and MFU against the device's nominal bf16 peak; on GPU Qwen2.5-0.5B's
-  shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count).
+  shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count);
+- recompute (activation recomputation off / selective / full): the bytes autograd saves for the backward pass of one
+  micro-batch and the update's step time per mode, full recomputation's bytes against those without, measured in
+  the same run; one process, a ~5M-parameter Qwen2 (hidden 256, 4 layers), 4 x 1024 tokens
+  (rl_megatron/bench/recompute.py).
 """
 from __future__ import annotations
 
@@ -26,11 +30,14 @@ from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
 from rl_megatron.models.tiny import build_tokenizer
 
-BENCHES = ("generate", "log_probs", "update", "reshard", "train")
+BENCHES = ("generate", "log_probs", "update", "reshard", "train", "recompute")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
-MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192}}
+MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
+                  # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
+                  # probabilities count, on a model small enough for seconds per mode on 2 cores.
+                  "recompute": {"hidden": 256, "batch": 4, "seq": 1024}}
 MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
@@ -68,15 +75,17 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHES)
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of text")
-    parser.add_argument("--hidden", type=int, help="model width (default 512; reshard 1024; train on GPU 896)")
+    parser.add_argument("--hidden", type=int, help="model width (default 512; reshard 1024; recompute 256; train on "
+                                                    "GPU 896)")
     parser.add_argument("--layers", type=int, help="model depth (default 4; reshard 2; train on GPU 24)")
     parser.add_argument("--vocab", type=int, help="vocabulary (default 4096; reshard 8192; train on GPU 151936)")
-    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4)")
+    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4; recompute 4)")
     parser.add_argument("--seq", type=int, help="tokens per sequence, prompt + response (default 256; train on GPU "
-                                                 "1024)")
+                                                 "1024; recompute 1024)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=5,
-                        help="timed repeats: reshard syncs (the median is reported), train steps (the mean)")
+                        help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
+                             "recompute updates per mode (the median)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="the actor's parameter dtype, not reshard's (default bfloat16 on GPU, float32 on CPU)")
     reshard = parser.add_argument_group("reshard")
@@ -123,6 +132,10 @@ def main(argv=None) -> None:
         from rl_megatron.bench import train
 
         result = train.run(args, model_dir)
+    elif args.name == "recompute":
+        from rl_megatron.bench import recompute
+
+        result = recompute.run(args, model_dir)
     else:
         result = run(args, model_dir)
     if args.json:
@@ -134,6 +147,10 @@ def main(argv=None) -> None:
         mfu = (f"{result['mfu']:.3f} of {result['nominal_peak_flops']:.4g}" if result["mfu"] is not None else
                f"unknown (no nominal {result['dtype']} peak for {result['device']})")
         print(f"  {result['tokens_per_s']:.4g} tokens/s, MFU {mfu}")
+    if result["bench"] == "recompute":
+        for mode, figures in result["modes"].items():
+            print(f"  {mode}: {figures['saved_bytes'] / 2**20:.1f} MiB saved for the backward, "
+                  f"{figures['step_s']:.3f} s per update")
 
 
 def run(args, model_dir: str) -> dict:
