@@ -1,4 +1,4 @@
-"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train} [--json]`.
+"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train,recompute} [--json]`.
 
 Each prints its figure and the ratio to a limit measured in the same run on the same machine:
 - generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
@@ -15,6 +15,10 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
 - variable_length (old log-probs + one update over long-tailed response lengths): real tokens/s of packed
   token-budget micro-batches against right-padded fixed ones, with padding ratios and peak memory of each, and
   again with the longest sample doubled (rl_megatron/bench/variable_length.py documents the distribution).
+- recompute (activation recomputation off / selective / full): the bytes autograd saves for the backward pass of one
+  micro-batch and the update's step time per mode, full recomputation's bytes against those without, measured in
+  the same run; one process, a ~5M-parameter Qwen2 (hidden 256, 4 layers), 4 x 1024 tokens
+  (rl_megatron/bench/recompute.py).
 """
 from __future__ import annotations
 
@@ -29,12 +33,15 @@ from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
 from rl_megatron.models.tiny import build_tokenizer
 
-BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length")
+BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
 MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
-                  "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096, "batch": 16, "seq": 2048}}
+                  "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096, "batch": 16, "seq": 2048},
+                  # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
+                  # probabilities count, on a model small enough for seconds per mode on 2 cores.
+                  "recompute": {"hidden": 256, "batch": 4, "seq": 1024}}
 MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
@@ -72,17 +79,20 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHES)
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of text")
-    parser.add_argument("--hidden", type=int, help="model width (default 512; reshard 1024; train on GPU 896)")
+    parser.add_argument("--hidden", type=int, help="model width (default 512; reshard 1024; recompute 256; train on "
+                                                    "GPU 896)")
     parser.add_argument("--layers", type=int, help="model depth (default 4; reshard 2; train on GPU 24)")
     parser.add_argument("--vocab", type=int, help="vocabulary (default 4096; reshard 8192; train on GPU 151936)")
-    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4)")
+    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4; recompute 4)")
     parser.add_argument("--seq", type=int, help="tokens per sequence, prompt + response (default 256; train on GPU "
-                                                 "1024); variable_length: the longest response (default 2048)")
+                                                 "1024; recompute 1024); variable_length: the longest response "
+                                                 "(default 2048)")
     parser.add_argument("--max-tokens", type=int,
                         help="variable_length: the token budget of a micro-batch (default: twice the longest sample)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=5,
-                        help="timed repeats: reshard syncs (the median is reported), train steps (the mean)")
+                        help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
+                             "recompute updates per mode (the median)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="the actor's parameter dtype, not reshard's (default bfloat16 on GPU, float32 on CPU)")
     reshard = parser.add_argument_group("reshard")
@@ -134,6 +144,10 @@ def main(argv=None) -> None:
         from rl_megatron.bench import variable_length
 
         result = variable_length.run(args, model_dir)
+    elif args.name == "recompute":
+        from rl_megatron.bench import recompute
+
+        result = recompute.run(args, model_dir)
     else:
         result = run(args, model_dir)
     if args.json:
@@ -149,6 +163,10 @@ def main(argv=None) -> None:
         for way, figures in result["ways"].items():
             print(f"  {way:<24} {figures['tokens_per_s']:9.4g} tokens/s  padding {figures['padding_ratio']:.3f}  "
                   f"peak memory {figures['peak_memory_gib']:.3f} GiB")
+    if result["bench"] == "recompute":
+        for mode, figures in result["modes"].items():
+            print(f"  {mode}: {figures['saved_bytes'] / 2**20:.1f} MiB saved for the backward, "
+                  f"{figures['step_s']:.3f} s per update")
 
 
 def run(args, model_dir: str) -> dict:

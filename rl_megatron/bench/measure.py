@@ -3,11 +3,13 @@ compared with, and the actor they measure."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
+from rl_megatron.config.schema import Config
 
 
 def synchronize() -> None:
@@ -43,26 +45,41 @@ def matmul_flops_per_s(m: int, k: int, n: int, seconds: float = 1.0, device: tor
     return 2 * m * k * n * runs / (time.perf_counter() - start)
 
 
+def bench_config(args, model_dir: str, dtype: str = "float32", overrides: Sequence[str] = ()) -> Config:
+    """The config of a one-process actor (a colocated worker's layout) over the model in `model_dir`, random weights,
+    whose mini-batch is the whole batch of `args.batch` sequences of `args.seq` tokens (half of them the response);
+    `overrides` (`key=value`) on top."""
+    from rl_megatron.config import load_config
+
+    response = args.seq // 2
+    return load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"model.dtype={dtype}",
+                              "trainer.n_gpus_per_node=1", f"rollout.max_tokens={response}",
+                              f"rollout.max_model_len={args.seq + 8}", f"data.max_prompt_length={args.seq - response}",
+                              "rollout.n=1", f"data.train_batch_size={args.batch}",
+                              f"actor.ppo_mini_batch_size={args.batch}", f"actor.micro_batch_size={min(args.batch, 8)}",
+                              "actor.optim.lr=1e-5", "model.make_vocab_size_divisible_by=1", *overrides])
+
+
+def random_batch(args, vocab: int) -> TrainBatch:
+    """`args.batch` random sequences of `args.seq` tokens whose second half is the response."""
+    response = args.seq // 2
+    g = torch.Generator().manual_seed(0)
+    batch = TrainBatch(torch.randint(3, vocab, (args.batch, args.seq), generator=g),
+                       torch.zeros(args.batch, args.seq), pad_id=0, advantages=torch.randn(args.batch, generator=g))
+    batch.response_mask[:, args.seq - response - 1:-1] = 1.0
+    return batch
+
+
 def build_actor_and_batch(args, model_dir: str, dtype: str = "float32"):
-    """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir`, with
-    `args.batch` random sequences of `args.seq` tokens whose second half is the response. The whole batch is one
-    PPO mini-batch, so an update is one optimizer step. Returns (actor, HF config, batch)."""
-    from rl_megatron.config import load_config, read_hf_config
+    """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir` (`bench_config`),
+    with `random_batch`. The whole batch is one PPO mini-batch, so an update is one optimizer step. Returns (actor,
+    HF config, batch)."""
+    from rl_megatron.config import read_hf_config
     from rl_megatron.workers.distributed import free_port, init_distributed
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     hf = read_hf_config(model_dir)
-    response = args.seq // 2
-    cfg = load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"model.dtype={dtype}",
-                             "trainer.n_gpus_per_node=1", f"rollout.max_tokens={response}",
-                             f"rollout.max_model_len={args.seq + 8}", f"data.max_prompt_length={args.seq - response}",
-                             "rollout.n=1", f"data.train_batch_size={args.batch}",
-                             f"actor.ppo_mini_batch_size={args.batch}", f"actor.micro_batch_size={min(args.batch, 8)}",
-                             "actor.optim.lr=1e-5", "model.make_vocab_size_divisible_by=1"])
+    cfg = bench_config(args, model_dir, dtype)
     init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
     actor = MegatronActor(cfg, hf, optimizer_steps=100)
-    g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(torch.randint(3, hf["vocab_size"], (args.batch, args.seq), generator=g),
-                       torch.zeros(args.batch, args.seq), pad_id=0, advantages=torch.randn(args.batch, generator=g))
-    batch.response_mask[:, args.seq - response - 1:-1] = 1.0
-    return actor, hf, batch
+    return actor, hf, random_batch(args, hf["vocab_size"])

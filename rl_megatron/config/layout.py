@@ -1,10 +1,11 @@
 """A resolved config's parallel layouts: the actor's sizes against its devices and batches, the rollout engines',
-the reference's and critic's, and the model (config.json) against each of them."""
+the reference's and critic's, the model (config.json) against each of them, and the sequence parallelism and
+activation recomputation of the roles that train against the model and their layouts."""
 from __future__ import annotations
 
 import dataclasses
 
-from rl_megatron.config.schema import Config, MoeConfig
+from rl_megatron.config.schema import ActorConfig, Config, CriticConfig, MoeConfig
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.checks import check_heads, check_model_layout, check_moe_model, check_sequence_length
 from rl_megatron.models.family import moe_experts
@@ -186,3 +187,56 @@ def check_moe_knobs(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} changes the model's shape, but model.random_init=false loads "
                               f"model.path's weights, which have config.json's; set model.random_init=true, or "
                               f"remove {key}.")
+
+
+def check_activations(cfg: Config, hf: dict) -> None:
+    """Sequence parallelism and activation recomputation of the roles that train (the actor; the critic when
+    enabled) against the model and their layouts: what Megatron would otherwise assert on, or fail at, in a worker.
+    The frozen reference follows actor.sequence_parallel and never recomputes (`models.activations`)."""
+    a, c = cfg.actor, cfg.critic
+    # A colocated critic runs in the actor's processes (its pipeline and chunks); a separate one without VPP.
+    roles = [("actor", a, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+              a.virtual_pipeline_model_parallel_size)]
+    if c.enable:
+        roles.append(("critic", c, c.tensor_model_parallel_size, c.pipeline_model_parallel_size,
+                      a.virtual_pipeline_model_parallel_size if c.placement == "colocated" else 1))
+    for name, section, tp, pp, vpp in roles:
+        if a.sequence_parallel is False and tp > 1 and moe_experts(hf):
+            raise ConfigError(
+                f"actor.sequence_parallel=false, but model.path is an MoE model (model_type={hf['model_type']!r}) "
+                f"that the {name} trains at {name}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at "
+                "TP > 1 only with sequence parallelism. Remove actor.sequence_parallel (on at TP > 1 by default), or "
+                f"set {name}.tensor_model_parallel_size=1.")
+        _check_recompute(name, section, layers_per_chunk=hf["num_hidden_layers"] // (pp * vpp))
+
+
+def _check_recompute(name: str, section: ActorConfig | CriticConfig, layers_per_chunk: int) -> None:
+    """A role's recompute_* keys (ActorConfig's or CriticConfig's) as Megatron's TransformerConfig and
+    TransformerBlock take them: full needs a method and a layer count that fit the model chunk; selective takes
+    neither (it recomputes the attention core of every layer)."""
+    granularity, method, layers = section.recompute_granularity, section.recompute_method, section.recompute_num_layers
+    extras = [f"{name}.{key}={value}" for key, value in (("recompute_method", method),
+                                                          ("recompute_num_layers", layers)) if value is not None]
+    if granularity is None and extras:
+        raise ConfigError(f"{' and '.join(extras)} apply to full recomputation, which is off: set "
+                          f"{name}.recompute_granularity=full, or remove them.")
+    if granularity == "selective" and extras:
+        raise ConfigError(f"{name}.recompute_granularity=selective recomputes the attention core of every layer; "
+                          f"{' and '.join(extras)} apply to full recomputation only. Remove them, or set "
+                          f"{name}.recompute_granularity=full.")
+    if granularity != "full":
+        return
+    if method is None or layers is None:
+        raise ConfigError(f"{name}.recompute_granularity=full needs {name}.recompute_method (uniform: layers "
+                          f"recomputed in groups of recompute_num_layers; block: only the first recompute_num_layers "
+                          f"layers of each model chunk) and {name}.recompute_num_layers; e.g. "
+                          f"{name}.recompute_method=uniform {name}.recompute_num_layers=1 (every layer, least memory).")
+    if method == "uniform" and layers_per_chunk % layers:
+        # Megatron's uniform groups run past the chunk's last layer otherwise (an IndexError in the first update).
+        raise ConfigError(f"{name}.recompute_method=uniform cuts each model chunk's {layers_per_chunk} layers into "
+                          f"groups of {name}.recompute_num_layers={layers}, which must divide them; choose a divisor "
+                          f"of {layers_per_chunk} (1: every layer on its own, least memory).")
+    if method == "block" and layers > layers_per_chunk:
+        raise ConfigError(f"{name}.recompute_num_layers={layers} exceeds the {layers_per_chunk} layers of each model "
+                          f"chunk (model layers / pipeline stages / virtual stages) that {name}.recompute_method=block "
+                          f"counts in; use at most {layers_per_chunk} ({layers_per_chunk}: every layer).")

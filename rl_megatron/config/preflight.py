@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from rl_megatron.algorithms import NEEDS_CRITIC
-from rl_megatron.config.layout import check_actor_layout, check_model_against_layouts, check_moe_knobs, \
-    check_role_layouts
+from rl_megatron.config.layout import check_activations, check_actor_layout, check_model_against_layouts, \
+    check_moe_knobs, check_role_layouts
 from rl_megatron.config.model_files import end_of_sequence_ids, model_config
 from rl_megatron.config.pools import uses_reference
 from rl_megatron.config.schema import Config
@@ -42,6 +42,7 @@ def preflight(cfg: Config) -> None:
     check_moe_knobs(cfg)
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
+    check_activations(cfg, hf)
     end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating
     # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
     check_first_prompt_encodes(cfg.data, checked_tokenizer(cfg.model.path, hf), cfg.model.path)

@@ -29,8 +29,11 @@ def resolve(cfg: Config) -> Config:
                     "max_tokens_per_micro_batch"):
             if getattr(role, key) is None:
                 setattr(role, key, getattr(actor, key))
-    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        if getattr(critic, key) is None:
+    # The three recompute keys are one setting: the critic's own when it sets any of them, else all the actor's (key
+    # by key, an actor's full/uniform would leave its method on a critic that asks for selective).
+    recompute_keys = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    if all(getattr(critic, key) is None for key in recompute_keys):
+        for key in recompute_keys:
             setattr(critic, key, getattr(actor, key))
     critic.model_path = critic.model_path or cfg.model.path
     # 0 (as well as unset) means the actor's: the critic trains on the actor's mini-batches unless told otherwise.

@@ -81,10 +81,10 @@ class ActorConfig:
     micro_batch_size: int = checked(4, POSITIVE)  # samples per forward/backward on one data-parallel rank (without a token budget)
     max_tokens_per_micro_batch: Optional[int] = checked(None, POSITIVE)  # token budget of a micro-batch on one rank: its samples are binned so their tokens stay within it (a longer sample runs alone); None: micro_batch_size samples each
     sequence_packing: bool = True  # the samples of a micro-batch share one row with attention confined to each (exact, no padding); false: one right-padded row per sample. Every Megatron pass follows it
-    sequence_parallel: Optional[bool] = None  # Megatron sequence parallelism: activations outside the TP regions split over the TP ranks (None: on at TP > 1)
-    recompute_granularity: Optional[Literal["full", "selective"]] = None  # activation recomputation in the backward: whole layers (full) or the attention core (selective); None: off
-    recompute_method: Optional[Literal["uniform", "block"]] = None  # full recompute: checkpoint groups of recompute_num_layers layers (uniform), or recompute the first recompute_num_layers layers of each stage (block)
-    recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # full recompute: layers per group (uniform) or per stage (block)
+    sequence_parallel: Optional[bool] = None  # Megatron sequence parallelism: activations outside the TP regions split over the TP ranks (None: on at TP > 1; always off at TP 1, where there is nothing to split); the reference and critic follow it at their own TP
+    recompute_granularity: Optional[Literal["full", "selective"]] = None  # activation recomputation in the backward: whole layers (full, with recompute_method and recompute_num_layers) or the attention core (selective, alone); None: off
+    recompute_method: Optional[Literal["uniform", "block"]] = None  # full recompute: checkpoint groups of recompute_num_layers layers (uniform), or recompute the first recompute_num_layers layers of each model chunk (block; a chunk is a pipeline stage without VPP)
+    recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # full recompute: layers per group (uniform; must divide the layers of a model chunk) or per model chunk (block)
     clip_ratio_low: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept above 1 - clip_ratio_low
     clip_ratio_high: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher: raise it)
     clip_ratio_c: Optional[float] = checked(None, above(1), "dual-clip's bound, e.g. 3.0, or null to disable dual-clip")  # dual-clip PPO: a negative-advantage token's loss is capped at -A*c (c > 1)
@@ -136,9 +136,9 @@ class CriticConfig:
     ppo_epochs: Optional[int] = checked(None, POSITIVE)  # passes over each step's samples (default: the actor's)
     micro_batch_size: Optional[int] = checked(None, POSITIVE)  # samples per forward/backward (default: the actor's)
     max_tokens_per_micro_batch: Optional[int] = checked(None, POSITIVE)  # token budget of a micro-batch (default: the actor's)
-    recompute_granularity: Optional[Literal["full", "selective"]] = None  # (default: the actor's)
-    recompute_method: Optional[Literal["uniform", "block"]] = None  # (default: the actor's)
-    recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # (default: the actor's)
+    recompute_granularity: Optional[Literal["full", "selective"]] = None  # as actor.recompute_granularity (default: the actor's three recompute keys, unless the critic sets one of them)
+    recompute_method: Optional[Literal["uniform", "block"]] = None  # (default: the actor's, as above)
+    recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # (default: the actor's, as above)
     cliprange_value: float = checked(0.5, NOT_NEGATIVE)  # clipped value loss: predictions kept within this of the rollout-time values
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"  # aggregation of the value loss (same modes as actor.loss_agg_mode)
     warmup_steps: int = checked(0, NOT_NEGATIVE)  # RL steps that train only the critic before the actor starts updating

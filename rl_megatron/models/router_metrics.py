@@ -39,7 +39,10 @@ class RouterMetrics:
 
     def _hook(self, layer: int):
         def record(module, inputs, output) -> None:
-            if not self.recording_now:
+            # Full activation recomputation runs a layer's training forward twice: once without a graph (keeping
+            # only the layer's input) and again in the backward pass. Only the pass that builds the graph counts,
+            # as Megatron's router computes its losses only with gradients on.
+            if not self.recording_now or not torch.is_grad_enabled():
                 return
             _, routing_map = output  # [tokens, experts]: which experts each token goes to, after any dropping
             self.load[layer] += routing_map.sum(0)

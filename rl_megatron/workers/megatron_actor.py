@@ -31,11 +31,13 @@ from rl_megatron.algorithms import LossScale, LossStats, aggregate_loss, kl_dive
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
+from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
 from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
+from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
-from rl_megatron.models.packed_attention import packed_seq_params
+from rl_megatron.roles import Role
 from rl_megatron.sequences import (MicroBatch, context_chunks, fixed_bins, micro_batch, round_up, scatter_rows,
                                    split_to_count, token_budget_bins)
 from rl_megatron.workers.distributed import owns_dp_output
@@ -58,17 +60,19 @@ class MegatronModel:
     """This rank's model chunks, and with `optim` the training pieces (DDP, Megatron optimizer, LR schedule).
 
     Weights: copied from `initial` (a model of the same layout in this process), else loaded from `checkpoint` (a
-    Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed."""
+    Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed.
+    `activations`: the role's sequence parallelism and recomputation."""
 
-    def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, optim: OptimConfig | None = None,
-                 optimizer_steps: int = 0, value_head: bool = False, weights_path: str | None = None,
-                 checkpoint: str | None = None, initial: MegatronModel | None = None):
+    def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, activations: ActivationSettings,
+                 optim: OptimConfig | None = None, optimizer_steps: int = 0, value_head: bool = False,
+                 weights_path: str | None = None, checkpoint: str | None = None, initial: MegatronModel | None = None):
         self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
             value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe,
-            weights_follow=initial is not None or checkpoint is not None or weights_path is not None)]
+            weights_follow=initial is not None or checkpoint is not None or weights_path is not None,
+            activations=activations)]
         with torch.no_grad():
             if initial is not None:
                 for chunk, source in zip(self.chunks, initial.chunks):
@@ -80,7 +84,7 @@ class MegatronModel:
                 for chunk in self.chunks:
                     load_hf_weights(chunk, hf_config, weights_path)
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        # Sequence parallelism (MoE at TP > 1) splits every sequence over the TP ranks.
+        # Sequence parallelism (by default at TP > 1) splits every sequence over the TP ranks.
         config = self.chunks[0].config
         self.sequence_multiple = (parallel_state.get_tensor_model_parallel_world_size()
                                   if config.sequence_parallel else 1)
@@ -275,11 +279,12 @@ class MegatronActor(MegatronModel):
     def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0, *, trainable: bool = True,
                  initial: MegatronActor | None = None):
         weights = None if cfg.model.random_init else cfg.model.path
-        role = cfg.actor if trainable else cfg.ref
-        batching = Batching(role.micro_batch_size, role.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
+        section = cfg.actor if trainable else cfg.ref
+        batching = Batching(section.micro_batch_size, section.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
+        role = Role.ACTOR if trainable else Role.REF
         super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if trainable else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
-                         initial=initial)
+                         initial=initial, activations=ActivationSettings.of_role(cfg, role))
         self.table = weight_table(self.chunks[0], hf_config)
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
@@ -346,7 +351,8 @@ class MegatronCritic(MegatronModel):
         critic = cfg.critic
         batching = Batching(critic.micro_batch_size, critic.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
         super().__init__(cfg, hf_config, batching, optim=critic.optim, optimizer_steps=optimizer_steps,
-                         value_head=True, weights_path=None if cfg.model.random_init else critic.model_path)
+                         value_head=True, weights_path=None if cfg.model.random_init else critic.model_path,
+                         activations=ActivationSettings.of_role(cfg, Role.CRITIC))
 
     @staticmethod
     def _token_outputs(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:

@@ -122,3 +122,23 @@ def test_variable_length_bench_compares_padded_budget_and_packed_micro_batches()
     assert ways["padded"]["computed_tokens"] == pytest.approx(2 * 8 * longest)
     assert result["ratio"] == ways["packed"]["tokens_per_s"] / ways["padded"]["tokens_per_s"]
     assert max(result["response_lengths"]) == 128 and min(result["response_lengths"]) >= 32
+
+
+def test_recompute_bench_reports_saved_activations_and_step_time_per_mode():
+    """Off / selective / full recomputation of the same model: full keeps the least for the backward pass (each
+    layer's input: at most a few hidden-size tensors per layer), selective less than none (not the attention
+    probabilities), and every mode's update is timed."""
+    result = bench("recompute", "--hidden", "128", "--layers", "2", "--vocab", "256", "--batch", "2", "--seq", "128",
+                   "--threads", "1", "--repeats", "1")
+    modes = result["modes"]
+    assert set(modes) == {"off", "selective", "full"} and all(m["step_s"] > 0 for m in modes.values())
+    assert modes["full"]["saved_bytes"] < modes["selective"]["saved_bytes"] < modes["off"]["saved_bytes"]
+    assert result["value"] == modes["full"]["saved_bytes"] and result["limit"] == modes["off"]["saved_bytes"]
+    assert result["ratio"] == pytest.approx(result["value"] / result["limit"]) and result["ratio"] < 0.25
+    hidden_tensor = result["micro_batch_tokens"] * 128 * 4  # [tokens, hidden] in fp32
+    assert result["micro_batch_tokens"] == 2 * 128
+    assert modes["full"]["saved_bytes"] <= (2 + 4) * hidden_tensor  # 2 layer inputs, the final norm and head's
+    # Selective drops the attention probabilities the local attention keeps ([batch, heads, seq, seq] fp32 per layer,
+    # 2 heads) and keeps instead what they are recomputed from (the fused QKV projection: less, at this length).
+    attention_probs = 2 * 2 * 128 * 128 * 4
+    assert modes["off"]["saved_bytes"] - modes["selective"]["saved_bytes"] >= attention_probs
