@@ -290,7 +290,9 @@ def _memory_fixes(name: Role, cfg: Config, separate: bool) -> list[str]:
         granularity, method, layers = (section.recompute_granularity, section.recompute_method,
                                        section.recompute_num_layers)
         if granularity != "full":
-            fixes.append(f"{name}.recompute_granularity={_yaml(granularity)} to full (each layer keeps only its input)")
+            fixes.append(f"{name}.recompute_granularity={_yaml(granularity)} to full with "
+                         f"{name}.recompute_method=uniform {name}.recompute_num_layers=1 (each layer keeps only its "
+                         "input)")
         elif method == "block" or (layers or 1) > 1:
             fixes.append(f"{name}.recompute_method={_yaml(method)} / {name}.recompute_num_layers={_yaml(layers)} to "
                          "uniform / 1 (every layer recomputed, one at a time)")

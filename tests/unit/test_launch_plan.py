@@ -121,7 +121,8 @@ def test_actor_activations_in_the_plan_by_hand():
     assert actor.activations == activation_bytes(ModelShape.of(TINY_QWEN2), passes)
     # A token budget and full recompute: 2 layer inputs of 64 bytes, one layer remade (1280 > the head's 218).
     budget = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.max_tokens_per_micro_batch=1000",
-                                "actor.recompute_granularity=full"), gpu_memory_gib=80).pools[0].roles[0]
+                                "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+                                "actor.recompute_num_layers=1"), gpu_memory_gib=80).pools[0].roles[0]
     assert budget.activations.update == 1000 * (2 * 64 + 1280)
     assert "1000 tokens per micro-batch, full recompute (uniform: groups of 1 layer(s))" in budget.activation_note
     # sequence_parallel=false: the norms' 4h whole on both TP ranks (+ 2 * 128 bytes a layer), and the head's
@@ -165,7 +166,8 @@ def test_a_plan_over_the_gpus_memory_is_refused_naming_the_keys(monkeypatch):
                 "rollout.gpu_memory_utilization=0.1 lower", "trainer.nnodes"):
         assert key in message, key
     # Full recompute brings it under 2 GiB.
-    assert build_plan(cluster(*overrides, "actor.recompute_granularity=full"), gpu_memory_gib=2)
+    assert build_plan(cluster(*overrides, "actor.recompute_granularity=full", "actor.recompute_method=uniform",
+                                "actor.recompute_num_layers=1"), gpu_memory_gib=2)
     # GPU_MEMORY_GIB is a known size too.
     monkeypatch.setenv("GPU_MEMORY_GIB", "2")
     with pytest.raises(ConfigError, match="more than the GPU's 2 GiB [(]GPU_MEMORY_GIB[)]"):
