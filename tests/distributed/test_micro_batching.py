@@ -74,4 +74,5 @@ def test_groupings_agree_at_every_layout(tmp_path, layout):
     assert max(padding[(None, True)], padding[(40, True)]) < min(padding[(None, False)], padding[(40, False)])
     if layout != "moe-ep2":
         assert padding[(40, False)] < padding[(None, False)]
-        assert padding[(None, True)] == padding[(40, True)] == 0.0
+        # Sequence parallelism (on at TP 2) pads each packed row to a multiple of the TP size.
+        assert padding[(None, True)] == padding[(40, True)] == 0.0 if tp == 1 else padding[(40, True)] < 0.05
