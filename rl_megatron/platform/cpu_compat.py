@@ -63,7 +63,7 @@ def _causal_mask(seq_len: int) -> torch.Tensor:
 
 def _sequence_parallel_torch_norm() -> None:
     """Patch 6 above."""
-    import dataclasses
+    import copy
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -72,7 +72,11 @@ def _sequence_parallel_torch_norm() -> None:
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
         if not config.sequence_parallel:
             return build(cls, config, hidden_size, eps, **kwargs)
-        norm = build(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+        # A copy, not dataclasses.replace: that would validate the config anew, and fields set after Megatron's
+        # validation (variable_seq_lengths, models/gpt.py) may not pass it for reasons that do not apply here.
+        unsplit = copy.copy(config)
+        unsplit.sequence_parallel = False
+        norm = build(cls, unsplit, hidden_size, eps, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm

@@ -84,7 +84,8 @@ def max_difference(a: dict, b: dict) -> float:
 def check_same_update(result: dict, reference: dict, tolerance: float) -> None:
     assert max_difference(result["grads"], reference["grads"]) <= tolerance
     for key, value in reference["metrics"].items():
-        assert abs(result["metrics"][key] - value) <= tolerance, key
+        if key != "perf/padding_ratio":  # sequence parallelism pads rows to a multiple of TP: more, by design
+            assert abs(result["metrics"][key] - value) <= tolerance, key
     if reference["weights"]:  # the actor's, on rank 0 (the export is empty elsewhere)
         assert max_difference(result["weights"], reference["weights"]) <= tolerance
 
