@@ -96,12 +96,12 @@ def test_experts_split_unlike_attention_and_router_knobs(tmp_path):
     for layer in (0, 1):
         assert any(not torch.equal(saved[n], after[n]) for n in saved if f"layers.{layer}.mlp.experts." in n)
     assert results[1][2] == metrics  # reduced over the ranks: every rank reports the same
-    # 8 sequences of 11 tokens, padded to 12 for sequence parallelism: 96 tokens x top-2 per layer. Each of the
-    # 8 router calls per layer (4 micro-batches x 2 sequence shards of 12 tokens) lets an expert take
-    # ceil(12 x 2 / 4 x 0.5) = 3 of them.
+    # 8 sequences of 11 tokens, packed in pairs: 88 tokens x top-2 = 176 assignments per layer, in 8 router calls
+    # (4 micro-batches of 22 tokens x 2 sequence-parallel shards) each letting an expert take a capacity of about
+    # 11 x 2 / 4 x 0.5: many are dropped, not all.
     for layer in (0, 1):
         assert 0 < metrics[f"moe/layer{layer}/load_max"] <= 8 * 3
-        assert metrics[f"moe/layer{layer}/dropped_tokens"] >= 96 * 2 - 4 * 8 * 3
+        assert 88 * 2 // 3 < metrics[f"moe/layer{layer}/dropped_tokens"] < 88 * 2
     for name in ("moe/load_balancing_loss", "moe/z_loss", "moe/layer1/z_loss", "moe/load_std"):
         assert metrics[name] > 0, name
 
