@@ -1,8 +1,9 @@
 """The data of a step, typed: what the rollout hands to the rewards and the Megatron workers, and what they return.
 
-    Prompt      one row of the data: token ids, data source, ground truth, extra info
+    Prompt      one row of the data: token ids, data source, ground truth, extra info (and its chat messages)
     Sample      one trajectory: a prompt, the response the engine sampled, its log-probs, a per-token loss mask,
-                how it ended, which policy version made it, and (once scored) its reward
+                how it ended, which policy version made it, and (once scored) its reward; a multi-turn one also
+                its turns, its conversation and its tool statistics
     TrainBatch  the samples as right-padded [B, S] tensors, plus what the step adds (log-probs, values, advantages)
     TokenOutputs what a forward pass returns per token (log-probs, entropy, values)
 
@@ -29,12 +30,25 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
+    messages: list[dict] | None = None  # the row's chat messages, when its prompt is a conversation
 
 
 class SampleStatus(str, enum.Enum):
     OK = "ok"  # the response ended with a stop token
     TRUNCATED = "truncated"  # the response ran into rollout.max_tokens
     ABORTED = "aborted"  # generation was cut off (e.g. a stopped multi-turn episode); the sample may be partial
+
+
+@dataclass
+class ToolStats:
+    """What a trajectory's tool calls did: calls made (well-formed or not), the failed ones (errors, which include the
+    timed-out ones), the tokens the tools' replies added to the response, and the seconds spent waiting on tools."""
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    by_tool: dict[str, int] = field(default_factory=dict)  # well-formed calls per tool name
 
 
 @dataclass
@@ -51,6 +65,15 @@ class Sample:
     status: SampleStatus = SampleStatus.OK
     policy_version: int = 0  # the number of policy updates behind the weights that sampled it
     reward: float | None = None  # set by the reward function
+    turns: int = 1  # the model's turns (generations) in the trajectory
+    messages: list[dict] | None = None  # multi-turn: the conversation, the prompt's messages (if it has them) then
+    # the trajectory's (its last assistant message is the final answer the reward reads)
+    tool_stats: ToolStats | None = None  # multi-turn: its tool calls
+    error: str | None = None  # why the rollout could not produce it (an agent loop's failure); it joins no loss
+
+    def model_tokens(self) -> int:
+        """The response tokens the policy generated (the loss mask's ones), not a tool's or the template's."""
+        return sum(self.loss_mask)
 
     def __post_init__(self):
         if self.loss_mask is None:

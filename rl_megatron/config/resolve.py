@@ -5,7 +5,7 @@ import copy
 
 from rl_megatron.algorithms import NEEDS_CRITIC
 from rl_megatron.config.fields import check_fields
-from rl_megatron.config.schema import RULES, Config
+from rl_megatron.config.schema import RULES, SINGLE_TURN, Config
 from rl_megatron.data.section import resolve_data_section
 
 
@@ -18,8 +18,12 @@ def resolve(cfg: Config) -> Config:
     check_fields(cfg, RULES)
     cfg = copy.deepcopy(cfg)
     actor, rollout, critic = cfg.actor, cfg.rollout, cfg.critic
+    turns = rollout.multi_turn
+    if turns.max_response_length is None:
+        turns.max_response_length = turns.max_assistant_turns * (rollout.max_tokens + turns.max_tool_response_length)
     if rollout.max_model_len is None:
-        rollout.max_model_len = cfg.data.max_prompt_length + rollout.max_tokens
+        response = rollout.max_tokens if rollout.agent_loop == SINGLE_TURN else turns.max_response_length
+        rollout.max_model_len = cfg.data.max_prompt_length + response
     if rollout.gpu_memory_utilization is None:  # separate engines hold nothing else on their GPUs
         rollout.gpu_memory_utilization = 0.9 if rollout.placement == "separate" else 0.5
     if critic.enable is None:

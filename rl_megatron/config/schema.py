@@ -17,6 +17,7 @@ from rl_megatron.resharding.channels import CHANNELS
 from rl_megatron.rewards import MATCH_MODES
 
 Placement = Literal["colocated", "separate"]
+SINGLE_TURN = "single_turn"  # rollout.agent_loop: each prompt answered in one batched generation (no agent loop)
 OFF_AT_ZERO = "0 turns it off"
 
 
@@ -146,8 +147,21 @@ class CriticConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    tool_config_path: Optional[str] = None  # the tools the model may call: a YAML/JSON file in verl's layout (each tool's class_name, config and OpenAI function schema; see configs/tools/)
+    max_assistant_turns: int = checked(5, POSITIVE)  # the model's turns in a trajectory; one that would need another ends as truncated
+    max_tool_calls: int = checked(8, POSITIVE)  # tool calls in a trajectory (malformed ones count); a turn that would pass it ends the trajectory as truncated
+    max_response_length: Optional[int] = checked(None, POSITIVE)  # every token after the prompt (the model's, the tools' and the template's); a trajectory that would pass it ends as truncated (default: max_assistant_turns x (rollout.max_tokens + max_tool_response_length))
+    max_tool_response_length: int = checked(256, POSITIVE)  # a tool reply's tokens kept (the rest cut, marked as cut)
+    tool_timeout_s: float = checked(30.0, above(0), "seconds, e.g. 30")  # wall-clock limit of one tool call; past it the model is told, and it counts in tool/timeouts
+    turn_synchronous: bool = False  # decode every trajectory's turn k as one batch before any turn k + 1 (the slower baseline; for comparison)
+
+
+@dataclass
 class RolloutConfig:
-    function: str = "rl_megatron.rollout.single_turn:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/single_turn.py)
+    function: str = "rl_megatron.rollout.default:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/default.py)
+    agent_loop: str = "single_turn"  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # limits and tools of multi-turn agent loops
     placement: Placement = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
     nnodes: int = checked(1, POSITIVE)  # separate placement: nodes of the engines' pool
     n_gpus_per_node: int = checked(1, POSITIVE)  # separate placement: devices per node of the engines' pool
@@ -156,9 +170,9 @@ class RolloutConfig:
     temperature: float = checked(1.0, above(0), "RL needs sampling; use 1.0")  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = checked(1.0, within(0, 1, low_open=True), "use 1.0 to disable nucleus sampling")  # nucleus sampling
     top_k: int = checked(-1, at_least(1, also=(-1,)), "-1 disables top-k sampling")
-    max_tokens: int = checked(16, POSITIVE)  # maximum new tokens per sample
+    max_tokens: int = checked(16, POSITIVE)  # maximum new tokens per sample (per model turn with a multi-turn agent loop)
     val_n: int = checked(1, POSITIVE)  # samples per validation prompt: 1 = greedy; more = sampled at rollout.temperature, with pass@k
-    max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens)
+    max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens, or + multi_turn.max_response_length with an agent loop)
     kv_cache_bytes: int = checked(32 * 1024 * 1024, POSITIVE)  # KV-cache memory per engine on CPU
     gpu_memory_utilization: Optional[float] = checked(None, within(0, 1, low_open=True), "e.g. 0.5")  # fraction of GPU memory the engine may take (default: 0.5 colocated, where the trainer shares the GPU; 0.9, vLLM's own default, on GPUs of its own)
 

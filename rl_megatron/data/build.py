@@ -10,11 +10,13 @@ from rl_megatron.errors import ConfigError
 SPLITS = ("train", "val")
 
 
-def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train") -> PromptLoader:
+def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train",
+                        tools: list[dict] | None = None) -> PromptLoader:
     """The loader of `split`: "train" serves endless shuffled batches of data.train_batch_size prompts from
     data.train_files (or the built-in data.task when no files are set); "val" serves data.val_files in file order,
     data.val_batch_size prompts at a time (all of them by default). `data_cfg` may be as written (one path for a
-    file list, no task); its files are checked as they are read. Raises ConfigError naming the key to fix."""
+    file list, no task); its files are checked as they are read. `tools`: function schemas the chat template shows
+    the model (multi-turn tool use). Raises ConfigError naming the key to fix."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use one of {', '.join(SPLITS)}")
     data_cfg = resolve_data_section(data_cfg)
@@ -34,7 +36,7 @@ def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train") ->
     try:
         loader = PromptLoader(rows, tokenizer, batch_size, data_cfg.max_prompt_length, seed,
                               use_chat_template=data_cfg.apply_chat_template, shuffle=split == "train",
-                              fingerprint=fingerprint)
+                              fingerprint=fingerprint, tools=tools)
     except ValueError as err:
         raise ConfigError(f"{source}: {err}") from None
     print(f"data ({split}): {len(loader.rows)} prompts from {source}; {loader.dropped} longer than "

@@ -15,16 +15,19 @@ class PromptLoader:
     """
 
     def __init__(self, rows: list[dict], tokenizer, batch_size: int | None, max_prompt_length: int, seed: int, *,
-                 use_chat_template: bool = True, shuffle: bool = True, fingerprint: str = ""):
+                 use_chat_template: bool = True, shuffle: bool = True, fingerprint: str = "",
+                 tools: list[dict] | None = None):
         """`rows` hold "prompt" (a string, or a list of chat messages), "ground_truth", "data_source" and
         optionally "extra_info". batch_size=None serves all (kept) rows in every batch. `fingerprint` names the
-        data, so that a saved position is only loaded back over the same data."""
+        data, so that a saved position is only loaded back over the same data. `tools`: the function schemas the
+        chat template presents to the model (multi-turn tool use)."""
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.rows: list[dict] = []
         self.prompt_ids: list[list[int]] = []
         self.dropped = 0
-        for row, ids in zip(rows, tokenize_prompts([row["prompt"] for row in rows], tokenizer, use_chat_template)):
+        for row, ids in zip(rows, tokenize_prompts([row["prompt"] for row in rows], tokenizer, use_chat_template,
+                                                            tools)):
             if len(ids) > max_prompt_length:
                 self.dropped += 1
                 continue
@@ -73,7 +76,9 @@ class PromptLoader:
 
     def _batch(self, indices) -> list[Prompt]:
         return [Prompt(self.prompt_ids[i], self.rows[i]["data_source"], self.rows[i]["ground_truth"],
-                       self.rows[i].get("extra_info", {})) for i in indices]
+                       self.rows[i].get("extra_info", {}),
+                       self.rows[i]["prompt"] if isinstance(self.rows[i]["prompt"], list) else None)
+                for i in indices]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "num_rows": len(self.rows), "seed": self.seed,
@@ -98,7 +103,8 @@ class PromptLoader:
         self.offset = state["offset"]
 
 
-def tokenize_prompts(prompts: list, tokenizer, use_chat_template: bool) -> list[list[int]]:
+def tokenize_prompts(prompts: list, tokenizer, use_chat_template: bool,
+                     tools: list[dict] | None = None) -> list[list[int]]:
     """Token ids of each prompt: a string as raw text (with the tokenizer's own special tokens, e.g. BOS); a list
     of chat messages through the tokenizer's chat template (ending in the assistant's turn), or, when
     use_chat_template is false, its messages' contents joined by newlines as raw text."""
@@ -108,7 +114,7 @@ def tokenize_prompts(prompts: list, tokenizer, use_chat_template: bool) -> list[
                          "data.apply_chat_template=false to use the messages' text as is, or use a model whose "
                          "tokenizer_config.json has a chat_template")
     texts = [
-        tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if chat
+        tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True) if chat
         else prompt if isinstance(prompt, str) else "\n".join(message["content"] for message in prompt)
         for prompt, chat in zip(prompts, templated)
     ]

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from rl_megatron.batch import Sample
+from rl_megatron.batch import Sample, ToolStats
 from rl_megatron.plugins import import_user_modules, with_absolute_path
 from rl_megatron.rewards import READS_PROMPT, REGISTRY, keywords_from_config, unknown_source_error
 from rl_megatron.rewards.custom import load_custom_fn
@@ -122,6 +122,25 @@ class _BatchProblems:
             self.first.append(f"data_source={sample[0]!r}: {message}")
 
 
+def answer_text(sample: Sample, tokenizer) -> str:
+    """What the reward reads as the answer: the response's text, or a multi-turn sample's last assistant message (its
+    final answer; the whole conversation is in the extra info)."""
+    if sample.messages is not None:
+        return next((m["content"] for m in reversed(sample.messages) if m["role"] == "assistant"), "")
+    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
+def reward_extra_info(sample: Sample) -> dict:
+    """The row's extra info, and for a multi-turn sample (verl's keys) the conversation (`messages`), `num_turns` and `tool_stats` (calls, errors, timeouts, by_tool)."""
+    if sample.messages is None:
+        return sample.extra_info
+    stats = sample.tool_stats or ToolStats()
+    return sample.extra_info | {
+        "messages": sample.messages, "num_turns": sample.turns,
+        "tool_stats": {"calls": stats.calls, "errors": stats.errors, "timeouts": stats.timeouts,
+                       "by_tool": dict(stats.by_tool)}}
+
+
 class RewardScorer:
     """Scores samples with the registered scorer of each one's data_source, or with `reward.custom_fn`.
 
@@ -175,9 +194,8 @@ class RewardScorer:
             ids = tuple(sample.prompt_ids)
             if ids not in prompt_texts:
                 prompt_texts[ids] = tokenizer.decode(sample.prompt_ids)
-        return self.submit([s.data_source for s in samples],
-                           [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
-                           [s.ground_truth for s in samples], [s.extra_info for s in samples],
+        return self.submit([s.data_source for s in samples], [answer_text(s, tokenizer) for s in samples],
+                           [s.ground_truth for s in samples], [reward_extra_info(s) for s in samples],
                            prompts=[prompt_texts[tuple(s.prompt_ids)] for s in samples])
 
     def score(self, data_sources, solutions, ground_truths, extra_infos=None,

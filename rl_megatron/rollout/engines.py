@@ -5,7 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rl_megatron.batch import Prompt, Sample
-from rl_megatron.rollout.vllm_engine import request_seeds
+from rl_megatron.rollout.vllm_engine import Completion, TurnRequest, request_seeds
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,15 @@ class Sampling:
 
 class RolloutEngines:
     """`generate` spreads prompts over the engines (a worker group hosting them) and returns their samples, each
-    stamped with the policy version the engines hold (`policy_version`, kept current by the trainer)."""
+    stamped with the policy version the engines hold (`policy_version`, kept current by the trainer).
+    `run_agent_loop` runs rollout.agent_loop's trajectories instead (`agent_runner`, set by the trainer when the
+    loop is not single_turn), through `serve`."""
 
     def __init__(self, group, run_seed: int):
         self.group, self.run_seed = group, run_seed
         self.count = group.meshes[0]["rollout"][1]  # engines
         self.policy_version = 0
+        self.agent_runner = None  # an rl_megatron.agents.AgentRunner
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """`sampling.n` samples per prompt, prompt-major (sample j of prompt i at i * n + j)."""
@@ -33,6 +36,21 @@ class RolloutEngines:
         seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(padded))
         samples = self.group.generate(padded, seeds, n=sampling.n, temperature=sampling.temperature)
         samples = samples[:len(prompts) * sampling.n]
+        return self._stamped(samples)
+
+    def run_agent_loop(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
+        """`sampling.n` trajectories per prompt through the agent loop, prompt-major."""
+        seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(prompts))
+        self.group.prepare_generation()  # every engine awake with the policy's weights, before any engine is driven
+        samples = self.agent_runner.run(prompts, seeds, sampling.n, sampling.temperature,
+                                        tag=f"{sampling.purpose}/{sampling.step}")
+        return self._stamped(samples)
+
+    async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+        """Engine `engine`'s `VLLMEngine.serve` (on each of its shards; the first's result)."""
+        return await self.group.call_shard("serve", "rollout", engine, requests)
+
+    def _stamped(self, samples: list[Sample]) -> list[Sample]:
         for sample in samples:
             sample.policy_version = self.policy_version
         return samples

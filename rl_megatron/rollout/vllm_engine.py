@@ -161,6 +161,24 @@ class Completion:
 FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # vLLM's finish_reason; else OK
 
 
+def completion_of(output) -> Completion:
+    """A vLLM CompletionOutput as a Completion."""
+    ids = list(output.token_ids)
+    log_probs = [step[token].logprob for step, token in zip(output.logprobs, ids)]
+    return Completion(ids, log_probs, FINISH_STATUS.get(output.finish_reason, SampleStatus.OK))
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One generation of a multi-turn trajectory: the whole context so far, and its own seed (a trajectory samples
+    alike whichever engine serves it and whatever else that engine decodes meanwhile)."""
+    request_id: str
+    token_ids: list[int]
+    seed: int
+    max_tokens: int
+    temperature: float
+
+
 def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:
     """Sampling seeds of the `count` prompts of a step, a function of (trainer.seed, purpose, step) only: a
     resumed run draws the same samples. Below 2**32, so that vLLM's seed + j for sample j stays in range."""
@@ -226,19 +244,35 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        settings = dict(n=n, temperature=self.cfg.temperature if temperature is None else temperature,
-                        top_p=self.cfg.top_p, top_k=self.cfg.top_k, max_tokens=self.cfg.max_tokens,
-                        stop_token_ids=self.stop_token_ids, logprobs=0, detokenize=False)
+        settings = self._sampling(n=n, temperature=self.cfg.temperature if temperature is None else temperature,
+                                  max_tokens=self.cfg.max_tokens)
         per_prompt = (SamplingParams(**settings) if seeds is None
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
-        completions = []
-        for output in outputs:
-            for sample in sorted(output.outputs, key=lambda s: s.index):
-                ids = list(sample.token_ids)
-                log_probs = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
-                completions.append(Completion(ids, log_probs, FINISH_STATUS.get(sample.finish_reason, SampleStatus.OK)))
-        return completions
+        return [completion_of(sample) for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
+
+    def _sampling(self, **settings) -> dict:
+        return dict(top_p=self.cfg.top_p, top_k=self.cfg.top_k, stop_token_ids=self.stop_token_ids, logprobs=0,
+                    detokenize=False, **settings)
+
+    def serve(self, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+        """Continuous batching, driven by the controller: add `requests` to what the engine is decoding, then decode
+        until at least one request finishes (or none is left); returns the finished ones by request id. Between
+        calls the controller runs tools and adds the next turns of other trajectories, so no turn waits for a whole
+        batch. The shards of an engine (rollout TP > 1) get the same calls in the same order and stay in step."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        for request in requests:
+            params = SamplingParams(**self._sampling(n=1, temperature=request.temperature,
+                                                     max_tokens=request.max_tokens, seed=request.seed))
+            engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params)
+        finished = []
+        while not finished and engine.has_unfinished_requests():
+            finished = [(output.request_id, completion_of(output.outputs[0]))
+                        for output in engine.step() if output.finished]
+        return finished
 
     def model(self) -> torch.nn.Module:
         """The engine's model on this rank (its parameters are what a weight sync writes)."""

@@ -31,6 +31,7 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
         "reward/mean": scores.mean().item(),
         "reward/std": scores.std().item(),
         **length_metrics(samples),
+        **multi_turn_metrics(samples),
         "actor/entropy": masked_mean(entropy, mask).item(),
         "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
         # vLLM's sampling log-probs against Megatron's for the same tokens (1 and 0 when both agree).
@@ -50,15 +51,36 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
 
 def length_metrics(samples: list[Sample]) -> dict[str, float]:
     """Response and prompt lengths in tokens, and the share of responses cut off at rollout.max_tokens (or at
-    rollout.max_model_len): vLLM's finish reason, recorded as the sample's status. A response whose stop token
-    falls exactly on the limit is not cut off (vLLM checks for the stop token first)."""
-    responses = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    rollout.max_model_len, or at a multi-turn limit): vLLM's finish reason or the agent loop's, recorded as the
+    sample's status. A response whose stop token falls exactly on the limit is not cut off (vLLM checks for the stop
+    token first). A response's length counts the model's tokens only, not the tools' (a length penalty must not
+    punish a tool's long reply)."""
+    responses = torch.tensor([s.model_tokens() for s in samples], dtype=torch.float)
     prompts = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float)
     clipped = sum(s.status == SampleStatus.TRUNCATED for s in samples)
     return {"response_length/mean": responses.mean().item(), "response_length/max": responses.max().item(),
             "response_length/min": responses.min().item(), "response_length/clip_ratio": clipped / len(samples),
             "prompt_length/mean": prompts.mean().item(), "prompt_length/max": prompts.max().item(),
             "prompt_length/min": prompts.min().item()}
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Turns and tool calls of multi-turn samples (none for single-turn ones); verl's multi_turn/ names. Tool errors,
+    timeouts and failed samples are counts over the step."""
+    tools = [s.tool_stats for s in samples if s.tool_stats is not None]
+    failed = sum(s.error is not None for s in samples)
+    if not tools and not failed:
+        return {}
+    turns = torch.tensor([float(s.turns) for s in samples])
+    mean = lambda values: sum(values) / len(samples)  # noqa: E731
+    return {"multi_turn/turns/mean": turns.mean().item(), "multi_turn/turns/max": turns.max().item(),
+            "multi_turn/tool_tokens/mean": mean([t.tokens for t in tools]),
+            "multi_turn/failed": float(failed),
+            "tool/calls/mean": mean([t.calls for t in tools]),
+            "tool/call_rate": sum(t.calls > 0 for t in tools) / len(samples),
+            "tool/errors": float(sum(t.errors for t in tools)),
+            "tool/timeouts": float(sum(t.timeouts for t in tools)),
+            "tool/seconds/mean": mean([t.seconds for t in tools])}
 
 
 def window_mean(rewards: list[float]) -> float:

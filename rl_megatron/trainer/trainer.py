@@ -17,12 +17,14 @@ import torch
 from tqdm import tqdm
 
 from rl_megatron import platform
+from rl_megatron.agents import AgentRunner, build_agent_loop
 from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, outcome_token_rewards,
                                     truncated_importance_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choose_resume, finish_save, start_save
 from rl_megatron.config import Config, ConfigError, model_config, to_yaml, worker_pools
+from rl_megatron.config.model_files import end_of_sequence_ids
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.models.tokenizer import checked_tokenizer
@@ -57,9 +59,12 @@ class Trainer:
         self.hf_config = model_config(cfg)  # config.json with the moe section's overrides
         self.tokenizer = checked_tokenizer(cfg.model.path, self.hf_config)  # the one the pre-flight check loaded
         self.pad_id = pad_token_id(self.tokenizer)
-        self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed)
+        self.agent_loop = build_agent_loop(cfg.rollout, self.tokenizer,
+                                           end_of_sequence_ids(cfg.model.path, self.hf_config))
+        tools = self.agent_loop.context.tools.schemas() if self.agent_loop and self.agent_loop.context.tools else None
+        self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, tools=tools)
         validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
-        self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val")
+        self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val", tools=tools)
                            if validating else None)
         self._check_scorers()
         self.run_dir = cfg.trainer.run_dir
@@ -264,6 +269,10 @@ class Trainer:
         # The groups hosting Megatron models (what a checkpoint saves), each once.
         self.model_groups = list({id(g): g for role, g in groups.items() if role.has_model}.values())
         self.engines = RolloutEngines(self.engine_group, cfg.trainer.seed)
+        if self.agent_loop is not None:
+            self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
+                                                    self.engines.count, self.hf_config["vocab_size"],
+                                                    cfg.rollout.multi_turn.turn_synchronous)
         # Actor updates so far: one a step after the critic's warm-up.
         self.engines.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own

@@ -7,7 +7,7 @@ from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
-from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
+from rl_megatron.rollout.vllm_engine import Completion, TurnRequest, VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.worker_group import dispatch
 
@@ -42,6 +42,15 @@ class EngineHost:
         completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds)
         return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status)
                 for i, c in enumerate(completions)]
+
+    @dispatch(axis=None, phase=GENERATE)
+    def prepare_generation(self) -> None:
+        """Enter generation on every worker together (a weight sync is collective), before the controller drives
+        engines one at a time with `serve`."""
+
+    def serve(self, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+        """`VLLMEngine.serve`: called on one engine's shards at a time (`WorkerGroup.call_shard`)."""
+        return self.engine.serve(requests)
 
     @dispatch(axis=None)
     def engine_mismatches(self, hf_state: dict) -> list[str]:

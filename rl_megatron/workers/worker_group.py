@@ -15,6 +15,7 @@ An axis names a (shard, num_shards, owns_output) triple that each worker reports
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Any, Callable
@@ -204,6 +205,20 @@ class WorkerGroup:
         """Start method `name` on every worker with the same arguments; returns the Ray object refs (for calls
         that must run while another group takes part in the same collective)."""
         return [getattr(w, name).remote(*args, **kwargs) for w in self.workers]
+
+    async def call_shard(self, name: str, axis: str, shard: int, *args, **kwargs):
+        """Method `name` on the workers of one shard of `axis` only (one rollout engine's TP ranks), awaited in the
+        controller's event loop; the result of the worker that owns it. Other shards go on meanwhile."""
+        ranks = [rank for rank, mesh in enumerate(self.meshes) if mesh[axis][0] == shard]
+        refs = [getattr(self.workers[rank], name).remote(*args, **kwargs) for rank in ranks]
+        try:
+            results = await asyncio.gather(*refs)
+        except RayError:
+            dead = self._dead_worker(refs)
+            if dead is None:
+                raise
+            raise WorkerDied(dead) from None
+        return next(out for rank, out in zip(ranks, results) if self.meshes[rank][axis][2])
 
     def _call(self, name: str, axis: str | None, *args, **kwargs):
         if axis is None:

@@ -73,7 +73,7 @@ USER_PLUGIN = """
 import json, os
 
 from rl_megatron.rewards import arithmetic, register
-from rl_megatron.rollout import single_turn
+from rl_megatron.rollout import default as default_rollout
 
 CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout_calls.jsonl")
 
@@ -84,7 +84,7 @@ def half_credit(solution_str, ground_truth):
 
 
 def recording_rollout(engines, prompts, sampling):
-    samples = single_turn.generate(engines, prompts, sampling)
+    samples = default_rollout.generate(engines, prompts, sampling)
     with open(CALLS, "a") as f:
         f.write(json.dumps({"purpose": sampling.purpose, "prompts": len(prompts), "n": sampling.n,
                             "samples": len(samples), "versions": sorted({s.policy_version for s in samples})}) + "\\n")

@@ -549,7 +549,7 @@ def test_separate_rollout_settings_are_checked(overrides, words):
 @pytest.mark.parametrize("override, message", [
     ("rollout.function=no_such_module_xyz:rollout", "rollout.function='no_such_module_xyz:rollout': module "
                                                     "'no_such_module_xyz' was not found"),
-    ("rollout.function=rl_megatron.rollout.single_turn:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("rollout.function=rl_megatron.rollout.default:no_such_fn", "has no attribute 'no_such_fn'"),
     ("rollout.function=generate", "rollout.function='generate' must be 'package.module:function'"),
     ("trainer.imports=[no_such_module_abc]", "trainer.imports entry 'no_such_module_abc': module 'no_such_module_abc' "
                                              "was not found"),
@@ -561,7 +561,7 @@ def test_the_users_code_is_imported_before_anything_starts_and_named_when_it_fai
 
 def test_the_default_rollout_function_and_no_imports():
     cfg = load_demo()
-    assert cfg.rollout.function == "rl_megatron.rollout.single_turn:generate" and cfg.trainer.imports == []
+    assert cfg.rollout.function == "rl_megatron.rollout.default:generate" and cfg.trainer.imports == []
 
 
 def test_token_budget_lifts_the_micro_batch_divisibility_but_keeps_the_interleaving_rule(tmp_path):

@@ -1,0 +1,56 @@
+"""Multi-turn rollouts: agent loops (one coroutine per trajectory) that call tools between the model's turns.
+
+    base.py        the AgentLoop interface a user subclasses (rollout.agent_loop=pkg.module:Class)
+    trajectory.py  token in, token out: the model's tokens kept as sampled, the template's deltas spliced between
+    tool_agent.py  the built-in tool-calling loop (rollout.agent_loop=tool_agent)
+    runner.py      a batch of prompts through a loop over the engines, each sample checked
+"""
+from __future__ import annotations
+
+from rl_megatron.agents.base import AgentContext, AgentLoop, TurnGenerator
+from rl_megatron.agents.runner import AgentRunner
+from rl_megatron.agents.tool_agent import ToolAgentLoop
+from rl_megatron.agents.trajectory import ChatDeltas, Trajectory
+from rl_megatron.config.schema import SINGLE_TURN, RolloutConfig
+from rl_megatron.errors import ConfigError
+from rl_megatron.plugins import load_callable
+from rl_megatron.tools import ToolSet
+
+AGENT_LOOPS = {"tool_agent": ToolAgentLoop}
+
+__all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "ToolAgentLoop",
+           "Trajectory", "TurnGenerator", "agent_loop_class", "build_agent_loop"]
+
+
+def agent_loop_class(name: str) -> type[AgentLoop] | None:
+    """The class rollout.agent_loop names (None for single_turn); ConfigError naming the key otherwise."""
+    if name == SINGLE_TURN:
+        return None
+    if name in AGENT_LOOPS:
+        return AGENT_LOOPS[name]
+    if ":" not in name:
+        raise ConfigError(f"rollout.agent_loop={name!r} is not a built-in loop ({SINGLE_TURN}, "
+                          f"{', '.join(AGENT_LOOPS)}) nor 'package.module:Class' naming an AgentLoop subclass.")
+    cls = load_callable(name, "rollout.agent_loop")
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+        raise ConfigError(f"rollout.agent_loop={name!r} is not a subclass of rl_megatron.agents.AgentLoop: subclass "
+                          "it and implement `async def run(self, prompt, generate) -> Sample`.")
+    return cls
+
+
+def build_agent_loop(rollout: RolloutConfig, tokenizer, stop_ids: list[int]) -> AgentLoop | None:
+    """rollout.agent_loop's loop with its tools and the chat template's deltas (None for single_turn); ConfigError
+    naming the key at fault, before any worker starts."""
+    cls = agent_loop_class(rollout.agent_loop)
+    if cls is None:
+        return None
+    path = rollout.multi_turn.tool_config_path
+    tools = ToolSet.from_config_file(path) if path else None
+    if cls is ToolAgentLoop and tools is None:
+        raise ConfigError("rollout.agent_loop=tool_agent needs tools: set rollout.multi_turn.tool_config_path to a "
+                          "tool config file (e.g. configs/tools/python_calculator.yaml).")
+    try:
+        deltas = ChatDeltas(tokenizer, stop_ids)
+    except ValueError as err:
+        raise ConfigError(f"rollout.agent_loop={rollout.agent_loop}: {err}") from None
+    return cls(AgentContext(tokenizer, rollout, tools, deltas))

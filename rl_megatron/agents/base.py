@@ -1,0 +1,47 @@
+"""The agent-loop interface: one trajectory per call, a coroutine, over an asynchronous `generate` handle.
+
+    class MyLoop(AgentLoop):                                   rollout.agent_loop=my_pkg.loops:MyLoop
+        async def run(self, prompt, generate) -> Sample:
+            completion = await generate(prompt.ids)            # the model's tokens, log-probs, how the turn ended
+            ...                                                # tools, environments, user simulators
+            return trajectory.sample(status)                   # loss mask 1 on the model's tokens, 0 elsewhere
+
+Many trajectories run at once: while one awaits a tool, the engines keep decoding the others (`TurnScheduler`).
+A loop samples at the run's temperature (the trainer's log-probs assume it) and each of its generations draws from
+a seed of its own (trainer.seed, the step, the sample and the turn), so a resumed run replays the same rollouts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rl_megatron.agents.trajectory import ChatDeltas
+from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.rollout.vllm_engine import Completion
+from rl_megatron.tools import ToolSet
+
+
+class TurnGenerator(Protocol):
+    async def __call__(self, token_ids: list[int], max_tokens: int | None = None) -> Completion:
+        """The model's continuation of `token_ids`, up to `max_tokens` (default rollout.max_tokens) new tokens."""
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """What every trajectory of a run shares: the tokenizer, the rollout settings (rollout.multi_turn's limits), the
+    tools (None without rollout.multi_turn.tool_config_path) and the chat template's deltas."""
+    tokenizer: Any
+    rollout: RolloutConfig
+    tools: ToolSet | None
+    deltas: ChatDeltas
+
+
+class AgentLoop:
+    """Subclass it and implement `run`; rollout.agent_loop names the class ("pkg.module:Class")."""
+
+    def __init__(self, context: AgentContext):
+        self.context = context
+
+    async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
+        raise NotImplementedError

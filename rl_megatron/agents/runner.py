@@ -1,0 +1,73 @@
+"""A batch of prompts through the run's agent loop: `rollout.n` trajectories per prompt, all in flight at once over
+the engines, each checked when it comes back."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import numpy as np
+
+from rl_megatron.agents.base import AgentLoop
+from rl_megatron.batch import Prompt, Sample, SampleStatus
+from rl_megatron.rollout.serving import ServeFn, TurnScheduler
+from rl_megatron.rollout.vllm_engine import Completion, TurnRequest
+
+logger = logging.getLogger(__name__)
+
+
+def turn_seed(prompt_seed: int, sample: int, turn: int) -> int:
+    """The sampling seed of one generation: a function of the prompt's seed (trainer.seed, purpose, step, prompt),
+    the sample's index among the prompt's n and the turn, and of nothing else."""
+    return int(np.random.SeedSequence([prompt_seed, sample, turn]).generate_state(1, dtype=np.uint32)[0])
+
+
+class AgentRunner:
+    def __init__(self, loop: AgentLoop, name: str, serve: ServeFn, engines: int, vocab_size: int,
+                 turn_synchronous: bool = False):
+        self.loop, self.name, self.serve, self.engines = loop, name, serve, engines
+        self.vocab_size, self.turn_synchronous = vocab_size, turn_synchronous
+
+    def run(self, prompts: list[Prompt], seeds: list[int], n: int, temperature: float, tag: str) -> list[Sample]:
+        """`n` trajectories per prompt, prompt-major; prompt i's draw from seeds[i]. `tag` makes the engines'
+        request ids unique (the purpose and step). A trajectory whose loop raises or returns a bad sample is logged
+        with its index and kept as an empty, ABORTED sample carrying the error (it joins no loss)."""
+        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous)
+
+        def trajectory(index: int):
+            prompt, turns = prompts[index // n], itertools.count()
+
+            async def generate(token_ids: list[int], max_tokens: int | None = None) -> Completion:
+                turn = next(turns)
+                request = TurnRequest(f"{tag}/{index}/{turn}", list(token_ids), turn_seed(seeds[index // n],
+                                      index % n, turn), max_tokens or self.loop.context.rollout.max_tokens,
+                                      temperature)
+                return await scheduler.generate(index % self.engines, request)
+
+            return lambda: self.loop.run(prompt, generate)
+
+        results = asyncio.run(scheduler.run([trajectory(i) for i in range(len(prompts) * n)]))
+        return [self._checked(index, result, prompts[index // n]) for index, result in enumerate(results)]
+
+    def _checked(self, index: int, result, prompt: Prompt) -> Sample:
+        problem = self._problem(result)
+        if problem is None:
+            return result
+        logger.warning("rollout.agent_loop=%s: sample %d failed (%s); it is kept empty and joins no loss",
+                       self.name, index, problem)
+        return Sample.answering(prompt, [], [], status=SampleStatus.ABORTED, error=problem)
+
+    def _problem(self, result) -> str | None:
+        if isinstance(result, Exception):
+            return f"{type(result).__name__}: {result}"
+        if not isinstance(result, Sample):
+            return f"returned a {type(result).__name__}, not a rl_megatron.batch.Sample"
+        if not len(result.loss_mask) == len(result.rollout_log_probs) == len(result.response_ids):
+            return (f"a response of {len(result.response_ids)} tokens with a loss mask of {len(result.loss_mask)} and "
+                    f"{len(result.rollout_log_probs)} log-probs")
+        outside = [t for t in result.prompt_ids + result.response_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            return f"token ids outside the vocabulary of {self.vocab_size}: {outside[:5]}"
+        if any(m not in (0, 1) for m in result.loss_mask):
+            return "a loss mask with values other than 0 and 1"
+        return None

@@ -1,0 +1,68 @@
+"""The built-in tool-calling loop (rollout.agent_loop=tool_agent): the model answers, its Hermes tool calls
+(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen2.5/Qwen3 write them) run, their replies come back
+as tool messages, and the model goes on, until it answers without a call or a limit ends the trajectory.
+
+Limits (rollout.multi_turn): max_assistant_turns, max_tool_calls and max_response_length (every token after the
+prompt: the model's, the tools' and the template's). A trajectory that would pass one ends with status TRUNCATED:
+what it has so far stays, masked as usual, and is scored like any other sample (its last assistant message is its
+answer), so a policy that never stops calling tools earns what an unfinished answer earns.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rl_megatron.agents.base import AgentLoop, TurnGenerator
+from rl_megatron.agents.trajectory import Trajectory
+from rl_megatron.batch import Prompt, Sample, SampleStatus
+from rl_megatron.tools import ToolCall, ToolOutcome, parse_tool_calls
+
+TRUNCATION_NOTE = "\n...(truncated)"
+
+
+class ToolAgentLoop(AgentLoop):
+    async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
+        rollout, limits = self.context.rollout, self.context.rollout.multi_turn
+        trajectory = Trajectory(prompt)
+        while True:
+            room = limits.max_response_length - len(trajectory.response_ids)
+            if trajectory.turns == limits.max_assistant_turns or room <= 0:
+                return trajectory.sample(SampleStatus.TRUNCATED)
+            completion = await generate(trajectory.context(), min(rollout.max_tokens, room))
+            text = self.context.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+            trajectory.add_turn(completion, text)
+            parsed = parse_tool_calls(text)
+            attempts = len(parsed.calls) + len(parsed.errors)
+            if attempts == 0 or completion.status == SampleStatus.ABORTED:
+                return trajectory.sample(completion.status)
+            if trajectory.tool_stats.calls + attempts > limits.max_tool_calls:
+                return trajectory.sample(SampleStatus.TRUNCATED)
+            replies = await self._replies(parsed.calls, parsed.errors, trajectory)
+            spliced = self.context.deltas.after_turn(replies, turn_ended=completion.status == SampleStatus.OK)
+            if len(trajectory.response_ids) + len(spliced) >= limits.max_response_length:
+                return trajectory.sample(SampleStatus.TRUNCATED)  # no room left for another turn
+            trajectory.add_context(spliced, replies)
+            trajectory.tool_stats.tokens += len(spliced)
+
+    async def _replies(self, calls: list[ToolCall], malformed: list[str], trajectory: Trajectory) -> list[dict]:
+        """The tool messages answering a turn's calls, in order (the calls run concurrently); malformed calls are
+        answered with their error."""
+        stats, limits = trajectory.tool_stats, self.context.rollout.multi_turn
+        tools_kwargs = trajectory.prompt.extra_info.get("tools_kwargs") or {}
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(self.context.tools.call(call, tools_kwargs, limits.tool_timeout_s)
+                                          for call in calls))
+        stats.seconds += time.perf_counter() - start
+        outcomes += [ToolOutcome(message, error=True) for message in malformed]
+        stats.calls += len(outcomes)
+        stats.errors += sum(outcome.error for outcome in outcomes)
+        stats.timeouts += sum(outcome.timed_out for outcome in outcomes)
+        for call in calls:
+            stats.by_tool[call.name] = stats.by_tool.get(call.name, 0) + 1
+        return [{"role": "tool", "content": self._kept(outcome.text)} for outcome in outcomes]
+
+    def _kept(self, text: str) -> str:
+        """A tool's reply cut to rollout.multi_turn.max_tool_response_length tokens (marked as cut)."""
+        tokenizer, limit = self.context.tokenizer, self.context.rollout.multi_turn.max_tool_response_length
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return text if len(ids) <= limit else tokenizer.decode(ids[:limit]) + TRUNCATION_NOTE

@@ -1,0 +1,86 @@
+"""Token in, token out: a trajectory's tokens are the model's own, exactly as sampled, with what the environment adds
+(tool replies, the chat template's markers) encoded once and spliced in between, masked out of the loss.
+
+Re-tokenising a conversation's text at every turn would change the model's tokens (a different split of the same
+text), so the trainer would score tokens the policy never sampled; verl found that this broke PPO's convergence.
+Only the new messages are encoded, as the tokenizer's chat template renders them after an assistant turn:
+`ChatDeltas` renders a fixed conversation ending in an assistant turn, with and without the new messages, and takes
+the text after the assistant's end-of-turn token. That keeps the separator the template writes after the end-of-turn
+token (Qwen's "\n", which the model never generates: dropping it was verl#6921) and leaves out the system prompt the
+template would add to a conversation of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats
+from rl_megatron.rollout.vllm_engine import Completion
+
+# An assistant message that no template rewrites, to find where the template's assistant turn ends.
+_ANCHOR = "rl_megatron_anchor"
+
+
+class ChatDeltas:
+    def __init__(self, tokenizer, stop_ids: list[int]):
+        """`stop_ids`: the tokens generation stops at; the one the chat template ends an assistant turn with is the
+        end-of-turn token."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("a multi-turn agent loop needs a tokenizer with a chat template (model.path's "
+                             "tokenizer_config.json has none)")
+        self.tokenizer = tokenizer
+        self.base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ANCHOR}]
+        text = tokenizer.apply_chat_template(self.base, tokenize=False)
+        anchor = text.rindex(_ANCHOR)
+        ends = sorted((text.find(tokenizer.decode([i]), anchor), i) for i in stop_ids
+                      if text.find(tokenizer.decode([i]), anchor) >= 0)
+        if not ends:
+            raise ValueError(f"the chat template ends an assistant turn with none of the tokens generation stops at "
+                             f"({[tokenizer.decode([i]) for i in stop_ids]}): fix the model's eos_token_id or template")
+        self.end_of_turn_id = ends[0][1]
+        self.end_of_turn = tokenizer.decode([self.end_of_turn_id])
+
+    def after_turn(self, messages: list[dict], turn_ended: bool) -> list[int]:
+        """The tokens that follow an assistant turn: the end-of-turn token if the model did not write it (the turn
+        ran into its token limit), the template's separator, `messages` (tool replies, a user's next message), and
+        the next assistant turn's opening."""
+        text = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False, add_generation_prompt=True)
+        end = text.find(self.end_of_turn, text.rindex(_ANCHOR)) + len(self.end_of_turn)
+        ids = self.tokenizer.encode(text[end:], add_special_tokens=False)
+        return ids if turn_ended else [self.end_of_turn_id] + ids
+
+
+@dataclass
+class Trajectory:
+    """A sample being built turn by turn: the model's turns (loss mask 1, the engine's log-probs) and the context
+    spliced between them (mask 0, log-prob 0)."""
+    prompt: Prompt
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the conversation: the prompt's messages, then the turns'
+    turns: int = 0
+    tool_stats: ToolStats = field(default_factory=ToolStats)
+
+    def __post_init__(self):
+        self.messages = list(self.prompt.messages or [])
+
+    def context(self) -> list[int]:
+        """What the model reads next: the prompt and everything after it."""
+        return self.prompt.ids + self.response_ids
+
+    def add_turn(self, completion: Completion, text: str) -> None:
+        self.response_ids += completion.response_ids
+        self.loss_mask += [1] * len(completion.response_ids)
+        self.log_probs += completion.log_probs
+        self.messages.append({"role": "assistant", "content": text})
+        self.turns += 1
+
+    def add_context(self, ids: list[int], messages: list[dict]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+        self.messages += messages
+
+    def sample(self, status: SampleStatus) -> Sample:
+        return Sample.answering(self.prompt, self.response_ids, self.log_probs, loss_mask=self.loss_mask,
+                                status=status, turns=self.turns, messages=self.messages, tool_stats=self.tool_stats)
