@@ -4,7 +4,7 @@ The spec is `package.module:function` (imported like any module) or `path/to/fil
 the file, as verl's custom_reward_function.path does). The function is called for every sample as
 `fn(data_source, solution_str, ground_truth, extra_info)` - verl's custom reward signature - and returns a
 number (or a dict with a "score" entry). To reuse a built-in scorer for some sources, call
-`rl_megatron.rewards.score(data_source, solution_str, ground_truth)` from it.
+`rl_megatron.rewards.score(data_source, solution_str, ground_truth, extra_info)` from it.
 """
 from collections.abc import Callable
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 from rl_megatron.plugins import import_user_modules
-from rl_megatron.rewards import REGISTRY
+from rl_megatron.rewards import REGISTRY, score
 from rl_megatron.rewards.custom import load_custom_fn
 
 PROGRESS_BYTES = 16
@@ -72,7 +72,7 @@ def as_reward(raw) -> float:
 def score_chunk(samples: list, custom_fn, keywords: dict[str, dict],
                 progress) -> tuple[list[float], list[tuple[int, str]]]:
     """(scores, [(index, error message)]) of (data_source, solution, ground_truth, extra_info) samples; a registered
-    scorer also gets its data source's `keywords`."""
+    scorer also gets its data source's `keywords` (and extra_info if it was registered with reads_extra_info)."""
     scores, errors = [], []
     for index, (data_source, solution, ground_truth, extra_info) in enumerate(samples):
         progress[0] = index
@@ -81,7 +81,7 @@ def score_chunk(samples: list, custom_fn, keywords: dict[str, dict],
             if custom_fn is not None:
                 raw = custom_fn(data_source, solution, ground_truth, extra_info)
             else:
-                raw = REGISTRY[data_source](solution, ground_truth, **keywords.get(data_source, {}))
+                raw = score(data_source, solution, ground_truth, extra_info, **keywords.get(data_source, {}))
             scores.append(as_reward(raw))
         except BaseException as err:  # SystemExit too: a scorer's failure costs one sample, not the process
             scores.append(0.0)

@@ -8,7 +8,7 @@ import struct
 
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_weights import DTYPE_BYTES, INDEX_FILE
-from rl_megatron.models.tiny import TEXT_CHARACTERS, build_tokenizer
+from rl_megatron.models.tiny import TEXT, build_tokenizer
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -41,6 +41,6 @@ def write_header_only_weights(folder: str, hf: dict, files: int = 1, dtype: str 
 
 def write_text_tokenizer(folder: str) -> None:
     """The tiny model's printable-ASCII tokenizer, with a chat template: real task prompts encode to tokens."""
-    tokenizer = build_tokenizer(TEXT_CHARACTERS)
+    tokenizer = build_tokenizer(TEXT)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

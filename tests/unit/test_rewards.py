@@ -65,16 +65,19 @@ def test_unknown_data_source_names_the_known_ones():
 
 
 def test_builtin_scorers_are_registered_under_verl_and_tinyzero_data_source_names():
-    from rl_megatron.rewards import KEYWORDS_FROM_CONFIG, READS_PROMPT, countdown, gsm8k, math, math_dapo
+    from rl_megatron.rewards import (KEYWORDS_FROM_CONFIG, READS_EXTRA_INFO, READS_PROMPT, countdown, gsm8k, lookup,
+                                     math, math_dapo)
 
     expected = {"countdown": countdown.compute_score, "openai/gsm8k": gsm8k.compute_score,
                 "gsm8k": gsm8k.compute_score, "lighteval/MATH": math.compute_score,
                 "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
                 "HuggingFaceH4/MATH-500": math.compute_score, "math": math.compute_score_math_source,
-                "math_dapo": math_dapo.compute_score, "math_dapo_reasoning": math_dapo.compute_score}
+                "math_dapo": math_dapo.compute_score, "math_dapo_reasoning": math_dapo.compute_score,
+                "lookup": lookup.compute_score}
     for name, scorer in expected.items():
         assert REGISTRY[name] is scorer, name
     assert READS_PROMPT == {"countdown"}  # only TinyZero's countdown reads the prompt's "Assistant:" marker
+    assert READS_EXTRA_INFO == {"lookup"}  # the tool-calling demo's reads the rollout's tool calls
     # The match modes come from the reward config.
     assert KEYWORDS_FROM_CONFIG == {"openai/gsm8k": {"match": "gsm8k_match"}, "gsm8k": {"match": "gsm8k_match"},
                                     **{name: {"match": "math_match"} for name in ("lighteval/MATH", "math",
