@@ -19,6 +19,8 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   micro-batch and the update's step time per mode, full recomputation's bytes against those without, measured in
   the same run; one process, a ~5M-parameter Qwen2 (hidden 256, 4 layers), 4 x 1024 tokens
   (rl_megatron/bench/recompute.py).
+- multi_turn (agent loops with tool latency): trajectories/s with asynchronous turns against the turn-synchronous
+  schedule on the same batch, one in-process vLLM engine, a 256-wide 2-layer Qwen2 (rl_megatron/bench/multi_turn.py).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
 from rl_megatron.models.tiny import build_tokenizer
 
-BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute")
+BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
@@ -41,7 +43,8 @@ MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
                   "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096, "batch": 16, "seq": 2048},
                   # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
                   # probabilities count, on a model small enough for seconds per mode on 2 cores.
-                  "recompute": {"hidden": 256, "batch": 4, "seq": 1024}}
+                  "recompute": {"hidden": 256, "batch": 4, "seq": 1024},
+                  "multi_turn": {"hidden": 256, "layers": 2, "batch": 32}}
 MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
@@ -89,6 +92,7 @@ def main(argv=None) -> None:
                                                  "(default 2048)")
     parser.add_argument("--max-tokens", type=int,
                         help="variable_length: the token budget of a micro-batch (default: twice the longest sample)")
+    parser.add_argument("--turns", type=int, default=4, help="multi_turn: model turns per trajectory")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
@@ -148,6 +152,10 @@ def main(argv=None) -> None:
         from rl_megatron.bench import recompute
 
         result = recompute.run(args, model_dir)
+    elif args.name == "multi_turn":
+        from rl_megatron.bench import multi_turn
+
+        result = multi_turn.run(args, model_dir)
     else:
         result = run(args, model_dir)
     if args.json:
@@ -163,6 +171,9 @@ def main(argv=None) -> None:
         for way, figures in result["ways"].items():
             print(f"  {way:<24} {figures['tokens_per_s']:9.4g} tokens/s  padding {figures['padding_ratio']:.3f}  "
                   f"peak memory {figures['peak_memory_gib']:.3f} GiB")
+    if result["bench"] == "multi_turn":
+        print(f"  {result['trajectories']} trajectories x {result['turns']} turns: asynchronous "
+              f"{result['asynchronous_s']:.2f} s, turn-synchronous {result['turn_synchronous_s']:.2f} s")
     if result["bench"] == "recompute":
         for mode, figures in result["modes"].items():
             print(f"  {mode}: {figures['saved_bytes'] / 2**20:.1f} MiB saved for the backward, "

@@ -6,6 +6,8 @@ as verl's per-row tool state: extra_info["tools_kwargs"]["lookup"]["create_kwarg
 """
 import random
 
+from rl_megatron.tools.base import Tool, ToolOutcome
+
 NUM_ROWS = 1000
 SEED = 0  # fixed: the same rows in every run, so that a saved loader position resumes over the same data
 
@@ -22,3 +24,14 @@ def lookup_row(secret: str) -> dict:
 def lookup_rows() -> list[dict]:
     rng = random.Random(SEED)
     return [lookup_row(str(rng.randrange(10))) for _ in range(NUM_ROWS)]
+
+
+class LookupTool(Tool):
+    """The task's tool (configs/tools/lookup.yaml): takes no arguments, answers the row's secret digit."""
+
+    async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
+        secret = (state.get("create_kwargs") or {}).get("secret")
+        if secret is None:
+            return ToolOutcome("Error: this row has no secret (extra_info.tools_kwargs.lookup.create_kwargs.secret)",
+                               error=True)
+        return ToolOutcome(str(secret))

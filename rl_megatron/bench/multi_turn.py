@@ -1,0 +1,78 @@
+"""`python -m rl_megatron.bench multi_turn --json`: a batch of multi-turn trajectories with tool latency, scheduled
+asynchronously (every trajectory's next turn joins the engine's running batch as soon as its tool returns) against
+turn-synchronously (every trajectory's turn k decoded as one batch, then every tool, then turn k + 1).
+
+One in-process vLLM engine (the bench's random-weight Qwen2), --batch trajectories of --turns turns each, through
+the agent-loop runner and scheduler the trainer uses. Each turn generates 8 to 64 tokens (log-uniform, fixed per
+trajectory and turn) and is followed by a tool call lasting 0.05 to 0.5 s (uniform; the wait of a code sandbox or
+a search API) whose reply adds 16 tokens. Both schedules sample from the same per-turn seeds (`same_tokens`: the
+share of trajectories whose tokens came out identical; batch composition may still move a near-tie). The figure is
+the asynchronous schedule's trajectories per second; the ratio, its speed-up over the turn-synchronous one.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+from rl_megatron.agents import AgentContext, AgentLoop, AgentRunner, Trajectory
+from rl_megatron.batch import Prompt, Sample, SampleStatus
+from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+TURN_TOKENS = (8, 64)
+TOOL_SECONDS = (0.05, 0.5)
+REPLY_TOKENS = 16
+
+
+class LatencyLoop(AgentLoop):
+    """Turns of preset lengths, each followed by a tool of preset latency (per trajectory: `extra_info`)."""
+
+    async def run(self, prompt: Prompt, generate) -> Sample:
+        trajectory = Trajectory(prompt)
+        for turn_tokens, tool_seconds in prompt.extra_info["turns"]:
+            completion = await generate(trajectory.context(), turn_tokens)
+            trajectory.add_turn(completion, "")
+            await asyncio.sleep(tool_seconds)
+            trajectory.add_context(prompt.ids[:REPLY_TOKENS], [])
+        return trajectory.sample(SampleStatus.OK)
+
+
+def prompts(count: int, turns: int, vocab: int, seed: int = 0) -> list[Prompt]:
+    rng = random.Random(seed)
+    log_low, log_high = math.log(TURN_TOKENS[0]), math.log(TURN_TOKENS[1])
+    return [Prompt([rng.randrange(3, vocab) for _ in range(32)], "bench", None,
+                   {"turns": [(round(math.exp(rng.uniform(log_low, log_high))), rng.uniform(*TOOL_SECONDS))
+                              for _ in range(turns)]})
+            for _ in range(count)]
+
+
+def run(args, model_dir: str) -> dict:
+    turns = args.turns
+    rollout = RolloutConfig(max_tokens=TURN_TOKENS[1], max_model_len=32 + turns * (TURN_TOKENS[1] + REPLY_TOKENS),
+                            kv_cache_bytes=256 << 20)
+    engine = VLLMEngine(model_dir, rollout, "float32", seed=0)
+
+    async def serve(index, requests):
+        return await asyncio.to_thread(engine.serve, requests)
+
+    batch = prompts(args.batch, turns, args.vocab)
+    loop = LatencyLoop(AgentContext(None, rollout, None, None))
+    seconds, tokens = {}, {}
+    for schedule, synchronous in (("warmup", False), ("turn_synchronous", True), ("asynchronous", False)):
+        runner = AgentRunner(loop, "bench", serve, engines=1, vocab_size=args.vocab, turn_synchronous=synchronous)
+        start = time.perf_counter()
+        samples = runner.run(batch[:4] if schedule == "warmup" else batch, list(range(len(batch))), 1, 1.0, schedule)
+        seconds[schedule] = time.perf_counter() - start
+        tokens[schedule] = [s.response_ids for s in samples]
+    same = sum(a == b for a, b in zip(tokens["asynchronous"], tokens["turn_synchronous"])) / len(batch)
+    generated = sum(s.model_tokens() for s in samples)
+    tool_wait = sum(seconds for p in batch for _, seconds in p.extra_info["turns"])
+    value = args.batch / seconds["asynchronous"]
+    return {"bench": "multi_turn", "value": value, "unit": "trajectories/s",
+            "ratio": seconds["turn_synchronous"] / seconds["asynchronous"],
+            "limit_name": "turn-synchronous trajectories/s", "limit": args.batch / seconds["turn_synchronous"],
+            "asynchronous_s": seconds["asynchronous"], "turn_synchronous_s": seconds["turn_synchronous"],
+            "trajectories": args.batch, "turns": turns, "model_tokens": generated,
+            "tool_seconds_total": tool_wait, "same_tokens": same}
