@@ -5,13 +5,14 @@ all go through `preflight`. Each value has been checked against its rule in sche
 checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`), the
 user's code (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the
 layouts (`rl_megatron.models.checks`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with
-the first prompt encoded) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
+the first prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
 the files' headers).
 """
 from __future__ import annotations
 
 import os
 
+from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import NEEDS_CRITIC
 from rl_megatron.config.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
@@ -43,9 +44,11 @@ def preflight(cfg: Config) -> None:
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
     check_activations(cfg, hf)
-    end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating
+    stop_ids = end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating
     # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
-    check_first_prompt_encodes(cfg.data, checked_tokenizer(cfg.model.path, hf), cfg.model.path)
+    tokenizer = checked_tokenizer(cfg.model.path, hf)
+    check_first_prompt_encodes(cfg.data, tokenizer, cfg.model.path)
+    build_agent_loop(cfg.rollout, tokenizer, stop_ids)  # rollout.agent_loop's class, its tools, the chat template
     _check_initial_weights(cfg, hf)
 
 

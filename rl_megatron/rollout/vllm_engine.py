@@ -146,6 +146,7 @@ def remove_stale_cpu_shm() -> None:
             os.unlink(path)
 
 
+CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")  # what a sleeping engine reallocates, in vLLM's names
 
@@ -203,7 +204,12 @@ class VLLMEngine:
             if cfg.tensor_parallel_size > 1:
                 remove_stale_cpu_shm()
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
-                  else {"kv_cache_memory_bytes": cfg.kv_cache_bytes})
+                  else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
+                        # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator,
+                        # which CPU generators cannot: "CPU Generator does not use offset". Whole prompts only, and
+                        # a step's budget that holds the longest.
+                        "enable_chunked_prefill": False,
+                        "max_num_batched_tokens": max(cfg.max_model_len or 0, CPU_STEP_TOKENS)})
         self.cfg = cfg
         self.stop_token_ids = end_of_sequence_ids(model_path, read_hf_config(model_path))
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none

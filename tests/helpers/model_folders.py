@@ -8,7 +8,7 @@ import struct
 
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_weights import DTYPE_BYTES, INDEX_FILE
-from rl_megatron.models.tiny import TEXT, build_tokenizer
+from rl_megatron.models.tiny import TEXT, TOOL_CHAT_TEMPLATE, Vocabulary, build_tokenizer
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -44,3 +44,14 @@ def write_text_tokenizer(folder: str) -> None:
     tokenizer = build_tokenizer(TEXT)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
+
+
+# Printable ASCII with Qwen's chat markers and tool tags as tokens, and the tool demo's chat template (Qwen2.5's tool
+# format): what a multi-turn recipe's pre-flight check needs of an instruct model's tokenizer. <|im_end|> is id 2.
+TOOL_TEXT = Vocabulary(TEXT.characters, special=("<pad>", "<bos>", "<|im_end|>", "<unk>", "<|im_start|>"),
+                       words=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+                       chat_template=TOOL_CHAT_TEMPLATE)
+
+
+def write_tool_text_tokenizer(folder: str) -> None:
+    build_tokenizer(TOOL_TEXT).save_pretrained(folder)

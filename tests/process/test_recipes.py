@@ -9,7 +9,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.model_folders import write_header_only_weights, write_text_tokenizer
+from helpers.model_folders import write_header_only_weights, write_text_tokenizer, write_tool_text_tokenizer
 
 from rl_megatron.config import ConfigError, load_config
 from rl_megatron.launch import format_plan
@@ -32,15 +32,17 @@ QWEN2_5 = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_laye
                            eos_token_id=151645)}
 
 
-def model_folder(tmp_path, size):
+def model_folder(tmp_path, size, tools=False):
     """The released model's config.json, a small text tokenizer and safetensors of the model's shapes whose data
-    are holes (the pre-flight check reads the headers only)."""
+    are holes (the pre-flight check reads the headers only). `tools`: an instruct model's, ending turns with
+    <|im_end|> (the tokenizer's id 2) and a chat template in Qwen2.5's tool format."""
     folder = tmp_path / f"Qwen-{size}"
     folder.mkdir()
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151643, **QWEN2_5[size]}
+              "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 2 if tools else 151643,
+              **QWEN2_5[size]}
     (folder / "config.json").write_text(json.dumps(config))
-    write_text_tokenizer(str(folder))
+    (write_tool_text_tokenizer if tools else write_text_tokenizer)(str(folder))
     write_header_only_weights(str(folder), config, files=4)
     return str(folder)
 
@@ -71,6 +73,7 @@ def dapo_file(tmp_path):
                                               ("ppo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k"),
                                               ("grpo_qwen2_5_7b_math_8k", "7b", "dapo"),
+                                              ("grpo_qwen2_5_3b_tool_math", "3b", "gsm8k"),
                                               ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "dapo":
@@ -84,11 +87,14 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
                                       "answer": "3 + 4 = 7\n#### 7", "problem": "What is $3 + 4$?",
                                       "solution": "It is $\\boxed{7}$."}) + "\n")
         train = val = prepare(tmp_path, task, "--input", str(source)) / "train.parquet"
-    cfg = load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={model_folder(tmp_path, size)}",
+    tools = "tool" in recipe
+    cfg = load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={model_folder(tmp_path, size, tools)}",
                                                         f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
     plan = format_plan(cfg, gpu_memory_gib=80)
     assert "WARNING" not in plan, plan  # the memory estimate fits an 80 GiB H100
     assert f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPUs" in plan
+    if tools:  # whole trajectories (4096 tokens after a 1024-token prompt) in the engines and the token budget
+        assert cfg.rollout.max_model_len == 1024 + 4096 and "5120 tokens per micro-batch" in plan
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
     if task == "dapo":  # 8k responses: the activations of 16384-token micro-batches, with full recompute
