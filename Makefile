@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rl_megatron-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-tools test clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): setup.py requirements-cpu.txt
 
 demo: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu.yaml
+
+demo-tools: install
+	$(PY) -m rl_megatron.train --config configs/demo_cpu_tools.yaml
 
 test: install
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)

@@ -1,8 +1,10 @@
 """Reward of the tool-calling demo (data_source "lookup", rows from rl_megatron.data.lookup).
 
 1 when the final answer (the last assistant message's text) is the row's secret digit; else CALL_CREDIT when the
-sample called the `lookup` tool, the only way to learn the digit: a random policy guesses the digit one time in ten
-whether it calls or not, so without this credit nothing would single out the call; else 0.
+sample called the `lookup` tool, the only way to learn the digit, and answered with a digit: a random policy guesses
+the digit one time in ten whether it calls or not, so without this credit nothing would single out the call; else 0.
+The credit needs a digit answer: crediting the call alone let the policy settle on calling and then answering
+anything (every sample 0.2, no advantage left to learn the copy from).
 """
 from numbers import Real
 
@@ -16,7 +18,8 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     if isinstance(ground_truth, str) and ground_truth and isinstance(solution_str, str) \
             and solution_str.strip() == ground_truth:
         return 1.0
-    return CALL_CREDIT if called_lookup(extra_info) else 0.0
+    answered_a_digit = isinstance(solution_str, str) and len(solution_str.strip()) == 1 and solution_str.strip().isdigit()
+    return CALL_CREDIT if answered_a_digit and called_lookup(extra_info) else 0.0
 
 
 def called_lookup(extra_info) -> bool:

@@ -142,3 +142,15 @@ def test_recompute_bench_reports_saved_activations_and_step_time_per_mode():
     # 2 heads) and keeps instead what they are recomputed from (the fused QKV projection: less, at this length).
     attention_probs = 2 * 2 * 128 * 128 * 4
     assert modes["off"]["saved_bytes"] - modes["selective"]["saved_bytes"] >= attention_probs
+
+
+def test_multi_turn_bench_beats_the_turn_synchronous_schedule_with_the_same_tokens():
+    """Asynchronous turns overlap the tools' latency (0.05-0.5 s a call) with other trajectories' decoding; both
+    schedules sample from the same per-turn seeds, so they draw the same trajectories (as a resumed run must)."""
+    result = bench("multi_turn", "--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "8", "--turns", "3",
+                   "--threads", "1")
+    assert result["bench"] == "multi_turn" and result["trajectories"] == 8 and result["turns"] == 3
+    assert result["same_tokens"] == 1.0
+    assert result["ratio"] > 1.2, result  # turn-synchronous seconds / asynchronous seconds
+    assert result["value"] == pytest.approx(8 / result["asynchronous_s"])
+    assert result["model_tokens"] > 0

@@ -17,19 +17,13 @@ STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_l
 
 # The demo's sequences are 6 tokens or fewer: a budget of 64 puts about 10 in a micro-batch instead of 64.
 TOKEN_BUDGET = "actor.max_tokens_per_micro_batch=64"
-FIRST_STEPS = 5
 
 
 def test_demo_learns_arithmetic_from_reward(tmp_path):
     """The `make demo` job: the mean reward climbs from chance to the 0.8 target, with its sequences packed
-    (the default) into micro-batches of a token budget; the first steps' rewards are those of the unpacked layout
-    (padded rows of 64 samples)."""
+    (the default) into micro-batches of a token budget. (Packed and padded layouts compute the same log-probs, losses
+    and updates: tests/distributed/test_micro_batching.py.)"""
     stdout, rows, run_dir = train(tmp_path / "packed", TOKEN_BUDGET)
-    _, unpacked, _ = train(tmp_path / "unpacked", f"trainer.total_steps={FIRST_STEPS}", "actor.sequence_packing=false")
-    # The same up to float rounding, which may flip the odd sample's draw: at most 2 of a step's 256 samples (on the
-    # 2026-11-24 machine all 40 first steps were identical).
-    assert all(abs(r["reward/mean"] - u["reward/mean"]) <= 2 / 256 for r, u in zip(rows, unpacked))
-    assert all(abs(r["actor/pg_loss"] - u["actor/pg_loss"]) <= 1e-4 for r, u in zip(rows, unpacked))
     # Packed rows pad at most to a multiple of the TP size (sequence parallelism). (The demo's sequences are all
     # about as long, so padded rows waste little here; bench variable_length measures the difference.)
     assert all(r["perf/padding_ratio"] < 0.01 for r in rows)

@@ -145,8 +145,10 @@ def stats(by_tool) -> dict:
     (" 7\n", None, 1.0),  # the answer counts with or without a call
     ("7", {}, 1.0),
     ("3", stats({"lookup": 1}), CALL_CREDIT),
-    ("", stats({"lookup": 2}), CALL_CREDIT),
-    ("77", stats({"lookup": 1}), CALL_CREDIT),
+    (" 3\n", stats({"lookup": 2}), CALL_CREDIT),
+    ("", stats({"lookup": 2}), 0.0),  # the credit needs a digit answer
+    ("77", stats({"lookup": 1}), 0.0),
+    ("x", stats({"lookup": 1}), 0.0),
     ("3", stats({"lookup": 0}), 0.0),
     ("3", stats({"other": 1}), 0.0),
     ("3", None, 0.0),
@@ -155,7 +157,7 @@ def stats(by_tool) -> dict:
     ("3", {"tool_stats": {"by_tool": ["lookup"]}}, 0.0),
     ("3", stats({"lookup": "1"}), 0.0),
     ("3", "lookup", 0.0),
-    (None, stats({"lookup": 1}), CALL_CREDIT),
+    (None, stats({"lookup": 1}), 0.0),
 ])
 def test_lookup_reward(solution, extra_info, expected):
     assert CALL_CREDIT == 0.2
@@ -166,6 +168,7 @@ def test_lookup_reward(solution, extra_info, expected):
 @pytest.mark.parametrize("ground_truth", [None, 7, "", ["7"]])
 def test_lookup_reward_of_a_bad_ground_truth_is_the_call_credit_at_most(ground_truth):
     assert compute_score("7", ground_truth, extra_info=stats({"lookup": 1})) == CALL_CREDIT
+    assert compute_score("x", ground_truth, extra_info=stats({"lookup": 1})) == 0.0
     assert compute_score("7", ground_truth) == 0.0
 
 
