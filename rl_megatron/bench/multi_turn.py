@@ -2,10 +2,11 @@
 asynchronously (every trajectory's next turn joins the engine's running batch as soon as its tool returns) against
 turn-synchronously (every trajectory's turn k decoded as one batch, then every tool, then turn k + 1).
 
-One in-process vLLM engine (the bench's random-weight Qwen2), --batch trajectories of --turns turns each, through
-the agent-loop runner and scheduler the trainer uses. Each turn generates 8 to 64 tokens (log-uniform, fixed per
-trajectory and turn) and is followed by a tool call lasting 0.05 to 0.5 s (uniform; the wait of a code sandbox or
-a search API) whose reply adds 16 tokens. Both schedules sample from the same per-turn seeds (`same_tokens`: the
+One in-process vLLM engine (the bench's random-weight Qwen2), --batch trajectories of 1 to --turns turns each
+(uniform: some answer at once, some keep calling tools), through the agent-loop runner and scheduler the trainer
+uses. Each turn generates 8 to 64 tokens and is followed by a tool call lasting 0.02 to 1 s (both log-uniform,
+fixed per trajectory and turn: the long tail of a code sandbox's or a search API's latency) whose reply adds 16
+tokens. Both schedules sample from the same per-turn seeds (`same_tokens`: the
 share of trajectories whose tokens came out identical; batch composition may still move a near-tie). The figure is
 the asynchronous schedule's trajectories per second; the ratio, its speed-up over the turn-synchronous one.
 """
@@ -22,7 +23,7 @@ from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.rollout.vllm_engine import VLLMEngine
 
 TURN_TOKENS = (8, 64)
-TOOL_SECONDS = (0.05, 0.5)
+TOOL_SECONDS = (0.02, 1.0)
 REPLY_TOKENS = 16
 
 
@@ -41,10 +42,13 @@ class LatencyLoop(AgentLoop):
 
 def prompts(count: int, turns: int, vocab: int, seed: int = 0) -> list[Prompt]:
     rng = random.Random(seed)
-    log_low, log_high = math.log(TURN_TOKENS[0]), math.log(TURN_TOKENS[1])
+
+    def log_uniform(low, high):
+        return math.exp(rng.uniform(math.log(low), math.log(high)))
+
     return [Prompt([rng.randrange(3, vocab) for _ in range(32)], "bench", None,
-                   {"turns": [(round(math.exp(rng.uniform(log_low, log_high))), rng.uniform(*TOOL_SECONDS))
-                              for _ in range(turns)]})
+                   {"turns": [(round(log_uniform(*TURN_TOKENS)), log_uniform(*TOOL_SECONDS))
+                              for _ in range(rng.randint(1, turns))]})
             for _ in range(count)]
 
 
@@ -55,7 +59,9 @@ def run(args, model_dir: str) -> dict:
     engine = VLLMEngine(model_dir, rollout, "float32", seed=0)
 
     async def serve(index, requests):
-        return await asyncio.to_thread(engine.serve, requests)
+        # In the event loop's thread: vLLM's CPU attention plans for the thread that built the engine. The tools'
+        # latency is wall time (timers) that runs on meanwhile, as a remote tool's or a subprocess's would.
+        return engine.serve(requests)
 
     batch = prompts(args.batch, turns, args.vocab)
     loop = LatencyLoop(AgentContext(None, rollout, None, None))
