@@ -4,8 +4,9 @@ a user's) every trajectory runs its own turns, all at once over the engines (`rl
 
 A rollout function turns a batch of prompts into samples: `fn(engines, prompts, sampling) -> list[Sample]`, with
 `len(prompts) * sampling.n` samples, prompt-major (the samples of a prompt are adjacent: GRPO groups them). It runs
-in the controller and may call `engines.generate` as often as it likes (or `engines.run_agent_loop`), edit the samples (e.g. put 0 in `loss_mask` under tokens the policy did not generate), or drop a sample's
-answer by setting its status to ABORTED.
+in the controller and may call `engines.generate` (or `engines.run_agent_loop`) as often as it likes, edit the
+samples (e.g. put 0 in `loss_mask` under tokens the policy did not generate), or drop a sample's answer by setting
+its status to ABORTED.
 """
 from __future__ import annotations
 
