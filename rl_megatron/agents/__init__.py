@@ -7,11 +7,10 @@
 """
 from __future__ import annotations
 
-from rl_megatron.agents.base import AgentContext, AgentLoop, TurnGenerator
+from rl_megatron.agents.base import SINGLE_TURN, AgentContext, AgentLoop, TurnGenerator
 from rl_megatron.agents.runner import AgentRunner
 from rl_megatron.agents.tool_agent import ToolAgentLoop
 from rl_megatron.agents.trajectory import ChatDeltas, Trajectory
-from rl_megatron.config.schema import SINGLE_TURN, RolloutConfig
 from rl_megatron.errors import ConfigError
 from rl_megatron.plugins import load_callable
 from rl_megatron.tools import ToolSet
@@ -38,8 +37,8 @@ def agent_loop_class(name: str) -> type[AgentLoop] | None:
     return cls
 
 
-def build_agent_loop(rollout: RolloutConfig, tokenizer, stop_ids: list[int]) -> AgentLoop | None:
-    """rollout.agent_loop's loop with its tools and the chat template's deltas (None for single_turn); ConfigError
+def build_agent_loop(rollout, tokenizer, stop_ids: list[int]) -> AgentLoop | None:
+    """`rollout` (the config's section)'s agent loop with its tools and the chat template's deltas (None for single_turn); ConfigError
     naming the key at fault, before any worker starts."""
     cls = agent_loop_class(rollout.agent_loop)
     if cls is None:

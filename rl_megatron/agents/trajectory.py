@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats
-from rl_megatron.rollout.vllm_engine import Completion
+from rl_megatron.rollout.completions import Completion
 
 # An assistant message that no template rewrites, to find where the template's assistant turn ends.
 _ANCHOR = "rl_megatron_anchor"

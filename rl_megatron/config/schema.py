@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from rl_megatron.agents.base import SINGLE_TURN
 from rl_megatron.algorithms import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
 from rl_megatron.data import TASKS
@@ -17,7 +18,6 @@ from rl_megatron.resharding.channels import CHANNELS
 from rl_megatron.rewards import MATCH_MODES
 
 Placement = Literal["colocated", "separate"]
-SINGLE_TURN = "single_turn"  # rollout.agent_loop: each prompt answered in one batched generation (no agent loop)
 OFF_AT_ZERO = "0 turns it off"
 
 
@@ -160,7 +160,7 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     function: str = "rl_megatron.rollout.default:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/default.py)
-    agent_loop: str = "single_turn"  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
+    agent_loop: str = SINGLE_TURN  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # limits and tools of multi-turn agent loops
     placement: Placement = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
     nnodes: int = checked(1, POSITIVE)  # separate placement: nodes of the engines' pool

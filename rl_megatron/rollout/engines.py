@@ -5,7 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rl_megatron.batch import Prompt, Sample
-from rl_megatron.rollout.vllm_engine import Completion, TurnRequest, request_seeds
+from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.vllm_engine import request_seeds
 
 
 @dataclass(frozen=True)

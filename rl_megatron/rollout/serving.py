@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from rl_megatron.rollout.vllm_engine import Completion, TurnRequest
+from rl_megatron.rollout.completions import Completion, TurnRequest
 
 # serve(engine index, requests to add) -> the requests that finished, by id (see VLLMEngine.serve)
 ServeFn = Callable[[int, list[TurnRequest]], Awaitable[list[tuple[str, Completion]]]]

@@ -14,12 +14,11 @@ import os
 import re
 import warnings
 import zlib
-from dataclasses import dataclass
 
 import torch
 
 from rl_megatron import platform
-from rl_megatron.batch import SampleStatus
+from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
 from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
 
@@ -149,35 +148,6 @@ def remove_stale_cpu_shm() -> None:
 CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")  # what a sleeping engine reallocates, in vLLM's names
-
-
-@dataclass
-class Completion:
-    """One sampled response: its tokens, their log-probs (after temperature), and how it ended."""
-    response_ids: list[int]
-    log_probs: list[float]
-    status: SampleStatus
-
-
-FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # vLLM's finish_reason; else OK
-
-
-def completion_of(output) -> Completion:
-    """A vLLM CompletionOutput as a Completion."""
-    ids = list(output.token_ids)
-    log_probs = [step[token].logprob for step, token in zip(output.logprobs, ids)]
-    return Completion(ids, log_probs, FINISH_STATUS.get(output.finish_reason, SampleStatus.OK))
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    """One generation of a multi-turn trajectory: the whole context so far, and its own seed (a trajectory samples
-    alike whichever engine serves it and whatever else that engine decodes meanwhile)."""
-    request_id: str
-    token_ids: list[int]
-    seed: int
-    max_tokens: int
-    temperature: float
 
 
 def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:

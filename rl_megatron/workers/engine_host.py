@@ -7,7 +7,8 @@ from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
-from rl_megatron.rollout.vllm_engine import Completion, TurnRequest, VLLMEngine, configure_engine_process
+from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.worker_group import dispatch
 

@@ -8,7 +8,7 @@ from rl_megatron.agents import Trajectory
 from rl_megatron.algorithms import masked_mean
 from rl_megatron.algorithms.losses import LossScale, policy_loss
 from rl_megatron.batch import Prompt, SampleStatus, TrainBatch
-from rl_megatron.rollout.vllm_engine import Completion
+from rl_megatron.rollout.completions import Completion
 from rl_megatron.trainer.metrics import length_metrics, multi_turn_metrics
 
 PROMPT, TURN_1, TOOL_REPLY, TURN_2 = [1, 7, 14, 8, 16], [11, 2], [4, 5, 6, 17], [12, 13, 2]

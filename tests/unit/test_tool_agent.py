@@ -12,7 +12,7 @@ from rl_megatron.config.schema import MultiTurnConfig, RolloutConfig
 from rl_megatron.data.lookup import lookup_row
 from rl_megatron.data.loader import tokenize_prompts
 from rl_megatron.rewards.scorer import answer_text, reward_extra_info
-from rl_megatron.rollout.vllm_engine import Completion
+from rl_megatron.rollout.completions import Completion
 from rl_megatron.tools import ToolSet
 
 MODEL = "configs/models/tiny-qwen2-tools"

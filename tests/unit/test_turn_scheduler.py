@@ -7,7 +7,7 @@ import pytest
 
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.serving import TurnScheduler
-from rl_megatron.rollout.vllm_engine import Completion, TurnRequest
+from rl_megatron.rollout.completions import Completion, TurnRequest
 
 STEP_S = 0.01
 

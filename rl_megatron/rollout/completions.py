@@ -1,0 +1,36 @@
+"""What an engine returns per sampled response (`Completion`) and what an agent loop's turn asks of it
+(`TurnRequest`): a leaf module, so that the agent loops need nothing of the engine's own module."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl_megatron.batch import SampleStatus
+
+
+@dataclass
+class Completion:
+    """One sampled response: its tokens, their log-probs (after temperature), and how it ended."""
+    response_ids: list[int]
+    log_probs: list[float]
+    status: SampleStatus
+
+
+FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # vLLM's finish_reason; else OK
+
+
+def completion_of(output) -> Completion:
+    """A vLLM CompletionOutput as a Completion."""
+    ids = list(output.token_ids)
+    log_probs = [step[token].logprob for step, token in zip(output.logprobs, ids)]
+    return Completion(ids, log_probs, FINISH_STATUS.get(output.finish_reason, SampleStatus.OK))
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One generation of a multi-turn trajectory: the whole context so far, and its own seed (a trajectory samples
+    alike whichever engine serves it and whatever else that engine decodes meanwhile)."""
+    request_id: str
+    token_ids: list[int]
+    seed: int
+    max_tokens: int
+    temperature: float
