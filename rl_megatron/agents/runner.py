@@ -10,8 +10,8 @@ import numpy as np
 
 from rl_megatron.agents.base import AgentLoop
 from rl_megatron.batch import Prompt, Sample, SampleStatus
-from rl_megatron.rollout.serving import ServeFn, TurnScheduler
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.serving import ServeFn, TurnScheduler
 
 logger = logging.getLogger(__name__)
 

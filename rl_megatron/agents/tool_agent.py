@@ -53,7 +53,7 @@ class ToolAgentLoop(AgentLoop):
         outcomes = await asyncio.gather(*(self.context.tools.call(call, tools_kwargs, limits.tool_timeout_s)
                                           for call in calls))
         stats.seconds += time.perf_counter() - start
-        outcomes += [ToolOutcome(message, error=True) for message in malformed]
+        outcomes += [ToolOutcome.failure(message) for message in malformed]
         stats.calls += len(outcomes)
         stats.errors += sum(outcome.error for outcome in outcomes)
         stats.timeouts += sum(outcome.timed_out for outcome in outcomes)

@@ -32,6 +32,6 @@ class LookupTool(Tool):
     async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
         secret = (state.get("create_kwargs") or {}).get("secret")
         if secret is None:
-            return ToolOutcome("Error: this row has no secret (extra_info.tools_kwargs.lookup.create_kwargs.secret)",
-                               error=True)
+            return ToolOutcome.failure("Error: this row has no secret "
+                                       "(extra_info.tools_kwargs.lookup.create_kwargs.secret)")
         return ToolOutcome(str(secret))
