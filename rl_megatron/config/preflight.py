@@ -33,6 +33,7 @@ def preflight(cfg: Config) -> None:
     _check_trainer(cfg)
     check_data_section(cfg.data)
     _check_algorithm(cfg)
+    _check_asynchronous(cfg)
     # The user's code imports (each raises a ConfigError naming its key and what is missing).
     import_user_modules(cfg.trainer.imports)
     load_callable(cfg.rollout.function, "rollout.function")
@@ -100,6 +101,20 @@ def _check_initial_weights(cfg: Config, hf: dict) -> None:
         check_hf_weights(model.path, hf, "model.path")
     if critic.enable and (model.checkpoint is not None or critic.model_path != model.path):
         check_hf_weights(critic.model_path, hf, "critic.model_path", output_layer=False)  # its value head is new
+
+
+def _check_asynchronous(cfg: Config) -> None:
+    """Generation overlapping training needs engines that do not share the trainer's devices."""
+    staleness, rollout = cfg.trainer.rollout_staleness, cfg.rollout
+    if staleness and rollout.placement == "colocated":
+        raise ConfigError(f"trainer.rollout_staleness={staleness} generates the next batch while the actor trains, but "
+                          "rollout.placement=colocated puts the engines on the actor's devices, which they only get "
+                          "between updates (the hybrid engine). Set rollout.placement=separate (with rollout.nnodes and "
+                          "rollout.n_gpus_per_node for the engines' devices), or trainer.rollout_staleness=0.")
+    if rollout.partial_rollout and not staleness:
+        raise ConfigError("rollout.partial_rollout=true continues samples across weight updates, which only arrive "
+                          "mid-generation when the rollout runs ahead of the trainer: set trainer.rollout_staleness=1 "
+                          "(with rollout.placement=separate), or rollout.partial_rollout=false.")
 
 
 def _check_algorithm(cfg: Config) -> None:

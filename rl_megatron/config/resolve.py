@@ -7,13 +7,14 @@ from rl_megatron.algorithms import NEEDS_CRITIC
 from rl_megatron.config.fields import check_fields
 from rl_megatron.config.schema import RULES, SINGLE_TURN, Config
 from rl_megatron.data.section import resolve_data_section
+from rl_megatron.errors import ConfigError
 
 
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
     rollout.gpu_memory_utilization (by placement), critic.enable (when the advantage estimator needs values), the
     reference's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
-    model folder, and the data section's file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
+    model folder, the rollout correction's shorthand (algorithm.rollout_is_cap), and the data section's file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
     schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
     check_fields(cfg, RULES)
     cfg = copy.deepcopy(cfg)
@@ -43,5 +44,12 @@ def resolve(cfg: Config) -> Config:
     # 0 (as well as unset) means the actor's: the critic trains on the actor's mini-batches unless told otherwise.
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
+    correction = cfg.algorithm.rollout_correction
+    if cfg.algorithm.rollout_is_cap is not None:  # the shorthand for token-level truncation
+        if correction.level is not None:
+            raise ConfigError(f"algorithm.rollout_is_cap={cfg.algorithm.rollout_is_cap} and "
+                              f"algorithm.rollout_correction.level={correction.level} both set the rollout correction; "
+                              "keep one (rollout_is_cap=C means level=token, mode=truncate, threshold=C).")
+        correction.level, correction.mode, correction.threshold = "token", "truncate", cfg.algorithm.rollout_is_cap
     cfg.data = resolve_data_section(cfg.data)
     return cfg

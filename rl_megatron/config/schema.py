@@ -40,6 +40,7 @@ class TrainerConfig:
     keep_last: int = checked(2, NOT_NEGATIVE, OFF_AT_ZERO)  # keep the newest this many checkpoints, delete older ones (0 keeps all)
     resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
+    rollout_staleness: int = checked(0, NOT_NEGATIVE)  # policy versions the rollout may lag the trainer: 0 synchronous; 1 one-step-off (the engines generate batch k+1 while the trainer trains on batch k); N up to N versions (needs rollout.placement=separate)
     imports: list[str] = field(default_factory=list)  # your modules (dotted names or .py paths) imported first in the controller, the workers and the scorer processes, e.g. for @rl_megatron.rewards.register
 
     @property
@@ -173,6 +174,7 @@ class RolloutConfig:
     max_tokens: int = checked(16, POSITIVE)  # maximum new tokens per sample (per model turn with a multi-turn agent loop)
     val_n: int = checked(1, POSITIVE)  # samples per validation prompt: 1 = greedy; more = sampled at rollout.temperature, with pass@k
     max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens, or + multi_turn.max_response_length with an agent loop)
+    partial_rollout: bool = False  # with trainer.rollout_staleness > 0: when new weights arrive mid-generation, the engines pause, load them and continue the unfinished samples (each token keeps the version and log-prob it was sampled with) instead of finishing them with the old weights first
     kv_cache_bytes: int = checked(32 * 1024 * 1024, POSITIVE)  # KV-cache memory per engine on CPU
     gpu_memory_utilization: Optional[float] = checked(None, within(0, 1, low_open=True), "e.g. 0.5")  # fraction of GPU memory the engine may take (default: 0.5 colocated, where the trainer shares the GPU; 0.9, vLLM's own default, on GPUs of its own)
 
@@ -193,6 +195,13 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    level: Optional[Literal["token", "sequence"]] = None  # the ratio p_train / p_rollout per token, or per sequence (the product over its tokens); null: no correction
+    mode: Literal["truncate", "mask"] = "truncate"  # truncate (TIS): the policy gradient weighted by min(ratio, threshold); mask (MIS): weighted by the ratio where it is at most threshold, tokens (or sequences) past it excluded
+    threshold: float = checked(2.0, at_least(1), "e.g. 2.0")  # the cap (truncate) or the limit (mask) of the ratio
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal[ESTIMATORS] = "grpo"  # gae needs the critic; the others are critic-free
     norm_adv_by_std: bool = True  # grpo: divide by the group's reward std (False gives Dr.GRPO)
@@ -201,7 +210,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards
     kl_penalty: Literal[KL_ESTIMATORS] = "k1"  # KL estimator of the in-reward penalty: k1, k2 (mse), k3 (low_var_kl) or abs
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    # truncated IS: weight the policy gradient by min(p_train/p_rollout, cap)
+    # off-policy correction of the policy loss by the trainer/rollout ratio (staleness, engine/trainer mismatch)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # shorthand for rollout_correction level=token, mode=truncate, threshold=this (truncated IS)
     rollout_is_cap: Optional[float] = checked(
         None, at_least(1), "e.g. 2.0, or null to disable the truncated importance-sampling correction")
 
