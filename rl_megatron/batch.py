@@ -160,7 +160,7 @@ class TrainBatch(RowTensors):
     values: Tensor | None = None  # the critic's, before this step's update
     advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets
-    importance_weights: Tensor | None = None  # rollout correction p_train / p_rollout, truncated
+    importance_weights: Tensor | None = None  # rollout correction: p_train / p_rollout truncated or masked
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:

@@ -24,7 +24,7 @@ from rl_megatron.algorithms.kl import (
 from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats, aggregate_loss, policy_loss,
                                           value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
-from rl_megatron.algorithms.mismatch import rollout_mismatch_metrics, truncated_importance_weights
+from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
 
 __all__ = [
     "ESTIMATORS",
@@ -50,7 +50,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
+    "rollout_correction_weights",
     "rollout_mismatch_metrics",
-    "truncated_importance_weights",
     "value_loss",
 ]

@@ -1,4 +1,6 @@
 """Mismatch between the rollout engine's log-probs (vLLM) and the trainer's for the same tokens, and its correction."""
+import math
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,35 @@ def rollout_mismatch_metrics(
     }
 
 
-def truncated_importance_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float) -> Tensor:
-    """Detached TIS weights min(pi_train / pi_rollout, cap) correcting for sampling from the rollout engine."""
-    return torch.exp(old_log_probs.float() - rollout_log_probs.float()).clamp(max=cap).detach()
+def rollout_correction_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, level: str, mode: str, threshold: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Detached weights [B, S] of the policy gradient correcting for sampling from the rollout engine (a stale policy,
+    or the engine's numerics), 0 outside the response mask, and their metrics over response tokens.
+
+    The ratio p_train / p_rollout, with m_t the response mask:
+        level=token:    r_t = exp(old_t - rollout_t)
+        level=sequence: r = exp(sum_t m_t (old_t - rollout_t)), the same for all the sequence's tokens
+    and the weight, with T the threshold:
+        mode=truncate (TIS): w = min(r, T)
+        mode=mask (MIS):     w = r if r <= T else 0 (the token, or the whole sequence, out of the gradient)
+    The log ratio is compared with log T and only exp(min(log r, log T)) is taken, so a long sequence's sum never
+    overflows.
+    """
+    if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
+        raise ValueError(f"unknown rollout correction level={level!r} mode={mode!r}; known: token|sequence, "
+                         "truncate|mask")
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, old_log_probs.detach().float() - rollout_log_probs.detach().float(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    log_threshold = math.log(threshold)
+    over = mask & (log_ratio > log_threshold)
+    within = torch.exp(log_ratio.clamp(max=log_threshold))
+    weights = torch.where(over, threshold if mode == "truncate" else 0.0, within)
+    weights = torch.where(mask, weights, 0.0)
+    fraction = "capped_fraction" if mode == "truncate" else "masked_fraction"
+    return weights, {
+        "rollout_corr/weight_mean": masked_mean(weights, mask).item(),
+        f"rollout_corr/{fraction}": masked_mean(over.float(), mask).item(),
+    }

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from rl_megatron import platform
 from rl_megatron.agents import AgentRunner, build_agent_loop
 from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, outcome_token_rewards,
-                                    truncated_importance_weights)
+                                    rollout_correction_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choose_resume, finish_save, start_save
@@ -184,9 +184,12 @@ class Trainer:
         batch.advantages, returns = compute_advantages(
             alg.adv_estimator, token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std)
-        if alg.rollout_is_cap is not None:
-            batch.importance_weights = truncated_importance_weights(batch.old_log_probs, batch.rollout_log_probs,
-                                                                    alg.rollout_is_cap)
+        correction = alg.rollout_correction
+        if correction.level is not None:
+            batch.importance_weights, correction_metrics = rollout_correction_weights(
+                batch.old_log_probs, batch.rollout_log_probs, mask, correction.level, correction.mode,
+                correction.threshold)
+            metrics |= correction_metrics
         if self.critic is not None:
             batch.returns = returns
         return metrics

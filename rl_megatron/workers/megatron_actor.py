@@ -307,7 +307,7 @@ class MegatronActor(MegatronModel):
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
-        (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_is_cap."""
+        (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_correction."""
         actor = self.cfg.actor
 
         def loss_of(samples, outputs, scale):

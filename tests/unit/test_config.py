@@ -493,6 +493,10 @@ def test_resharding_settings_are_checked(override, words):
     (["algorithm.kl_ctrl.type=adaptive"], ["algorithm.use_kl_in_reward=true"]),
     (["actor.clip_ratio_c=0.5"], ["actor.clip_ratio_c=0.5", "> 1"]),
     (["algorithm.rollout_is_cap=0.5"], ["algorithm.rollout_is_cap=0.5", "at least 1"]),
+    (["algorithm.rollout_correction.threshold=0.5"], ["algorithm.rollout_correction.threshold=0.5", "at least 1"]),
+    (["algorithm.rollout_correction.level=tokens"], ["algorithm.rollout_correction.level='tokens'", "sequence"]),
+    (["algorithm.rollout_is_cap=2", "algorithm.rollout_correction.level=sequence"],
+     ["algorithm.rollout_is_cap=2", "algorithm.rollout_correction.level=sequence", "keep one"]),
     (["algorithm.gamma=1.5"], ["algorithm.gamma=1.5", "[0, 1]"]),
     (["actor.entropy_coeff=-0.1"], ["actor.entropy_coeff=-0.1"]),
     (["critic.warmup_steps=2"], ["critic.warmup_steps=2", "critic.warmup_steps=0"]),
@@ -511,6 +515,12 @@ def test_resharding_settings_are_checked(override, words):
 def test_incompatible_algorithm_settings_are_named(overrides, words):
     message = config_error(*overrides)
     assert all(word in message for word in words), message
+
+
+def test_rollout_is_cap_is_the_token_truncate_shorthand():
+    correction = load_demo("algorithm.rollout_is_cap=2").algorithm.rollout_correction
+    assert (correction.level, correction.mode, correction.threshold) == ("token", "truncate", 2.0)
+    assert load_demo().algorithm.rollout_correction.level is None
 
 
 def test_critic_and_reference_default_to_the_actor_settings():
