@@ -63,7 +63,9 @@ class Sample:
     extra_info: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None  # None: every response token joins the loss
     status: SampleStatus = SampleStatus.OK
-    policy_version: int = 0  # the number of policy updates behind the weights that sampled it
+    policy_version: int = 0  # the number of policy updates behind the weights that sampled it (the oldest, when
+    # a partial rollout continued it after a weight update: what its staleness counts)
+    token_versions: list[int] | None = None  # partial rollouts: the policy version that sampled each response token
     reward: float | None = None  # set by the reward function
     turns: int = 1  # the model's turns (generations) in the trajectory
     messages: list[dict] | None = None  # multi-turn: the conversation, the prompt's messages (if it has them) then
@@ -81,6 +83,11 @@ class Sample:
         if not len(self.loss_mask) == len(self.rollout_log_probs) == len(self.response_ids):
             raise ValueError(f"a sample's response has {len(self.response_ids)} tokens but "
                              f"{len(self.rollout_log_probs)} log-probs and a loss mask of {len(self.loss_mask)}")
+        if self.token_versions is not None:
+            if len(self.token_versions) != len(self.response_ids):
+                raise ValueError(f"a sample's response has {len(self.response_ids)} tokens but "
+                                 f"{len(self.token_versions)} token versions")
+            self.policy_version = min(self.token_versions, default=self.policy_version)
 
     @classmethod
     def answering(cls, prompt: Prompt, response_ids: list[int], rollout_log_probs: list[float], **fields) -> Sample:

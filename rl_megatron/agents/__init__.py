@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from rl_megatron.agents.base import SINGLE_TURN, AgentContext, AgentLoop, TurnGenerator
+from rl_megatron.agents.base import SINGLE_TURN, AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator
 from rl_megatron.agents.runner import AgentRunner
 from rl_megatron.agents.tool_agent import ToolAgentLoop
 from rl_megatron.agents.trajectory import ChatDeltas, Trajectory
@@ -17,7 +17,8 @@ from rl_megatron.tools import ToolSet
 
 AGENT_LOOPS = {"tool_agent": ToolAgentLoop}
 
-__all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "ToolAgentLoop",
+__all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "SingleTurnLoop",
+           "ToolAgentLoop",
            "Trajectory", "TurnGenerator", "agent_loop_class", "build_agent_loop"]
 
 
@@ -38,11 +39,12 @@ def agent_loop_class(name: str) -> type[AgentLoop] | None:
 
 
 def build_agent_loop(rollout, tokenizer, stop_ids: list[int]) -> AgentLoop | None:
-    """`rollout` (the config's section)'s agent loop with its tools and the chat template's deltas (None for single_turn); ConfigError
-    naming the key at fault, before any worker starts."""
+    """`rollout` (the config's section)'s agent loop with its tools and the chat template's deltas (None for single_turn,
+    unless rollout.partial_rollout: its samples then go through the turn scheduler, which can interrupt and continue
+    them); ConfigError naming the key at fault, before any worker starts."""
     cls = agent_loop_class(rollout.agent_loop)
     if cls is None:
-        return None
+        return SingleTurnLoop(AgentContext(tokenizer, rollout, None, None)) if rollout.partial_rollout else None
     path = rollout.multi_turn.tool_config_path
     tools = ToolSet.from_config_file(path) if path else None
     if cls is ToolAgentLoop and tools is None:

@@ -38,7 +38,7 @@ class AgentContext:
     tokenizer: Any
     rollout: RolloutConfig
     tools: ToolSet | None
-    deltas: ChatDeltas
+    deltas: ChatDeltas | None  # None for SingleTurnLoop (no turn follows)
 
 
 class AgentLoop:
@@ -49,3 +49,13 @@ class AgentLoop:
 
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         raise NotImplementedError
+
+
+class SingleTurnLoop(AgentLoop):
+    """One generation per trajectory, through the turn scheduler rather than one batched call: what partial rollouts
+    need for single-turn tasks (a request can be interrupted by a weight update and continued)."""
+
+    async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
+        completion = await generate(prompt.ids)
+        return Sample.answering(prompt, completion.response_ids, completion.log_probs, status=completion.status,
+                                token_versions=completion.versions)

@@ -11,7 +11,7 @@ import numpy as np
 from rl_megatron.agents.base import AgentLoop
 from rl_megatron.batch import Prompt, Sample, SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest
-from rl_megatron.rollout.serving import ServeFn, TurnScheduler
+from rl_megatron.rollout.serving import Pausing, ServeFn, TurnScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +24,15 @@ def turn_seed(prompt_seed: int, sample: int, turn: int) -> int:
 
 class AgentRunner:
     def __init__(self, loop: AgentLoop, name: str, serve: ServeFn, engines: int, vocab_size: int,
-                 turn_synchronous: bool = False):
+                 turn_synchronous: bool = False, pausing: Pausing | None = None):
         self.loop, self.name, self.serve, self.engines = loop, name, serve, engines
-        self.vocab_size, self.turn_synchronous = vocab_size, turn_synchronous
+        self.vocab_size, self.turn_synchronous, self.pausing = vocab_size, turn_synchronous, pausing
 
     def run(self, prompts: list[Prompt], seeds: list[int], n: int, temperature: float, tag: str) -> list[Sample]:
         """`n` trajectories per prompt, prompt-major; prompt i's draw from seeds[i]. `tag` makes the engines'
         request ids unique (the purpose and step). A trajectory whose loop raises or returns a bad sample is logged
         with its index and kept as an empty, ABORTED sample carrying the error (it joins no loss)."""
-        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous)
+        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous, self.pausing)
 
         def trajectory(index: int):
             prompt, turns = prompts[index // n], itertools.count()

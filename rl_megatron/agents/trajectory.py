@@ -60,6 +60,8 @@ class Trajectory:
     messages: list[dict] = field(default_factory=list)  # the conversation: the prompt's messages, then the turns'
     turns: int = 0
     tool_stats: ToolStats = field(default_factory=ToolStats)
+    versions: list[int | None] = field(default_factory=list)  # partial rollouts: the policy version of each model
+    # token (None elsewhere)
 
     def __post_init__(self):
         self.messages = list(self.prompt.messages or [])
@@ -70,6 +72,7 @@ class Trajectory:
 
     def add_turn(self, completion: Completion, text: str) -> None:
         self.response_ids += completion.response_ids
+        self.versions += completion.versions or [None] * len(completion.response_ids)
         self.loss_mask += [1] * len(completion.response_ids)
         self.log_probs += completion.log_probs
         self.messages.append({"role": "assistant", "content": text})
@@ -79,8 +82,13 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.log_probs += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
         self.messages += messages
 
     def sample(self, status: SampleStatus) -> Sample:
+        known = [v for v in self.versions if v is not None]
+        # Context tokens join no loss: the oldest version stands in for theirs.
+        versions = [min(known) if v is None else v for v in self.versions] if known else None
         return Sample.answering(self.prompt, self.response_ids, self.log_probs, loss_mask=self.loss_mask,
-                                status=status, turns=self.turns, messages=self.messages, tool_stats=self.tool_stats)
+                                status=status, turns=self.turns, messages=self.messages, tool_stats=self.tool_stats,
+                                token_versions=versions)

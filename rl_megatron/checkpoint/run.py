@@ -5,6 +5,7 @@
         critic/              the same for the value model, when there is one
         ref/                 the reference's weights, only when model.path cannot rebuild them (model.random_init)
         rng/                 each worker's RNG states (restored when the layout is unchanged)
+        rollouts_ahead.pt    the batches already generated for the next steps (trainer.rollout_staleness > 0)
         trainer_state.json   step, data-loader position, KL coefficient, reward history
         config.yaml          the resolved config of the run that saved it
     latest_checkpointed_iteration.txt   the newest complete step (verl's and Megatron's name), written last
@@ -24,6 +25,8 @@ import re
 import shutil
 import warnings
 
+import torch
+
 from rl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, finish_partial, partial_path, replace_file, start_partial
 from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
 from rl_megatron.config import Config, uses_reference
@@ -31,6 +34,7 @@ from rl_megatron.roles import Role
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+ROLLOUTS_FILE = "rollouts_ahead.pt"  # the batches generated ahead of the saved step (trainer.rollout_staleness > 0)
 STATE_FORMAT = "rl_megatron.trainer_state"
 STATE_VERSION = 1
 _STEP_FOLDER = re.compile(r"global_step_(\d+)")
@@ -185,3 +189,15 @@ def choose_resume(root: str, resume: str, hf_config: dict, roles: tuple[Role, ..
         raise CheckpointError(f"No usable checkpoint under '{root}': {' '.join(problems)} Set trainer.resume=off "
                               "to start over (the folders are kept), or trainer.resume=PATH to pick one.")
     return None
+
+
+def save_rollouts_ahead(folder: str, rollouts: list) -> None:
+    """The batches generated ahead of the step being saved (`rl_megatron.trainer.rollout_ahead.Rollout`s), into its
+    folder (`start_save`'s): a resumed run trains on them rather than generating them again."""
+    if rollouts:
+        torch.save(rollouts, os.path.join(folder, ROLLOUTS_FILE))
+
+
+def load_rollouts_ahead(folder: str) -> list:
+    path = os.path.join(folder, ROLLOUTS_FILE)
+    return torch.load(path, weights_only=False) if os.path.exists(path) else []

@@ -9,10 +9,17 @@ from rl_megatron.batch import SampleStatus
 
 @dataclass
 class Completion:
-    """One sampled response: its tokens, their log-probs (after temperature), and how it ended."""
+    """One sampled response: its tokens, their log-probs (after temperature), and how it ended; with partial rollouts
+    also the policy version that sampled each token (a response continued across a weight update has two)."""
     response_ids: list[int]
     log_probs: list[float]
     status: SampleStatus
+    versions: list[int] | None = None
+
+    def followed_by(self, rest: Completion) -> Completion:
+        """This response continued by `rest` (sampled after it, from this response's end): how `rest` ended."""
+        return Completion(self.response_ids + rest.response_ids, self.log_probs + rest.log_probs, rest.status,
+                          self.versions + rest.versions)
 
 
 FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # vLLM's finish_reason; else OK

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.gate import EngineGate
+from rl_megatron.rollout.serving import Pausing
 from rl_megatron.rollout.vllm_engine import request_seeds
+
+# Partial rollouts: an engine's decoding returns to the controller at least this often (scheduler steps), so that a
+# weight update waits at most this long for it to pause.
+PAUSE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -21,15 +27,20 @@ class Sampling:
 
 class RolloutEngines:
     """`generate` spreads prompts over the engines (a worker group hosting them) and returns their samples, each
-    stamped with the policy version the engines hold (`policy_version`, kept current by the trainer).
+    stamped with the policy version the engines hold (`weight_version`, kept current by the trainer's weight syncs).
     `run_agent_loop` runs rollout.agent_loop's trajectories instead (`agent_runner`, set by the trainer when the
-    loop is not single_turn), through `serve`."""
+    loop is not single_turn, or for partial rollouts), through `serve`. With partial rollouts (`gate` given), a weight
+    sync may interrupt `serve`'s requests (`pausing`)."""
 
-    def __init__(self, group, run_seed: int):
-        self.group, self.run_seed = group, run_seed
+    def __init__(self, group, run_seed: int, gate: EngineGate | None = None):
+        self.group, self.run_seed, self.gate = group, run_seed, gate
         self.count = group.meshes[0]["rollout"][1]  # engines
-        self.policy_version = 0
+        self.weight_version = 0
         self.agent_runner = None  # an rl_megatron.agents.AgentRunner
+
+    def pausing(self) -> Pausing | None:
+        """What the turn scheduler needs to let weight updates in mid-generation (partial rollouts)."""
+        return None if self.gate is None else Pausing(self.gate, self.interrupt, lambda: self.weight_version)
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """`sampling.n` samples per prompt, prompt-major (sample j of prompt i at i * n + j)."""
@@ -49,11 +60,17 @@ class RolloutEngines:
 
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
         """Engine `engine`'s `VLLMEngine.serve` (on each of its shards; the first's result)."""
-        return await self.group.call_shard("serve", "rollout", engine, requests)
+        return await self.group.call_shard("serve", "rollout", engine, requests,
+                                           None if self.gate is None else PAUSE_STEPS)
+
+    async def interrupt(self, engine: int) -> list[tuple[str, Completion]]:
+        """Engine `engine`'s `VLLMEngine.interrupt` (partial rollouts)."""
+        return await self.group.call_shard("interrupt", "rollout", engine)
 
     def _stamped(self, samples: list[Sample]) -> list[Sample]:
         for sample in samples:
-            sample.policy_version = self.policy_version
+            if sample.token_versions is None:  # else its tokens' versions set it
+                sample.policy_version = self.weight_version
         return samples
 
 

@@ -13,6 +13,13 @@ controller one decode burst at a time, so that an engine's TP shards (vLLM's SPM
 
 `turn_synchronous=True` is the baseline it replaces: every live trajectory's turn k is decoded as one batch, and
 handed back only when the whole batch is done, before any turn k + 1 starts.
+
+With partial rollouts (`Pausing`), a weight update may arrive while requests are being decoded: each engine's
+driver then interrupts its requests (keeping the tokens and log-probs sampled so far, with the policy version that
+sampled them), lets the update in (`EngineGate`), and continues each request as a new one whose prompt ends with
+its tokens so far; the trajectory gets one completion with both parts. This is the interrupt-and-continue of slime's
+partial rollouts and AReaL's interruptible generation: the continuation's KV cache is recomputed with the new
+weights, so every log-prob is exactly that of the policy version recorded for its token.
 """
 from __future__ import annotations
 
@@ -20,15 +27,39 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.gate import EngineGate
 
 # serve(engine index, requests to add) -> the requests that finished, by id (see VLLMEngine.serve)
 ServeFn = Callable[[int, list[TurnRequest]], Awaitable[list[tuple[str, Completion]]]]
+# interrupt(engine index) -> the engine's unfinished requests, each with what it sampled so far (VLLMEngine.interrupt)
+InterruptFn = Callable[[int], Awaitable[list[tuple[str, Completion]]]]
+
+
+@dataclass(frozen=True)
+class Pausing:
+    """Partial rollouts: the gate a weight sync waits at, how to interrupt an engine, and the policy version the
+    engines hold (stamped on every token)."""
+    gate: EngineGate
+    interrupt: InterruptFn
+    version: Callable[[], int]
+
+
+def continuation_seed(seed: int, part: int) -> int:
+    """The seed of part `part` (1, 2, ...) of a request continued after weight updates: a function of the request's
+    own seed and the part only."""
+    return int(np.random.SeedSequence([seed, part]).generate_state(1, dtype=np.uint32)[0])
 
 
 class TurnScheduler:
-    def __init__(self, serve: ServeFn, engines: int, turn_synchronous: bool = False):
-        self.serve, self.engines, self.turn_synchronous = serve, engines, turn_synchronous
+    def __init__(self, serve: ServeFn, engines: int, turn_synchronous: bool = False, pausing: Pausing | None = None):
+        if pausing is not None and turn_synchronous:
+            raise ValueError("partial rollouts continue requests one by one; they have no turn-synchronous mode")
+        self.serve, self.engines, self.turn_synchronous, self.pausing = serve, engines, turn_synchronous, pausing
 
     async def run(self, trajectories: list[Callable[[], Coroutine]]) -> list[Any]:
         """Run the trajectory coroutines (each built by a call that may use `generate`) to their ends; their
@@ -40,6 +71,10 @@ class TurnScheduler:
         self._live = len(trajectories)
         self._round_done: list[tuple[asyncio.Future, Completion]] = []
         self._engine_error: BaseException | None = None
+        self._requests: dict[str, TurnRequest] = {}  # partial rollouts: the unfinished requests, by id
+        self._continued: dict[str, tuple[Completion, int]] = {}  # by an interrupted request's id: what its parts
+        # sampled, and the latest part's number
+        self._origin: dict[str, str] = {}  # a continuation's id -> its original request's id
         drivers = [asyncio.ensure_future(self._drive(engine)) for engine in range(self.engines)]
         try:
             results = await asyncio.gather(*(self._trajectory(make) for make in trajectories))
@@ -58,6 +93,8 @@ class TurnScheduler:
         future = asyncio.get_running_loop().create_future()
         self._waiting[engine].append((request, future))
         self._futures[request.request_id] = future
+        if self.pausing is not None:
+            self._requests[request.request_id] = request
         self._release()
         return await future
 
@@ -85,6 +122,8 @@ class TurnScheduler:
         try:
             await self._serve_forever(engine)
         except Exception as error:  # noqa: BLE001 - handed to every waiting trajectory, then raised by `run`
+            if self.pausing is not None and self._running[engine]:  # a sync must not wait for a dead driver
+                self.pausing.gate.leave()
             self._engine_error = self._engine_error or error
             for future in self._futures.values():
                 if not future.done():
@@ -95,11 +134,17 @@ class TurnScheduler:
             if not self._running[engine]:
                 await self._wake[engine].wait()
             self._wake[engine].clear()
+            if self.pausing is not None:
+                await self._let_weight_updates_in(engine)
             adding, self._waiting[engine] = self._waiting[engine], []
             self._running[engine] += len(adding)
+            version = self.pausing.version() if self.pausing else None  # constant until this engine's use ends
             finished = await self.serve(engine, [request for request, _ in adding])
             self._running[engine] -= len(finished)
-            done = [(self._futures.pop(request_id), completion) for request_id, completion in finished]
+            if self.pausing is not None and not self._running[engine]:
+                self.pausing.gate.leave()
+            done = [(self._futures.pop(request_id), self._whole(request_id, completion, version))
+                    for request_id, completion in finished]
             if not self.turn_synchronous:
                 for future, completion in done:
                     future.set_result(completion)
@@ -109,3 +154,49 @@ class TurnScheduler:
                 for future, completion in self._round_done:
                     future.set_result(completion)
                 self._round_done = []
+
+    async def _let_weight_updates_in(self, engine: int) -> None:
+        """Partial rollouts: when a weight sync waits, interrupt this engine's requests (they wait to be continued)
+        and end its use of the engines; a driver starting a use waits for the sync in progress."""
+        gate, running = self.pausing.gate, self._running[engine]
+        if running and gate.sync_waiting:
+            version = self.pausing.version()
+            for request_id, part in await self.pausing.interrupt(engine):
+                self._continue(engine, request_id, part, version)
+            self._running[engine] = 0
+            gate.leave()
+        if not self._running[engine]:
+            await asyncio.to_thread(gate.enter)
+
+    def _continue(self, engine: int, request_id: str, part: Completion, version: int) -> None:
+        """Queue the continuation of an interrupted request (or hand back what it has, if it used its tokens)."""
+        part.versions = [version] * len(part.response_ids)
+        origin = self._origin.pop(request_id, request_id)
+        request = self._requests[origin]
+        sampled, parts = self._continued.get(origin, (None, 0))
+        sampled = part if sampled is None else sampled.followed_by(part)
+        future = self._futures.pop(request_id)
+        left = request.max_tokens - len(sampled.response_ids)
+        if left <= 0:
+            self._continued.pop(origin, None)
+            self._requests.pop(origin)
+            future.set_result(sampled)
+            return
+        continuation = TurnRequest(f"{origin}+{parts + 1}", request.token_ids + sampled.response_ids,
+                                   continuation_seed(request.seed, parts + 1), left, request.temperature)
+        self._continued[origin] = (sampled, parts + 1)
+        self._origin[continuation.request_id] = origin
+        self._futures[continuation.request_id] = future
+        self._waiting[engine].insert(0, (continuation, future))
+
+    def _whole(self, request_id: str, completion: Completion, version: int | None) -> Completion:
+        """A finished request's completion, after what its earlier parts sampled (partial rollouts)."""
+        if version is None:
+            return completion
+        completion.versions = [version] * len(completion.response_ids)
+        origin = self._origin.pop(request_id, request_id)
+        self._requests.pop(origin)
+        if origin not in self._continued:
+            return completion
+        sampled, _ = self._continued.pop(origin)
+        return sampled.followed_by(completion)

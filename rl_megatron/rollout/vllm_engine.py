@@ -18,6 +18,7 @@ import zlib
 import torch
 
 from rl_megatron import platform
+from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
 from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
@@ -184,6 +185,7 @@ class VLLMEngine:
         self.stop_token_ids = end_of_sequence_ids(model_path, read_hf_config(model_path))
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
+        self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
             self.llm = LLM(
                 model=model_path,
@@ -231,11 +233,13 @@ class VLLMEngine:
         return dict(top_p=self.cfg.top_p, top_k=self.cfg.top_k, stop_token_ids=self.stop_token_ids, logprobs=0,
                     detokenize=False, **settings)
 
-    def serve(self, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+    def serve(self, requests: list[TurnRequest], max_steps: int | None = None) -> list[tuple[str, Completion]]:
         """Continuous batching, driven by the controller: add `requests` to what the engine is decoding, then decode
-        until at least one request finishes (or none is left); returns the finished ones by request id. Between
-        calls the controller runs tools and adds the next turns of other trajectories, so no turn waits for a whole
-        batch. The shards of an engine (rollout TP > 1) get the same calls in the same order and stay in step."""
+        until at least one request finishes (or none is left, or `max_steps` scheduler steps passed); returns the
+        finished ones by request id. Between calls the controller runs tools, adds the next turns of other
+        trajectories (so no turn waits for a whole batch) and, with partial rollouts, interrupts the engine for a
+        weight update (`interrupt`). The shards of an engine (rollout TP > 1) get the same calls in the same order
+        and stay in step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -244,11 +248,30 @@ class VLLMEngine:
             params = SamplingParams(**self._sampling(n=1, temperature=request.temperature,
                                                      max_tokens=request.max_tokens, seed=request.seed))
             engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params)
-        finished = []
-        while not finished and engine.has_unfinished_requests():
-            finished = [(output.request_id, completion_of(output.outputs[0]))
-                        for output in engine.step() if output.finished]
+            self.unfinished[request.request_id] = None
+        finished, steps = [], 0
+        while not finished and engine.has_unfinished_requests() and steps != max_steps:
+            for output in engine.step():
+                if output.finished:
+                    finished.append((output.request_id, completion_of(output.outputs[0])))
+                    self.unfinished.pop(output.request_id, None)
+                else:  # its tokens so far (vLLM's outputs are cumulative), for `interrupt`
+                    self.unfinished[output.request_id] = output
+            steps += 1
         return finished
+
+    def interrupt(self) -> list[tuple[str, Completion]]:
+        """Abort every request `serve` has not finished; returns what each sampled so far (ABORTED), by request id.
+        The controller continues them after a weight update as new requests (their tokens appended to the prompt),
+        so their KV cache is recomputed with the new weights."""
+        if self.unfinished:
+            self.llm.llm_engine.abort_request(list(self.unfinished))
+        cut = [(request_id, completion_of(output.outputs[0]) if output is not None else
+                Completion([], [], SampleStatus.ABORTED)) for request_id, output in self.unfinished.items()]
+        self.unfinished = {}
+        for _, completion in cut:
+            completion.status = SampleStatus.ABORTED
+        return cut
 
     def model(self) -> torch.nn.Module:
         """The engine's model on this rank (its parameters are what a weight sync writes)."""

@@ -4,6 +4,9 @@
             -> old log-probs [-> reference log-probs, values] (Megatron) -> advantages (GRPO, GAE, ...)
             -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> vLLM) -> log
 
+With trainer.rollout_staleness > 0 the first stage runs ahead in a generation thread (`rollout_ahead.py`): the
+engines generate the next batches while the trainer trains on this one.
+
 Everything parallel hides behind the worker groups; everything numeric is a pure function (`rl_megatron.algorithms`);
 the data between the stages is typed (`rl_megatron.batch`).
 """
@@ -22,7 +25,8 @@ from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_con
                                     rollout_correction_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
-from rl_megatron.checkpoint.run import checkpoint_root, checkpointed_roles, choose_resume, finish_save, start_save
+from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
+                                        load_rollouts_ahead, save_rollouts_ahead, start_save)
 from rl_megatron.config import Config, ConfigError, model_config, to_yaml, worker_pools
 from rl_megatron.config.model_files import end_of_sequence_ids
 from rl_megatron.data.build import build_prompt_loader
@@ -33,10 +37,12 @@ from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
+from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
+from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, drop_stale
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import validate
 from rl_megatron.trainer.workers import build_workers, sync_weights
@@ -115,16 +121,15 @@ class Trainer:
         for group in self.model_groups:
             group.reset_peak_memory()
         with timer("step"):
-            prompts = self.loader.next_batch()
-            with timer("gen"):
-                samples = self.rollout(prompts, Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, "train",
-                                                         step))
-            samples, group_ids = self.balance(samples)
+            rollout = self.rollouts.take(step, timer)
+            metrics = self.staleness(rollout)
+            samples, group_ids = self.balance(rollout.samples)
             scoring = self.scorer.submit_samples(samples, self.tokenizer)  # scored while Megatron computes
             batch = TrainBatch.from_samples(samples, self.pad_id)
             entropy = self.forward_passes(batch)
             with timer("reward"):  # what scoring adds to the step after the forward passes
-                scores, metrics = scoring.result()
+                scores, reward_metrics = scoring.result()
+            metrics |= reward_metrics
             for sample, score in zip(samples, scores.tolist()):
                 sample.reward = score
             metrics |= self.advantages(batch, scores, group_ids)
@@ -133,6 +138,20 @@ class Trainer:
         return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds) | self.perf_metrics(samples)
 
     # -- the stages of a step --------------------------------------------------------------------------------------
+
+    def generate(self, step: int) -> list[Sample]:
+        """The samples of step `step`: its prompts through the rollout (now, or ahead in the generation thread)."""
+        prompts = self.loader.next_batch()
+        return self.rollout(prompts, Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, "train", step))
+
+    def staleness(self, rollout: Rollout) -> dict[str, float]:
+        """Asynchronous RL: how many policy versions behind the trainer the batch is (samples past the bound are kept
+        out of the loss), how long it took to generate, and how long the engines waited for the trainer before."""
+        staleness = self.cfg.trainer.rollout_staleness
+        if not staleness:
+            return {}
+        self.timer.seconds |= {"gen": rollout.seconds, "wait_for_train": rollout.engines_waited_s}
+        return drop_stale(rollout.samples, self.policy_version, staleness)
 
     def rollout(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """The run's rollout function (rollout.function) over the engines, its result checked."""
@@ -204,9 +223,10 @@ class Trainer:
             with self.timer("update_actor"):
                 metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
                                                           "importance_weights"))[0]
-            self.engines.policy_version += 1
-            with self.timer("sync_weights"):
+            self.policy_version += 1
+            with self.rollouts.syncing(self.timer), self.timer("sync_weights"):
                 sync_weights(self.actor, self.engine_group)
+                self.engines.weight_version = self.policy_version
         return metrics
 
     def perf_metrics(self, samples: list[Sample]) -> dict[str, float]:
@@ -227,7 +247,8 @@ class Trainer:
         if self.val_loader is None or not due:
             return {}
         with self.timer("validate"):
-            metrics, table = validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step)
+            metrics, table = self.rollouts.on_engines(
+                lambda: validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step))
         self.tracker.log(metrics, step)
         self.tracker.log_text("val/generations", table, step)
         tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
@@ -238,6 +259,7 @@ class Trainer:
         partial = start_save(self.checkpoint_root, step)
         for group in self.model_groups:
             group.save_checkpoint(partial)
+        save_rollouts_ahead(partial, self.rollouts.finished())
         state = {"data_loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value,
                  "reward_history": self.reward_history}
         folder = finish_save(self.checkpoint_root, step, state, to_yaml(self.cfg), self.cfg.trainer.keep_last)
@@ -246,6 +268,7 @@ class Trainer:
     def load_checkpoint(self) -> None:
         resume_dir = self.resume[0]
         rng_restored = all(done for group in self.model_groups for done in group.load_checkpoint(resume_dir))
+        self.rollouts.restore(load_rollouts_ahead(resume_dir))
         tqdm.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
             "" if rng_restored else "; the workers' RNG states were saved under another parallel layout (or in the "
             "earlier pickled format, which is not loaded) and start afresh (sampling seeds depend only on "
@@ -271,13 +294,19 @@ class Trainer:
         self.ref, self.critic = groups.get(Role.REF), groups.get(Role.CRITIC)
         # The groups hosting Megatron models (what a checkpoint saves), each once.
         self.model_groups = list({id(g): g for role, g in groups.items() if role.has_model}.values())
-        self.engines = RolloutEngines(self.engine_group, cfg.trainer.seed)
+        # Actor updates so far: one a step after the critic's warm-up.
+        self.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
+        staleness, gate = cfg.trainer.rollout_staleness, EngineGate()
+        self.engines = RolloutEngines(self.engine_group, cfg.trainer.seed,
+                                      gate if cfg.rollout.partial_rollout else None)
+        self.engines.weight_version = self.policy_version
         if self.agent_loop is not None:
             self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
                                                     self.engines.count, self.hf_config["vocab_size"],
-                                                    cfg.rollout.multi_turn.turn_synchronous)
-        # Actor updates so far: one a step after the critic's warm-up.
-        self.engines.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
+                                                    cfg.rollout.multi_turn.turn_synchronous, self.engines.pausing())
+        self.rollouts = (Ahead(self.generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout)
+                         if staleness else InStep(self.generate))
+        stack.callback(self.rollouts.close)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
         # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume
         # (a first start, trainer.resume=off, or one killed before its first checkpoint) starts them afresh.

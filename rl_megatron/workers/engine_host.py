@@ -49,9 +49,13 @@ class EngineHost:
         """Enter generation on every worker together (a weight sync is collective), before the controller drives
         engines one at a time with `serve`."""
 
-    def serve(self, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+    def serve(self, requests: list[TurnRequest], max_steps: int | None = None) -> list[tuple[str, Completion]]:
         """`VLLMEngine.serve`: called on one engine's shards at a time (`WorkerGroup.call_shard`)."""
-        return self.engine.serve(requests)
+        return self.engine.serve(requests, max_steps)
+
+    def interrupt(self) -> list[tuple[str, Completion]]:
+        """`VLLMEngine.interrupt`, on one engine's shards (partial rollouts, before a weight update)."""
+        return self.engine.interrupt()
 
     @dispatch(axis=None)
     def engine_mismatches(self, hf_state: dict) -> list[str]:

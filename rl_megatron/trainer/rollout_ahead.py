@@ -1,0 +1,148 @@
+"""Where each step's samples come from: generated in the step (trainer.rollout_staleness=0, `InStep`), or by a
+generation thread running ahead of the trainer by up to N policy versions (N > 0, `Ahead`).
+
+    step k:  take batch k (waiting if it is not ready: timing_s/wait_for_rollout)
+             start batches k + 1 .. k + N: each samples from the weights the engines hold when it starts
+             train on batch k -> update k -> sync the weights into the engines: between two batches, or, with partial
+             rollouts, in the middle of one (the gate, `rl_megatron.rollout.gate`)
+
+A batch started at step k - N has started after update k - N - 1 was synced and is trained at step k, after update
+k - 1: its samples are at most N versions old. N = 1 is verl's one-step-off policy: the engines generate batch k + 1
+while the trainer trains on batch k. The bound is checked again on every sample taken (`drop_stale`): one past it
+would be dropped from the loss and counted in async/dropped, never trained on.
+
+A checkpoint waits for the batches already started and saves them with the trainer's state (`finished`), so that a
+resumed run trains on the same samples and draws the same prompts next (`restore`).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+from rl_megatron.batch import Sample, SampleStatus
+from rl_megatron.rollout.gate import EngineGate
+from rl_megatron.trainer.metrics import Timer
+
+
+@dataclass
+class Rollout:
+    """One step's samples, and when the engines generated them (perf_counter seconds)."""
+    step: int
+    samples: list[Sample]
+    seconds: float = 0.0  # generating
+    engines_waited_s: float = 0.0  # the engines' idle time before it started (waiting for the trainer)
+
+
+class InStep:
+    """Synchronous RL: each step generates its own batch, with the weights of the step's start."""
+
+    def __init__(self, produce: Callable[[int], list[Sample]]):
+        self.produce = produce
+        self.restored: dict[int, Rollout] = {}
+
+    def take(self, step: int, timer: Timer) -> Rollout:
+        if step in self.restored:  # generated ahead by the run that saved the checkpoint (another staleness)
+            return self.restored.pop(step)
+        with timer("gen"):
+            samples = self.produce(step)
+        return Rollout(step, samples, timer.seconds["gen"])
+
+    def syncing(self, timer: Timer):
+        return nullcontext()
+
+    def on_engines(self, fn: Callable[[], dict]):
+        return fn()
+
+    def finished(self) -> list[Rollout]:
+        return []
+
+    def restore(self, rollouts: list[Rollout]) -> None:
+        self.restored = {rollout.step: rollout for rollout in rollouts}
+
+    def close(self) -> None:
+        pass
+
+
+class Ahead:
+    """Asynchronous RL: `produce(step)` runs in a generation thread, up to `staleness` steps ahead of the trainer,
+    never past `last_step`. Without partial rollouts a whole batch holds the gate (one policy version per batch);
+    with them the turn scheduler takes it per engine and lets syncs in mid-batch."""
+
+    def __init__(self, produce: Callable[[int], list[Sample]], staleness: int, last_step: int, gate: EngineGate,
+                 partial: bool):
+        self.produce, self.staleness, self.last_step = produce, staleness, last_step
+        self.gate, self.partial = gate, partial
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self.started: dict[int, Future] = {}
+        self.engines_free_since: float | None = None  # when the last batch ended
+
+    def take(self, step: int, timer: Timer) -> Rollout:
+        self._start(step)
+        with timer("wait_for_rollout"):
+            rollout = self.started.pop(step).result()
+        for ahead in range(step + 1, step + self.staleness + 1):
+            self._start(ahead)
+        return rollout
+
+    @contextmanager
+    def syncing(self, timer: Timer) -> Iterator[None]:
+        """Around a weight sync: wait until the engines are free (counted as waiting for the rollout), keep them."""
+        with self.gate.sync() as waited:
+            timer.seconds["wait_for_rollout"] = timer.seconds.get("wait_for_rollout", 0.0) + waited
+            yield
+
+    def on_engines(self, fn: Callable[[], dict]):
+        """`fn` (e.g. a validation) in the generation thread, between batches; its result."""
+        return self.thread.submit(self._using_engines, fn).result()
+
+    def finished(self) -> list[Rollout]:
+        """Every batch started, once it is done (a checkpoint saves them)."""
+        return [self.started[step].result() for step in sorted(self.started)]
+
+    def restore(self, rollouts: list[Rollout]) -> None:
+        for rollout in rollouts:
+            done = Future()
+            done.set_result(rollout)
+            self.started[rollout.step] = done
+
+    def close(self) -> None:
+        """Drop the batches not started; the one generating finishes first."""
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+    def _start(self, step: int) -> None:
+        if step <= self.last_step and step not in self.started:
+            self.started[step] = self.thread.submit(self._generate, step)
+
+    def _generate(self, step: int) -> Rollout:
+        def generate() -> Rollout:
+            start = time.perf_counter()
+            samples = self.produce(step)
+            end = time.perf_counter()
+            waited = 0.0 if self.engines_free_since is None else start - self.engines_free_since
+            self.engines_free_since = end
+            return Rollout(step, samples, end - start, waited)
+
+        return self._using_engines(generate)
+
+    def _using_engines(self, fn: Callable):
+        with nullcontext() if self.partial else self.gate.use():
+            return fn()
+
+
+def drop_stale(samples: list[Sample], trainer_version: int, bound: int) -> dict[str, float]:
+    """Keep samples older than `bound` policy versions out of the loss (their loss mask zeroed, marked ABORTED);
+    the staleness metrics of the batch."""
+    staleness = [trainer_version - sample.policy_version for sample in samples]
+    dropped = 0
+    for sample, age in zip(samples, staleness):
+        if age > bound:
+            sample.loss_mask = [0] * len(sample.response_ids)
+            sample.status = SampleStatus.ABORTED
+            sample.error = f"{age} policy versions old, past trainer.rollout_staleness={bound}"
+            dropped += 1
+    versions = [len(set(s.token_versions)) > 1 for s in samples if s.token_versions]
+    return {"async/staleness/mean": sum(staleness) / len(staleness), "async/staleness/max": max(staleness),
+            "async/dropped": dropped, "async/partial_samples": sum(versions) / len(samples)}
