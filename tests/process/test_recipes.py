@@ -1,4 +1,4 @@
-"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml,
+"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml, *_math_async.yaml,
 configs/moe/grpo_qwen3_30b_a3b.yaml) load, validate and fit their cluster, activations included: each with the real
 model's config.json and data prepared by `python -m rl_megatron.data.prepare` (DAPO's files, already in verl's
 layout, written here)."""
@@ -73,6 +73,7 @@ def dapo_file(tmp_path):
                                               ("ppo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k"),
                                               ("grpo_qwen2_5_7b_math_8k", "7b", "dapo"),
+                                              ("grpo_qwen2_5_7b_math_async", "7b", "dapo"),
                                               ("grpo_qwen2_5_3b_tool_math", "3b", "gsm8k"),
                                               ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
@@ -97,8 +98,19 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         assert cfg.rollout.max_model_len == 1024 + 4096 and "5120 tokens per micro-batch" in plan
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
-    if task == "dapo":  # 8k responses: the activations of 16384-token micro-batches, with full recompute
+    if task == "dapo":
         assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7") == 1.0  # DAPO's scorer reads its data source
+    if recipe == "grpo_qwen2_5_7b_math_async":  # one-step-off: the engines on a node of their own, TIS for the lag
+        assert cfg.trainer.rollout_staleness == 1 and cfg.rollout.partial_rollout
+        assert cfg.rollout.placement == "separate"
+        correction = cfg.algorithm.rollout_correction
+        assert (correction.level, correction.mode, correction.threshold) == ("token", "truncate", 2.0)
+        assert "node 0: actor pool, 1 x 8 = 8 GPUs" in plan and "node 1: rollout pool, 1 x 8 = 8 GPUs" in plan
+        assert "TP=1, 8 engines" in plan
+        # the actor's GPUs are its own: its state and the update's activations without recompute, no engine share
+        assert "actor pool: 53.1 GiB = actor 21.3 GiB" in plan and "rollout pool: 72.0 GiB" in plan
+        assert "16384 tokens per micro-batch, no recompute" in plan
+    if recipe == "grpo_qwen2_5_7b_math_8k":  # 8k responses: the activations of 16384-token micro-batches, recomputed
         assert "actor pool: 69.5 GiB = actor 21.3 GiB" in plan and "rollout 40.0 GiB" in plan
         assert "activations 8.2 GiB (the actor's; one pass at a time)" in plan
         assert "16384 tokens per micro-batch, full recompute" in plan
