@@ -22,7 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from rl_megatron.batch import Sample, SampleStatus
+import torch
+
+from rl_megatron.batch import Sample, SampleStatus, TrainBatch
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.metrics import Timer
 
@@ -146,3 +148,21 @@ def drop_stale(samples: list[Sample], trainer_version: int, bound: int) -> dict[
     versions = [len(set(s.token_versions)) > 1 for s in samples if s.token_versions]
     return {"async/staleness/mean": sum(staleness) / len(staleness), "async/staleness/max": max(staleness),
             "async/dropped": dropped, "async/partial_samples": sum(versions) / len(samples)}
+
+
+def current_version_mismatch(samples: list[Sample], batch: TrainBatch, version: int) -> dict[str, float]:
+    """The largest |trainer - engine| log-prob difference over the tokens that the trainer's current policy version
+    sampled (after a partial rollout's in-flight update, or in a batch that is not behind): as small as in
+    synchronous RL when the engines' weights, KV cache included, were exactly that version's. Absent when the batch
+    has no such token."""
+    current = torch.zeros_like(batch.response_mask)
+    for row, sample in enumerate(samples):
+        versions = sample.token_versions or [sample.policy_version] * len(sample.response_ids)
+        start = len(sample.prompt_ids) - 1
+        current[row, start:start + len(versions)] = torch.tensor(
+            [float(v == version and kept) for v, kept in zip(versions, sample.loss_mask)])
+    if not current.any():
+        return {}
+    diff = (batch.old_log_probs.float() - batch.rollout_log_probs.float()).abs()
+    return {"async/current_version_max_abs_logprob_diff": diff[current.bool()].max().item(),
+            "async/current_version_tokens": current.sum().item() / batch.response_mask.sum().item()}

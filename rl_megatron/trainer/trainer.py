@@ -42,7 +42,7 @@ from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
-from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, drop_stale
+from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import validate
 from rl_megatron.trainer.workers import build_workers, sync_weights
@@ -127,6 +127,8 @@ class Trainer:
             scoring = self.scorer.submit_samples(samples, self.tokenizer)  # scored while Megatron computes
             batch = TrainBatch.from_samples(samples, self.pad_id)
             entropy = self.forward_passes(batch)
+            if self.cfg.trainer.rollout_staleness:
+                metrics |= current_version_mismatch(samples, batch, self.policy_version)
             with timer("reward"):  # what scoring adds to the step after the forward passes
                 scores, reward_metrics = scoring.result()
             metrics |= reward_metrics
