@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers.runs import REPO, start_until as run_until, train
+from helpers.runs import REPO, assert_same_metrics, start_until as run_until, train
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.checkpoint.run import (LATEST_FILE, CheckpointWarning, choose_resume, finish_save, saved_steps,
                                         start_save, step_dir)
@@ -22,8 +22,6 @@ RUN = ("trainer.target_reward=null", "trainer.save_every=2", "algorithm.use_kl_i
        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.01",
        "algorithm.kl_ctrl.horizon=1000", "actor.use_kl_loss=true", "trainer.progress_bar=false")
 ROLES = ("actor", "critic", "ref")
-# Wall-clock figures differ between runs; everything else must not.
-UNTIMED = ("timing_s/", "perf/")
 
 
 def command(log_dir, *overrides) -> list[str]:
@@ -36,13 +34,6 @@ def read_rows(log_dir) -> dict[int, dict]:
         rows = [json.loads(line) for line in f]
     assert len({r["step"] for r in rows}) == len(rows), "a step was logged twice"
     return {r["step"]: r for r in rows}
-
-
-def assert_same_metrics(expected: dict, actual: dict, tolerance: float) -> None:
-    keys = {k for k in expected if not k.startswith(UNTIMED)}
-    assert keys == {k for k in actual if not k.startswith(UNTIMED)}
-    assert all(abs(expected[k] - actual[k]) <= tolerance for k in keys), \
-        {k: (expected[k], actual[k]) for k in keys if abs(expected[k] - actual[k]) > tolerance}
 
 
 def start_until(log_dir, until, *overrides) -> subprocess.Popen:

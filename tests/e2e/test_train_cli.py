@@ -4,6 +4,9 @@ import json
 import os
 import shutil
 
+import pytest
+import torch
+
 from helpers.runs import REPO, train
 
 STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_length/max", "response_length/min",
@@ -19,11 +22,16 @@ STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_l
 TOKEN_BUDGET = "actor.max_tokens_per_micro_batch=64"
 
 
-def test_demo_learns_arithmetic_from_reward(tmp_path):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("demo"), TOKEN_BUDGET)
+
+
+def test_demo_learns_arithmetic_from_reward(demo):
     """The `make demo` job: the mean reward climbs from chance to the 0.8 target, with its sequences packed
     (the default) into micro-batches of a token budget. (Packed and padded layouts compute the same log-probs, losses
     and updates: tests/distributed/test_micro_batching.py.)"""
-    stdout, rows, run_dir = train(tmp_path / "packed", TOKEN_BUDGET)
+    stdout, rows, run_dir = demo
     # Packed rows pad at most to a multiple of the TP size (sequence parallelism). (The demo's sequences are all
     # about as long, so padded rows waste little here; bench variable_length measures the difference.)
     assert all(r["perf/padding_ratio"] < 0.01 for r in rows)
@@ -46,6 +54,21 @@ def test_demo_learns_arithmetic_from_reward(tmp_path):
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 5e-5
     assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     assert os.path.isfile(os.path.join(run_dir, "config.yaml"))
+
+
+def test_synchronous_rewards_are_bit_identical_to_those_before_asynchronous_rl(demo):
+    """trainer.rollout_staleness=0 (the default) is the synchronous trainer as it was: the demo's first 20 rewards
+    equal, bit for bit, those the code before asynchronous RL printed. The trace is a property of the machine's
+    arithmetic (torch's CPU kernels), so it is compared where it was recorded: the same torch and CPU capability."""
+    with open(os.path.join(os.path.dirname(__file__), "demo_reward_trace.json")) as f:
+        recorded = json.load(f)
+    here = (torch.__version__, torch.backends.cpu.get_cpu_capability())
+    if here != (recorded["torch"], recorded["cpu_capability"]):
+        pytest.skip(f"the trace was recorded with torch {recorded['torch']} on {recorded['cpu_capability']}, this is "
+                    f"torch {here[0]} on {here[1]}: other kernels, other rounding")
+    _, rows, _ = demo
+    assert recorded["overrides"] == [TOKEN_BUDGET]
+    assert [r["reward/mean"] for r in rows[:20]] == recorded["reward_mean"]
 
 
 def demo_model_with_layers(folder, layers: int) -> str:

@@ -9,10 +9,19 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# Wall-clock figures differ between runs; everything else must not.
+UNTIMED = ("timing_s/", "perf/")
+
+
+def train_command(tmp_path, *overrides, config="demo_cpu") -> list[str]:
+    """The command, with its outputs under `tmp_path`."""
+    return [sys.executable, "-m", "rl_megatron.train", "--config", f"configs/{config}.yaml",
+            f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
+
+
 def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
     """Run it with its outputs under `tmp_path`; it must succeed. Returns (stdout, metrics.jsonl rows, run folder)."""
-    cmd = [sys.executable, "-m", "rl_megatron.train", "--config", f"configs/{config}.yaml",
-           f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
+    cmd = train_command(tmp_path, *overrides, config=config)
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = os.path.join(tmp_path, os.path.basename(config))  # configs name their run after the file
@@ -34,3 +43,11 @@ def start_until(cmd: list[str], until, **popen) -> subprocess.Popen:
         assert time.monotonic() < deadline, "the run did not get there in 5 minutes"
         time.sleep(0.05)
     return process
+
+
+def assert_same_metrics(expected: dict, actual: dict, tolerance: float) -> None:
+    """Two runs' records of one step agree, timings aside."""
+    keys = {k for k in expected if not k.startswith(UNTIMED)}
+    assert keys == {k for k in actual if not k.startswith(UNTIMED)}
+    assert all(abs(expected[k] - actual[k]) <= tolerance for k in keys), \
+        {k: (expected[k], actual[k]) for k in keys if abs(expected[k] - actual[k]) > tolerance}
