@@ -115,6 +115,10 @@ def _check_asynchronous(cfg: Config) -> None:
         raise ConfigError("rollout.partial_rollout=true continues samples across weight updates, which only arrive "
                           "mid-generation when the rollout runs ahead of the trainer: set trainer.rollout_staleness=1 "
                           "(with rollout.placement=separate), or rollout.partial_rollout=false.")
+    if rollout.partial_rollout and rollout.multi_turn.turn_synchronous:
+        raise ConfigError("rollout.multi_turn.turn_synchronous=true decodes every trajectory's turn as one round, "
+                          "but rollout.partial_rollout=true interrupts and continues requests one by one; set one of "
+                          "them to false.")
 
 
 def _check_algorithm(cfg: Config) -> None:

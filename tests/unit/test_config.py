@@ -508,6 +508,13 @@ def test_resharding_settings_are_checked(override, words):
     (["ref.placement=separate"], ["nothing uses the reference", "actor.use_kl_loss=true"]),
     (["ref.placement=separate", "actor.use_kl_loss=true"], ["model.random_init=true", "ref.placement=colocated"]),
     (["critic.placement=separate"], ["no critic", "critic.placement=colocated"]),
+    # asynchronous RL: engines of their own, partial rollouts only ahead of the trainer, continued one by one
+    (["trainer.rollout_staleness=1"], ["trainer.rollout_staleness=1", "rollout.placement=separate"]),
+    (["trainer.rollout_staleness=-1"], ["trainer.rollout_staleness=-1"]),
+    (["rollout.partial_rollout=true"], ["rollout.partial_rollout=true", "trainer.rollout_staleness=1"]),
+    (["trainer.rollout_staleness=1", "rollout.placement=separate", "rollout.partial_rollout=true",
+      "rollout.multi_turn.turn_synchronous=true"], ["rollout.multi_turn.turn_synchronous=true",
+                                                    "rollout.partial_rollout"]),
     # a separate role's own layout against the model: its keys, not the actor's
     (["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.n_gpus_per_node=4",
       "critic.tensor_model_parallel_size=4"], ["critic.tensor_model_parallel_size=4 must divide the model's"]),
