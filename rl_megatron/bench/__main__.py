@@ -1,4 +1,5 @@
-"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train,recompute} [--json]`.
+"""Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train,variable_length,recompute,
+multi_turn,async} [--json]`.
 
 Each prints its figure and the ratio to a limit measured in the same run on the same machine:
 - generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
@@ -21,6 +22,10 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   (rl_megatron/bench/recompute.py).
 - multi_turn (agent loops with tool latency): trajectories/s with asynchronous turns against the turn-synchronous
   schedule on the same batch, one in-process vLLM engine, a 256-wide 2-layer Qwen2 (rl_megatron/bench/multi_turn.py).
+- async (one-step-off asynchronous RL): steps/s of the trainer at trainer.rollout_staleness=1 against the synchronous
+  run on the same separate vLLM engine, both real runs of the CPU demo (`--steps`, `--max-tokens`), with each mode's
+  generation and training times, wait shares and overlap, and the ideal step max(gen, train)
+  (rl_megatron/bench/async_rl.py).
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ from rl_megatron import platform
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
 from rl_megatron.models.tiny import build_tokenizer
 
-BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn")
+BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn",
+           "async")
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
@@ -91,7 +97,9 @@ def main(argv=None) -> None:
                                                  "1024; recompute 1024); variable_length: the longest response "
                                                  "(default 2048)")
     parser.add_argument("--max-tokens", type=int,
-                        help="variable_length: the token budget of a micro-batch (default: twice the longest sample)")
+                        help="variable_length: the token budget of a micro-batch (default: twice the longest "
+                             "sample); async: rollout.max_tokens, the longest response (default 64)")
+    parser.add_argument("--steps", type=int, help="async: training steps of each run (default 8)")
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: model turns per trajectory")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=5,
@@ -112,6 +120,11 @@ def main(argv=None) -> None:
     reshard.add_argument("--engines", type=int, default=1,
                          help="engine processes with --placement separate (engine TP: --engine-tp, default 1)")
     args = parser.parse_args(argv)
+    if args.name == "async":  # real training runs of the demo's model, each in a subprocess: no bench model
+        from rl_megatron.bench import async_rl
+
+        report(async_rl.run(args), args.json)
+        return
     defaults = bench_defaults(args.name)
     widths = {key: defaults.pop(key) for key in WIDTH_KEYS if key in defaults}
     tied = defaults.pop("tied", False)
@@ -158,7 +171,11 @@ def main(argv=None) -> None:
         result = multi_turn.run(args, model_dir)
     else:
         result = run(args, model_dir)
-    if args.json:
+    report(result, args.json)
+
+
+def report(result: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(result))
         return
     print(f"{result['bench']}: {result['value']:.4g} {result['unit']}  "
@@ -178,6 +195,14 @@ def main(argv=None) -> None:
         for mode, figures in result["modes"].items():
             print(f"  {mode}: {figures['saved_bytes'] / 2**20:.1f} MiB saved for the backward, "
                   f"{figures['step_s']:.3f} s per update")
+    if result["bench"] == "async":
+        for mode, figures in result["modes"].items():
+            print(f"  {mode:<12} step {figures['step_s']:.3f} s  gen {figures['gen_s']:.3f} s  train "
+                  f"{figures['train_s']:.3f} s  waits: trainer {figures['wait_for_rollout_share']:.2f}, engines "
+                  f"{figures['wait_for_train_share']:.2f} of the step  overlap {figures['overlap']:.2f}  responses "
+                  f"mean {figures['response_length_mean']:.1f} max {figures['response_length_max']:.0f} tokens")
+        print(f"  ideal one-step-off step max(gen, train) of the synchronous run: {result['ideal_async_step_s']:.3f} s "
+              f"({result['ideal_ratio']:.2f}x), measured {result['async_step_s']:.3f} s ({result['ratio']:.2f}x)")
 
 
 def run(args, model_dir: str) -> dict:

@@ -1,0 +1,129 @@
+"""`python -m rl_megatron.bench async --json`: one-step-off asynchronous RL (`trainer.rollout_staleness=1`: a
+generation thread generates batch k + 1 on the vLLM engines while the trainer trains on batch k) against
+synchronous RL (staleness 0: generate, then train) on the same engines, as real training runs.
+
+The workload: the trainer itself (`python -m rl_megatron.train`), run twice as a subprocess with the same config,
+each in a temporary log directory: the CPU demo (configs/demo_cpu.yaml: GRPO on a tiny random-initialised Qwen2,
+32 prompts x 8 samples a step) at one trainer process (TP=1) and one vLLM engine in a process of its own
+(`rollout.placement=separate`, which one-step-off needs), `--steps` steps (default 8), responses of up to
+`--max-tokens` tokens (default 64). The random model stops at its end token at random, so response lengths are
+long-tailed (roughly geometric, cut at --max-tokens): `response_length_mean`/`response_length_max` per mode show the
+tail. The figures come from each run's metrics.jsonl (`timing_s/*`), over the steady steps: step 1 (the engine's
+warm-up, and in one-step-off a batch with nothing before it to hide behind) and the last step (one-step-off generates
+nothing beside it: on shared cores it trains uncontended, faster than any steady step) are left out of both modes.
+
+Per mode (`modes.synchronous`, `modes.one_step_off`), means over those steps:
+- `step_s`: `timing_s/step`, the trainer's step (taking the batch, the forward passes, the update, the weight sync);
+- `gen_s`: `timing_s/gen`, generating the step's batch: in the step when synchronous; one-step-off, in the
+  generation thread, mostly during the step before;
+- `train_s`: the trainer's busy time: step - gen when synchronous, step - wait_for_rollout one-step-off;
+- `wait_for_rollout_share`: the share of the step the trainer waits for the engines: one-step-off
+  `timing_s/wait_for_rollout` / step (waiting for the batch, and at the weight sync for the batch being generated to
+  end); synchronous, gen / step (the trainer idles through the whole generation; no metric, derived);
+- `wait_for_train_share`: the share of the step the engines sit idle waiting for the trainer: one-step-off
+  `timing_s/wait_for_train` / step (between the end of one batch and the start of the next); synchronous,
+  train / step (derived: the engines idle through the whole training);
+- `overlap`: the share of the generation hidden behind training, (gen - wait_for_rollout) / gen clamped to [0, 1]
+  (0 when synchronous: nothing is hidden);
+- `response_length_mean` (mean of the steps' means) and `response_length_max` (their max).
+
+`ideal_async_step_s` = max(gen, train) of the synchronous run: the step of a perfect one-step-off pipeline, where
+the longer of the two hides the other completely; `async_step_s` beside it is the one measured, and `ideal_ratio` the
+speed-up the ideal pipeline would have. The figure (`value`) is the one-step-off run's steps/s; `ratio` = synchronous
+step / one-step-off step, the speed-up (the `limit`: the synchronous run's steps/s).
+
+On 2 CPU cores both sides compete for the same cores: the engine process and the trainer process each have one
+core, but the controller (with its generation thread), the reward scorers and Ray's own processes share them, and
+generating batch k + 1 slows training on batch k (and the reverse) — so one-step-off's measured step falls short of
+the ideal max(gen, train), and both its gen and train come out longer than the synchronous run's. On GPUs the
+engines and the trainer own separate devices: generation and training truly run in parallel, and the gap to the
+ideal closes to the weight-sync time (the trainer's sync waits for the batch being generated to end, and the
+engines wait for the sync).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_STEPS = 8
+DEFAULT_MAX_TOKENS = 64
+MODES = {"synchronous": 0, "one_step_off": 1}
+RUN_TIMEOUT_S = 1200
+
+
+def trainer_command(experiment: str, staleness: int, steps: int, max_tokens: int, log_dir: str) -> list[str]:
+    return [sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
+            "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
+            f"trainer.rollout_staleness={staleness}", f"rollout.max_tokens={max_tokens}",
+            f"trainer.total_steps={steps}", "trainer.target_reward=null", "trainer.save_every=-1",
+            "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}"]
+
+
+def train(experiment: str, staleness: int, steps: int, max_tokens: int) -> tuple[list[dict], float]:
+    """One run of the trainer in a temporary log directory: its metrics.jsonl rows, and its wall time."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix=f"rl_megatron_bench_async_{experiment}_") as log_dir:
+        start = time.perf_counter()
+        done = subprocess.run(trainer_command(experiment, staleness, steps, max_tokens, log_dir), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"the {experiment} run (trainer.rollout_staleness={staleness}) failed with exit code "
+                               f"{done.returncode}:\n{done.stderr[-3000:]}")
+        with open(os.path.join(log_dir, experiment, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return rows, seconds
+
+
+def figures(rows: list[dict], asynchronous: bool) -> dict:
+    """The mode's means over its steady steps (every step but the first and the last)."""
+    steady = rows[1:-1]
+    if not steady:
+        raise ValueError(f"{len(rows)} steps: the figures need at least 3 (the first and the last are left out)")
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    step = mean([r["timing_s/step"] for r in steady])
+    gen = mean([r["timing_s/gen"] for r in steady])
+    if asynchronous:
+        wait_for_rollout = mean([r["timing_s/wait_for_rollout"] for r in steady])
+        wait_for_train = mean([r["timing_s/wait_for_train"] for r in steady])
+        train_s = step - wait_for_rollout
+        overlap = min(1.0, max(0.0, (gen - wait_for_rollout) / gen)) if gen > 0 else 0.0
+    else:  # the trainer idles through the generation, the engines through the training
+        train_s = step - gen
+        wait_for_rollout, wait_for_train, overlap = gen, train_s, 0.0
+    return {"steps": len(rows), "measured_steps": [r["step"] for r in steady], "step_s": step, "gen_s": gen,
+            "train_s": train_s, "wait_for_rollout_share": wait_for_rollout / step,
+            "wait_for_train_share": wait_for_train / step, "overlap": overlap,
+            "old_log_prob_s": mean([r["timing_s/old_log_prob"] for r in steady]),
+            "update_actor_s": mean([r["timing_s/update_actor"] for r in steady]),
+            "sync_weights_s": mean([r["timing_s/sync_weights"] for r in steady]),
+            "response_length_mean": mean([r["response_length/mean"] for r in steady]),
+            "response_length_max": max(r["response_length/max"] for r in steady)}
+
+
+def run(args) -> dict:
+    steps = args.steps or DEFAULT_STEPS
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    if steps < 3:
+        raise SystemExit("bench async: --steps must be at least 3 (the first and the last steps are left out)")
+    modes, run_s = {}, {}
+    for mode, staleness in MODES.items():
+        rows, run_s[mode] = train(mode, staleness, steps, max_tokens)
+        modes[mode] = figures(rows, asynchronous=staleness > 0) | {"run_s": run_s[mode]}
+    sync, one_off = modes["synchronous"], modes["one_step_off"]
+    ideal = max(sync["gen_s"], sync["train_s"])
+    return {"bench": "async", "value": 1 / one_off["step_s"], "unit": "steps/s",
+            "ratio": sync["step_s"] / one_off["step_s"],
+            "limit_name": "synchronous steps/s", "limit": 1 / sync["step_s"],
+            "sync_step_s": sync["step_s"], "async_step_s": one_off["step_s"],
+            "ideal_async_step_s": ideal, "ideal_ratio": sync["step_s"] / ideal,
+            "steps": steps, "max_tokens": max_tokens, "modes": modes}
