@@ -18,19 +18,15 @@ STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_l
                 "perf/cpu_memory_used_gb", "perf/padding_ratio"}
 
 
-# The demo's sequences are 6 tokens or fewer: a budget of 64 puts about 10 in a micro-batch instead of 64.
-TOKEN_BUDGET = "actor.max_tokens_per_micro_batch=64"
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("demo"), TOKEN_BUDGET)
+    return train(tmp_path_factory.mktemp("demo"))
 
 
 def test_demo_learns_arithmetic_from_reward(demo):
-    """The `make demo` job: the mean reward climbs from chance to the 0.8 target, with its sequences packed
-    (the default) into micro-batches of a token budget. (Packed and padded layouts compute the same log-probs, losses
-    and updates: tests/distributed/test_micro_batching.py.)"""
+    """The `make demo` job, its config as it is: the mean reward climbs from chance to the 0.8 target, with its
+    sequences packed (the default). (Token-budget micro-batches, packed and padded layouts compute the same
+    log-probs, losses and updates: tests/distributed/test_micro_batching.py.)"""
     stdout, rows, run_dir = demo
     # Packed rows pad at most to a multiple of the TP size (sequence parallelism). (The demo's sequences are all
     # about as long, so padded rows waste little here; bench variable_length measures the difference.)
@@ -67,7 +63,7 @@ def test_synchronous_rewards_are_bit_identical_to_those_before_asynchronous_rl(d
         pytest.skip(f"the trace was recorded with torch {recorded['torch']} on {recorded['cpu_capability']}, this is "
                     f"torch {here[0]} on {here[1]}: other kernels, other rounding")
     _, rows, _ = demo
-    assert recorded["overrides"] == [TOKEN_BUDGET]
+    assert recorded["overrides"] == []
     assert [r["reward/mean"] for r in rows[:20]] == recorded["reward_mean"]
 
 
