@@ -1,14 +1,17 @@
-"""RL algorithm math (advantages, losses, KL, rollout mismatch), free of any distributed or model code.
+"""RL algorithm math (advantages, losses, KL, rollout mismatch), free of any distributed or model code; the policy
+losses and advantage estimators are registered by name (`registry.py`), so that a user can add their own.
 
 Per-token tensors are [B, S] with a 0/1 response_mask; per-sequence tensors are [B].
 """
 from rl_megatron.algorithms.advantages import (
-    ESTIMATORS,
-    NEEDS_CRITIC,
+    ADV_ESTIMATORS,
+    AdvantageInputs,
     compute_advantages,
     gae_advantages,
     grpo_advantages,
+    needs_critic,
     outcome_token_rewards,
+    register_adv_estimator,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
@@ -25,13 +28,15 @@ from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats,
                                           value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
+from rl_megatron.algorithms.policy_losses import POLICY_LOSSES, ppo_loss, register_policy_loss
 
 __all__ = [
-    "ESTIMATORS",
+    "ADV_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
-    "NEEDS_CRITIC",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
+    "AdvantageInputs",
     "FixedKLController",
     "LossScale",
     "LossStats",
@@ -45,8 +50,12 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "needs_critic",
     "outcome_token_rewards",
     "policy_loss",
+    "ppo_loss",
+    "register_adv_estimator",
+    "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",

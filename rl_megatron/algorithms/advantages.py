@@ -1,11 +1,49 @@
-"""Advantage estimators: GAE (with a critic) and the critic-free GRPO, RLOO and REINFORCE++ variants."""
+"""Advantage estimators: GAE (with a critic) and the critic-free GRPO, RLOO and REINFORCE++ variants, registered by
+name (`algorithm.adv_estimator`); a user's own register with `@register_adv_estimator(name, needs_critic=...)`."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from rl_megatron.algorithms.masked import masked_sum, masked_whiten
+from rl_megatron.algorithms.registry import Registry
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-NEEDS_CRITIC = frozenset({"gae"})
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads: [B, S] token rewards (the outcome score at the last response token, minus the
+    in-reward KL penalty when on), the response mask, each row's prompt group [B], the critic's values [B, S] (with a
+    critic), and the algorithm section's gamma, lam and norm_adv_by_std."""
+    token_rewards: Tensor
+    response_mask: Tensor
+    group_ids: Tensor
+    values: Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+
+    def scores(self) -> Tensor:
+        """Each row's score: its token rewards summed over the response (so an in-reward KL penalty counts)."""
+        return masked_sum(self.token_rewards.float(), self.response_mask, dim=1)
+
+
+# estimator(inputs) -> (advantages [B, S], returns [B, S] or None), 0 outside the mask
+AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", "algorithm.adv_estimator", "rl_megatron.algorithms.register_adv_estimator")
+
+
+def register_adv_estimator(name: str, needs_critic: bool = False):
+    """Register an estimator `fn(AdvantageInputs) -> (advantages, returns or None)` under `name`; one that
+    `needs_critic` gets the critic's values (and the critic trains on its returns)."""
+    return ADV_ESTIMATORS.register(name, needs_critic=needs_critic)
+
+
+def needs_critic(estimator: str) -> bool:
+    return ADV_ESTIMATORS.trait(estimator, "needs_critic", False)
 
 
 def outcome_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
@@ -90,34 +128,34 @@ def reinforce_plus_plus_baseline_advantages(scores: Tensor, group_ids: Tensor, r
     return masked_whiten(_broadcast_over_response(centered, response_mask), response_mask)
 
 
-def compute_advantages(
-    estimator: str,
-    token_rewards: Tensor,
-    response_mask: Tensor,
-    group_ids: Tensor,
-    *,
-    values: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-) -> tuple[Tensor, Tensor | None]:
-    """(advantages [B, S], returns [B, S] for gae and reinforce_plus_plus, else None), 0 outside the mask.
+def compute_advantages(estimator: str, inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+    """(advantages [B, S], returns [B, S] or None) of the registered `estimator`, 0 outside the mask."""
+    return ADV_ESTIMATORS[estimator](inputs)
 
-    Outcome estimators score a row by its token rewards summed over the response, so an in-reward KL penalty counts.
-    """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("the gae advantage estimator needs the critic's values")
-        return gae_advantages(token_rewards, values, response_mask, gamma, lam)
-    if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus_advantages(token_rewards, response_mask, gamma)
-    scores = masked_sum(token_rewards.float(), response_mask, dim=1)
-    if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline_advantages(scores, group_ids, response_mask), None
-    if estimator == "grpo":
-        per_sequence = grpo_advantages(scores, group_ids, norm_by_std)
-    else:
-        per_sequence = rloo_advantages(scores, group_ids)
-    return _broadcast_over_response(per_sequence, response_mask), None
+
+@register_adv_estimator("gae", needs_critic=True)
+def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    if inputs.values is None:
+        raise ValueError("the gae advantage estimator needs the critic's values")
+    return gae_advantages(inputs.token_rewards, inputs.values, inputs.response_mask, inputs.gamma, inputs.lam)
+
+
+@register_adv_estimator("grpo")
+def _grpo(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+    per_sequence = grpo_advantages(inputs.scores(), inputs.group_ids, inputs.norm_by_std)
+    return _broadcast_over_response(per_sequence, inputs.response_mask), None
+
+
+@register_adv_estimator("rloo")
+def _rloo(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+    return _broadcast_over_response(rloo_advantages(inputs.scores(), inputs.group_ids), inputs.response_mask), None
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def _reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    return reinforce_plus_plus_advantages(inputs.token_rewards, inputs.response_mask, inputs.gamma)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def _reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[Tensor, None]:
+    return reinforce_plus_plus_baseline_advantages(inputs.scores(), inputs.group_ids, inputs.response_mask), None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from rl_megatron.agents import build_agent_loop
-from rl_megatron.algorithms import NEEDS_CRITIC
+from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
 from rl_megatron.config.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
 from rl_megatron.config.model_files import end_of_sequence_ids, model_config
@@ -127,13 +127,18 @@ def _check_algorithm(cfg: Config) -> None:
     if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward:
         raise ConfigError("algorithm.kl_ctrl.type=adaptive steers the in-reward KL penalty, which is off: set "
                           "algorithm.use_kl_in_reward=true, or algorithm.kl_ctrl.type=fixed.")
-    if alg.adv_estimator in NEEDS_CRITIC and not c.enable:
+    if needs_critic(alg.adv_estimator) and not c.enable:
+        critic_free = [name for name in ADV_ESTIMATORS.names() if not needs_critic(name)]
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} needs a critic (value estimates), but "
-                          "critic.enable=false: set critic.enable=true, or use a critic-free estimator (grpo, rloo, "
-                          "reinforce_plus_plus, reinforce_plus_plus_baseline).")
-    if c.enable and alg.adv_estimator not in NEEDS_CRITIC:
+                          "critic.enable=false: set critic.enable=true, or use a critic-free estimator "
+                          f"({', '.join(critic_free)}).")
+    if c.enable and not needs_critic(alg.adv_estimator):
         raise ConfigError(f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} uses no values: the "
                           "critic would train for nothing. Use algorithm.adv_estimator=gae, or critic.enable=false.")
+    if cfg.data.gen_batch_size != cfg.data.train_batch_size and not alg.filter_groups.enable:
+        raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size="
+                          f"{cfg.data.train_batch_size}, but only dynamic sampling generates more prompts than it "
+                          "trains on: set algorithm.filter_groups.enable=true, or leave data.gen_batch_size unset.")
     if c.warmup_steps and not c.enable:
         raise ConfigError(f"critic.warmup_steps={c.warmup_steps} delays the actor for a critic that this run does not "
                           "have (it needs algorithm.adv_estimator=gae); set critic.warmup_steps=0.")

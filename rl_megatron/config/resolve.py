@@ -3,20 +3,25 @@ from __future__ import annotations
 
 import copy
 
-from rl_megatron.algorithms import NEEDS_CRITIC
+from rl_megatron.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, needs_critic
 from rl_megatron.config.fields import check_fields
 from rl_megatron.config.schema import RULES, SINGLE_TURN, Config
 from rl_megatron.data.section import resolve_data_section
 from rl_megatron.errors import ConfigError
+from rl_megatron.plugins import import_user_modules
 
 
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
-    rollout.gpu_memory_utilization (by placement), critic.enable (when the advantage estimator needs values), the
+    rollout.gpu_memory_utilization (by placement), data.gen_batch_size, critic.enable (when the advantage estimator needs values), the
     reference's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
     model folder, the rollout correction's shorthand (algorithm.rollout_is_cap), and the data section's file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
     schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
     check_fields(cfg, RULES)
+    # The names a registry resolves (a user's own come from trainer.imports), and what they imply (the critic).
+    import_user_modules(cfg.trainer.imports)
+    ADV_ESTIMATORS.check(cfg.algorithm.adv_estimator)
+    POLICY_LOSSES.check(cfg.actor.policy_loss)
     cfg = copy.deepcopy(cfg)
     actor, rollout, critic = cfg.actor, cfg.rollout, cfg.critic
     turns = rollout.multi_turn
@@ -28,7 +33,7 @@ def resolve(cfg: Config) -> Config:
     if rollout.gpu_memory_utilization is None:  # separate engines hold nothing else on their GPUs
         rollout.gpu_memory_utilization = 0.9 if rollout.placement == "separate" else 0.5
     if critic.enable is None:
-        critic.enable = cfg.algorithm.adv_estimator in NEEDS_CRITIC
+        critic.enable = needs_critic(cfg.algorithm.adv_estimator)
     for role in (cfg.ref, critic):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                     "max_tokens_per_micro_batch"):
@@ -51,5 +56,7 @@ def resolve(cfg: Config) -> Config:
                               f"algorithm.rollout_correction.level={correction.level} both set the rollout correction; "
                               "keep one (rollout_is_cap=C means level=token, mode=truncate, threshold=C).")
         correction.level, correction.mode, correction.threshold = "token", "truncate", cfg.algorithm.rollout_is_cap
+    if cfg.data.gen_batch_size is None:
+        cfg.data.gen_batch_size = cfg.data.train_batch_size
     cfg.data = resolve_data_section(cfg.data)
     return cfg

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from rl_megatron.agents.base import SINGLE_TURN
-from rl_megatron.algorithms import ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+from rl_megatron.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
 from rl_megatron.data import TASKS
 from rl_megatron.resharding.channels import CHANNELS
@@ -87,6 +87,7 @@ class ActorConfig:
     recompute_granularity: Optional[Literal["full", "selective"]] = None  # activation recomputation in the backward: whole layers (full, with recompute_method and recompute_num_layers) or the attention core (selective, alone); None: off
     recompute_method: Optional[Literal["uniform", "block"]] = None  # full recompute: checkpoint groups of recompute_num_layers layers (uniform), or recompute the first recompute_num_layers layers of each model chunk (block; a chunk is a pipeline stage without VPP)
     recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # full recompute: layers per group (uniform; must divide the layers of a model chunk) or per model chunk (block)
+    policy_loss: str = "ppo"  # the registered policy loss: ppo (clipped surrogate, dual-clip with clip_ratio_c), gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), clip_cov, kl_cov (covariance-selected tokens), or yours (@rl_megatron.algorithms.register_policy_loss in a module of trainer.imports)
     clip_ratio_low: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept above 1 - clip_ratio_low
     clip_ratio_high: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher: raise it)
     clip_ratio_c: Optional[float] = checked(None, above(1), "dual-clip's bound, e.g. 3.0, or null to disable dual-clip")  # dual-clip PPO: a negative-advantage token's loss is capped at -A*c (c > 1)
@@ -202,14 +203,23 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO's dynamic sampling: drop the prompt groups whose samples all score the same (no GRPO signal) and generate more (data.gen_batch_size prompts at a time) until data.train_batch_size groups are kept
+    metric: Literal["acc", "score"] = "acc"  # what must vary within a kept group: acc (the scorer's accuracy: its "acc" entry, else its score before any shaping) or score (the shaped reward; a length penalty makes almost every group vary)
+    max_num_gen_batches: int = checked(10, NOT_NEGATIVE, "0 means no limit")  # generation rounds a step may use before on_cap applies (0: no limit)
+    on_cap: Literal["train", "stop"] = "train"  # at max_num_gen_batches with too few groups kept: train on them (padded to whole mini-batches with dropped groups kept out of the loss), or stop the run with an error
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal[ESTIMATORS] = "grpo"  # gae needs the critic; the others are critic-free
+    adv_estimator: str = "grpo"  # the registered advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or yours (@rl_megatron.algorithms.register_adv_estimator in a module of trainer.imports)
     norm_adv_by_std: bool = True  # grpo: divide by the group's reward std (False gives Dr.GRPO)
     gamma: float = checked(1.0, within(0, 1))  # discount (gae, reinforce_plus_plus)
     lam: float = checked(1.0, within(0, 1))  # GAE lambda
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || reference) from the token rewards
     kl_penalty: Literal[KL_ESTIMATORS] = "k1"  # KL estimator of the in-reward penalty: k1, k2 (mse), k3 (low_var_kl) or abs
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # dynamic sampling (DAPO)
     # off-policy correction of the policy loss by the trainer/rollout ratio (staleness, engine/trainer mismatch)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # shorthand for rollout_correction level=token, mode=truncate, threshold=this (truncated IS)
@@ -227,6 +237,7 @@ class DataConfig:
     val_batch_size: Optional[int] = checked(
         None, POSITIVE, "or null for the whole validation set at once")  # prompts per validation batch (None: the whole validation set at once)
     train_batch_size: int = checked(16, POSITIVE)  # prompts per RL step
+    gen_batch_size: Optional[int] = checked(None, POSITIVE)  # prompts generated at a time with algorithm.filter_groups.enable (default: train_batch_size); DAPO draws more than it trains on, e.g. 3x
     max_prompt_length: int = checked(64, POSITIVE)  # prompts longer than this (in tokens) are dropped
 
 

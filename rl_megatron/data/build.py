@@ -32,7 +32,7 @@ def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train",
         fingerprint = f"task:{data_cfg.task}"
     else:
         raise ConfigError("data.val_files is empty: set it to the parquet files to validate on.")
-    batch_size = data_cfg.train_batch_size if split == "train" else data_cfg.val_batch_size
+    batch_size = (data_cfg.gen_batch_size or data_cfg.train_batch_size) if split == "train" else data_cfg.val_batch_size
     try:
         loader = PromptLoader(rows, tokenizer, batch_size, data_cfg.max_prompt_length, seed,
                               use_chat_template=data_cfg.apply_chat_template, shuffle=split == "train",

@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from rl_megatron import platform
 from rl_megatron.agents import AgentRunner, build_agent_loop
-from rl_megatron.algorithms import (apply_kl_penalty, compute_advantages, kl_controller, outcome_token_rewards,
-                                    rollout_correction_weights)
+from rl_megatron.algorithms import (AdvantageInputs, apply_kl_penalty, compute_advantages, kl_controller,
+                                    outcome_token_rewards, rollout_correction_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
@@ -202,9 +202,9 @@ class Trainer:
                                                  self.kl_ctrl.value, alg.kl_penalty)
             metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
             self.kl_ctrl.update(kl, n_steps=batch.rows())
-        batch.advantages, returns = compute_advantages(
-            alg.adv_estimator, token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std)
+        batch.advantages, returns = compute_advantages(alg.adv_estimator, AdvantageInputs(
+            token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+            norm_by_std=alg.norm_adv_by_std))
         correction = alg.rollout_correction
         if correction.level is not None:
             batch.importance_weights, correction_metrics = rollout_correction_weights(

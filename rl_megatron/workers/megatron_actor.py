@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
-from rl_megatron.algorithms import LossScale, LossStats, aggregate_loss, kl_divergence, policy_loss, value_loss
+from rl_megatron.algorithms import POLICY_LOSSES, LossScale, LossStats, aggregate_loss, kl_divergence, value_loss
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
@@ -309,13 +309,12 @@ class MegatronActor(MegatronModel):
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
         (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_correction."""
         actor = self.cfg.actor
+        policy_loss = POLICY_LOSSES[actor.policy_loss]
 
         def loss_of(samples, outputs, scale):
             mask, log_probs = samples.response_mask, outputs.log_probs
-            loss, stats = policy_loss(
-                log_probs, samples.old_log_probs, samples.advantages, mask, clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
-                agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=samples.importance_weights)
+            loss, stats = policy_loss(log_probs, samples.old_log_probs, samples.advantages, mask, actor=actor,
+                                      scale=scale, importance_weights=samples.importance_weights)
             stats.losses["pg_loss"] = loss.detach()
             if outputs.entropy is not None:
                 entropy_term = aggregate_loss(outputs.entropy, mask, actor.loss_agg_mode, scale)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rl_megatron.algorithms import (
-    ESTIMATORS,
+    ADV_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
-    NEEDS_CRITIC,
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     LossScale,
     LossStats,
@@ -27,6 +27,7 @@ from rl_megatron.algorithms import (
     masked_mean,
     masked_sum,
     masked_whiten,
+    needs_critic,
     outcome_token_rewards,
     policy_loss,
     reinforce_plus_plus_advantages,
@@ -201,7 +202,7 @@ TWO_GROUPS = torch.tensor([0, 0, 1, 1])
 
 
 def test_compute_advantages_grpo_scores_rows_by_summed_token_rewards():
-    advantages, returns = compute_advantages("grpo", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS)
+    advantages, returns = compute_advantages("grpo", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS))
     # Group 0: scores 1, 0 and group 1: scores 2, 0 -> both +-1 / sqrt(2) = +-0.707107
     a = 0.707107
     assert_close(advantages, on_response([[a, a, a], [-a, -a], [a], []]))
@@ -209,13 +210,13 @@ def test_compute_advantages_grpo_scores_rows_by_summed_token_rewards():
 
 
 def test_compute_advantages_grpo_without_std():
-    advantages, _ = compute_advantages("grpo", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, norm_by_std=False)
+    advantages, _ = compute_advantages("grpo", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, norm_by_std=False))
     # Group 0: 1, 0 -> +-0.5; group 1: 2, 0 -> +-1
     assert_close(advantages, on_response([[0.5, 0.5, 0.5], [-0.5, -0.5], [1.0], []]))
 
 
 def test_compute_advantages_rloo():
-    advantages, returns = compute_advantages("rloo", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS)
+    advantages, returns = compute_advantages("rloo", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS))
     # Group 0: 1 - 0 = 1, 0 - 1 = -1; group 1: 2 - 0 = 2
     assert_close(advantages, on_response([[1.0, 1.0, 1.0], [-1.0, -1.0], [2.0], []]))
     assert returns is None
@@ -223,7 +224,7 @@ def test_compute_advantages_rloo():
 
 def test_compute_advantages_reinforce_plus_plus_baseline():
     advantages, returns = compute_advantages(
-        "reinforce_plus_plus_baseline", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS)
+        "reinforce_plus_plus_baseline", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS))
     # Centered: row 0 +0.5, row 1 -0.5 (group 0: 1, 0); row 2 +1 (group 1: 2, 0)
     # Tokens: 0.5 x3, -0.5 x2, 1 x1 -> mean 0.25; deviations 0.25 x3, -0.75 x2, 0.75
     #   var = (3 * 0.0625 + 3 * 0.5625) / 5 = 0.375 -> 0.25 / 0.612372 = 0.408248, 0.75 / 0.612372 = 1.224745
@@ -233,30 +234,33 @@ def test_compute_advantages_reinforce_plus_plus_baseline():
 
 def test_compute_advantages_routes_token_level_estimators():
     values = on_response([[1.0, 0.5, 0.25], [0.5, 1.0], [2.0], []], fill=9.0)
-    gae = compute_advantages("gae", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, values=values, gamma=0.5, lam=0.5)
+    gae = compute_advantages("gae", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, values=values,
+                                                     gamma=0.5, lam=0.5))
     direct_gae = gae_advantages(SPREAD_REWARDS, values, RESPONSE_MASK, gamma=0.5, lam=0.5)
-    reinforce = compute_advantages("reinforce_plus_plus", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, gamma=0.5)
+    reinforce = compute_advantages("reinforce_plus_plus",
+                                   AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, gamma=0.5))
     direct_reinforce = reinforce_plus_plus_advantages(SPREAD_REWARDS, RESPONSE_MASK, gamma=0.5)
     for routed, direct in ((gae, direct_gae), (reinforce, direct_reinforce)):
         for routed_tensor, direct_tensor in zip(routed, direct):
             torch.testing.assert_close(routed_tensor, direct_tensor)
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", ADV_ESTIMATORS.names())
 def test_every_estimator_is_finite_and_zero_outside_the_mask(estimator):
     values = on_response([[1.0, 0.5, 0.25], [0.5, 1.0], [2.0], []], fill=NAN)
-    advantages, returns = compute_advantages(estimator, SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS,
-                                             values=values if estimator in NEEDS_CRITIC else None)
+    advantages, returns = compute_advantages(estimator, AdvantageInputs(
+        SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS, values=values if needs_critic(estimator) else None))
     assert advantages.shape == RESPONSE_MASK.shape and advantages.isfinite().all()
     assert (advantages[RESPONSE_MASK == 0] == 0).all()
     assert (returns is not None) == (estimator in ("gae", "reinforce_plus_plus"))
 
 
 def test_compute_advantages_rejects_unknown_estimator_and_gae_without_values():
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*grpo.*rloo"):
-        compute_advantages("ppo", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS)
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo' is not a registered advantage estimator "
+                                         r"\(registered: gae, grpo, .*register_adv_estimator"):
+        compute_advantages("ppo", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS))
     with pytest.raises(ValueError, match="gae.*values"):
-        compute_advantages("gae", SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS)
+        compute_advantages("gae", AdvantageInputs(SPREAD_REWARDS, RESPONSE_MASK, TWO_GROUPS))
 
 
 # --- loss aggregation ----------------------------------------------------------------------------------------------

@@ -451,6 +451,7 @@ def test_out_of_range_values_are_rejected(override, key):
 
 @pytest.mark.parametrize("override, key, fix", [
     ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator", "reinforce_plus_plus_baseline"),
+    ("actor.policy_loss=grpo", "actor.policy_loss", "register_policy_loss('grpo')"),
     ("actor.loss_agg_mode=seq-mean", "actor.loss_agg_mode", "seq-mean-token-sum-norm"),
     ("critic.loss_agg_mode=mean", "critic.loss_agg_mode", "token-mean"),
     ("actor.kl_loss_type=k5", "actor.kl_loss_type", "low_var_kl"),

@@ -42,7 +42,6 @@ def test_a_value_out_of_range_names_the_key_and_the_range(key, value, words):
 
 
 @pytest.mark.parametrize("key, value, choices", [
-    ("algorithm.adv_estimator", "ppo", "gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline"),
     ("critic.placement", "remote", "colocated, separate"),
     ("moe.router_dtype", "fp16", "fp32, fp64"),
     ("model.dtype", "float16", "float32, bfloat16"),
