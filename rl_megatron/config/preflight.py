@@ -135,6 +135,14 @@ def _check_algorithm(cfg: Config) -> None:
     if c.enable and not needs_critic(alg.adv_estimator):
         raise ConfigError(f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} uses no values: the "
                           "critic would train for nothing. Use algorithm.adv_estimator=gae, or critic.enable=false.")
+    if alg.filter_groups.enable and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.filter_groups.enable=true keeps the prompts whose samples score differently, "
+                          f"but rollout.n={cfg.rollout.n} gives each prompt one sample: set rollout.n to 2 or more "
+                          "(DAPO: 16).")
+    if alg.filter_groups.enable and cfg.data.gen_batch_size < cfg.data.train_batch_size:
+        raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} is below data.train_batch_size="
+                          f"{cfg.data.train_batch_size}: dynamic sampling draws at least a train batch of prompts per "
+                          "round (DAPO draws 3x). Raise data.gen_batch_size, or leave it unset.")
     if cfg.data.gen_batch_size != cfg.data.train_batch_size and not alg.filter_groups.enable:
         raise ConfigError(f"data.gen_batch_size={cfg.data.gen_batch_size} differs from data.train_batch_size="
                           f"{cfg.data.train_batch_size}, but only dynamic sampling generates more prompts than it "

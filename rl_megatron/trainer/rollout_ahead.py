@@ -20,20 +20,24 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.metrics import Timer
+from rl_megatron.trainer.rewards import Rewards
 
 
 @dataclass
 class Rollout:
-    """One step's samples, and when the engines generated them (perf_counter seconds)."""
+    """One step's samples, and when the engines generated them (perf_counter seconds); with dynamic sampling also
+    their rewards (scored while generating, to filter) and the filter's metrics."""
     step: int
     samples: list[Sample]
+    rewards: Rewards | None = None  # None: scored in the step, while Megatron computes
+    metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0  # generating
     engines_waited_s: float = 0.0  # the engines' idle time before it started (waiting for the trainer)
 
@@ -41,7 +45,7 @@ class Rollout:
 class InStep:
     """Synchronous RL: each step generates its own batch, with the weights of the step's start."""
 
-    def __init__(self, produce: Callable[[int], list[Sample]]):
+    def __init__(self, produce: Callable[[int], Rollout]):
         self.produce = produce
         self.restored: dict[int, Rollout] = {}
 
@@ -49,8 +53,9 @@ class InStep:
         if step in self.restored:  # generated ahead by the run that saved the checkpoint (another staleness)
             return self.restored.pop(step)
         with timer("gen"):
-            samples = self.produce(step)
-        return Rollout(step, samples, timer.seconds["gen"])
+            rollout = self.produce(step)
+        rollout.seconds = timer.seconds["gen"]
+        return rollout
 
     def syncing(self, timer: Timer):
         return nullcontext()
@@ -73,7 +78,7 @@ class Ahead:
     never past `last_step`. Without partial rollouts a whole batch holds the gate (one policy version per batch);
     with them the turn scheduler takes it per engine and lets syncs in mid-batch."""
 
-    def __init__(self, produce: Callable[[int], list[Sample]], staleness: int, last_step: int, gate: EngineGate,
+    def __init__(self, produce: Callable[[int], Rollout], staleness: int, last_step: int, gate: EngineGate,
                  partial: bool):
         self.produce, self.staleness, self.last_step = produce, staleness, last_step
         self.gate, self.partial = gate, partial
@@ -121,11 +126,12 @@ class Ahead:
     def _generate(self, step: int) -> Rollout:
         def generate() -> Rollout:
             start = time.perf_counter()
-            samples = self.produce(step)
+            rollout = self.produce(step)
             end = time.perf_counter()
-            waited = 0.0 if self.engines_free_since is None else start - self.engines_free_since
+            rollout.seconds = end - start
+            rollout.engines_waited_s = 0.0 if self.engines_free_since is None else start - self.engines_free_since
             self.engines_free_since = end
-            return Rollout(step, samples, end - start, waited)
+            return rollout
 
         return self._using_engines(generate)
 

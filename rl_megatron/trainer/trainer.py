@@ -34,15 +34,17 @@ from rl_megatron.launch import format_plan
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards import REGISTRY
-from rl_megatron.rewards.scorer import RewardScorer
+from rl_megatron.rewards.scorer import RewardScorer, Scored
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
+from rl_megatron.trainer.dynamic_sampling import GroupFilter
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
+from rl_megatron.trainer.rewards import Rewards
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import validate
 from rl_megatron.trainer.workers import build_workers, sync_weights
@@ -80,6 +82,7 @@ class Trainer:
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_history: list[float] = []
+        self.group_filter = GroupFilter.of(cfg)  # dynamic sampling, when on
         self.timer = Timer()
         if cfg.model.checkpoint is not None:
             check_checkpoint(cfg.model.checkpoint, self.hf_config)
@@ -122,29 +125,54 @@ class Trainer:
             group.reset_peak_memory()
         with timer("step"):
             rollout = self.rollouts.take(step, timer)
-            metrics = self.staleness(rollout)
-            samples, group_ids = self.balance(rollout.samples)
-            scoring = self.scorer.submit_samples(samples, self.tokenizer)  # scored while Megatron computes
+            metrics = self.staleness(rollout) | rollout.metrics
+            order = self.balanced_order(rollout.samples)
+            samples = [rollout.samples[i] for i in order]
+            group_ids = torch.tensor(order) // self.cfg.rollout.n  # the rollout keeps a prompt's n samples together
+            # Scored while Megatron computes (with dynamic sampling, while generating: the filter reads the scores).
+            scoring = None if rollout.rewards is not None else self.scorer.submit_samples(samples, self.tokenizer)
             batch = TrainBatch.from_samples(samples, self.pad_id)
             entropy = self.forward_passes(batch)
             if self.cfg.trainer.rollout_staleness:
                 metrics |= current_version_mismatch(samples, batch, self.policy_version)
             with timer("reward"):  # what scoring adds to the step after the forward passes
-                scores, reward_metrics = scoring.result()
-            metrics |= reward_metrics
-            for sample, score in zip(samples, scores.tolist()):
+                rewards = (rollout.rewards.select(order) if rollout.rewards is not None
+                           else self.rewards(scoring.result(), samples))
+            metrics |= rewards.metrics()
+            for sample, score in zip(samples, rewards.scores.tolist()):
                 sample.reward = score
-            metrics |= self.advantages(batch, scores, group_ids)
+            metrics |= self.advantages(batch, rewards.scores, group_ids)
             metrics |= self.update(batch, step)
-        self.reward_history.append(scores.mean().item())
-        return metrics | step_metrics(samples, scores, batch, entropy, timer.seconds) | self.perf_metrics(samples)
+        # With dynamic sampling the batch holds only the groups that vary: the policy's reward is all samples'.
+        self.reward_history.append(metrics.get("filter/generated_reward/mean", rewards.scores.mean().item()))
+        return (metrics | step_metrics(samples, rewards.scores, batch, entropy, timer.seconds)
+                | self.perf_metrics(samples))
 
     # -- the stages of a step --------------------------------------------------------------------------------------
 
-    def generate(self, step: int) -> list[Sample]:
-        """The samples of step `step`: its prompts through the rollout (now, or ahead in the generation thread)."""
-        prompts = self.loader.next_batch()
-        return self.rollout(prompts, Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, "train", step))
+    def generate(self, step: int) -> Rollout:
+        """The samples of step `step`: its prompts through the rollout (now, or ahead in the generation thread); with
+        dynamic sampling, rounds of prompts until enough groups vary (`dynamic_sampling.py`)."""
+        def generate_round(round_: int) -> list[Sample]:
+            purpose = "train" if round_ == 1 else f"train round {round_}"  # each round samples with its own seeds
+            return self.rollout(self.loader.next_batch(),
+                                Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, purpose, step))
+
+        if self.group_filter is None:
+            return Rollout(step, generate_round(1))
+        filled = self.group_filter.fill(
+            generate_round, lambda samples: self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(),
+                                                         samples))
+        if filled.metrics["filter/reached_cap"]:
+            tqdm.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "
+                       f"{self.cfg.data.train_batch_size} groups in algorithm.filter_groups.max_num_gen_batches="
+                       f"{self.group_filter.max_rounds} rounds; training on them with "
+                       f"{filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
+        return Rollout(step, filled.samples, filled.rewards, filled.metrics)
+
+    def rewards(self, scored: Scored, samples: list[Sample]) -> Rewards:
+        """The samples' rewards from their scores (shaped by the overlong penalty when on)."""
+        return Rewards.of(scored, samples, self.cfg.reward, self.cfg.rollout.max_tokens)
 
     def staleness(self, rollout: Rollout) -> dict[str, float]:
         """Asynchronous RL: how many policy versions behind the trainer the batch is (samples past the bound are kept
@@ -167,16 +195,14 @@ class Trainer:
                               "rl_megatron.batch.Sample, the n samples of each prompt together, in prompt order.")
         return samples
 
-    def balance(self, samples: list[Sample]) -> tuple[list[Sample], torch.Tensor]:
-        """The samples in the order that gives each of the actor's data-parallel ranks the same number of tokens in
-        every mini-batch (trainer.balance_batch; the slowest rank sets the step time), and each one's prompt group."""
-        order = list(range(len(samples)))
-        if self.cfg.trainer.balance_batch:
-            dp = worker_pools(self.cfg)[0].data_parallel_size
-            mini_batch = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
-            order = balanced_order([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp, mini_batch)
-        # The rollout returns the samples of a prompt together: their group is their position // n.
-        return [samples[i] for i in order], torch.tensor(order) // self.cfg.rollout.n
+    def balanced_order(self, samples: list[Sample]) -> list[int]:
+        """The order of the samples that gives each of the actor's data-parallel ranks the same number of tokens in
+        every mini-batch (trainer.balance_batch; the slowest rank sets the step time)."""
+        if not self.cfg.trainer.balance_batch:
+            return list(range(len(samples)))
+        dp = worker_pools(self.cfg)[0].data_parallel_size
+        mini_batch = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
+        return balanced_order([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp, mini_batch)
 
     def forward_passes(self, batch: TrainBatch) -> torch.Tensor:
         """The policy's log-probs (and entropy, returned), the reference's log-probs and the critic's values of the

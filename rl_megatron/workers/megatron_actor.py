@@ -231,6 +231,8 @@ class MegatronModel:
                 counts = torch.tensor([mini.response_mask.sum().item(), mini.response_mask.shape[0]],
                                       dtype=torch.float64)
                 dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+                if counts[0] == 0:  # nothing to learn from (every sample kept out of the loss): no optimizer step
+                    continue
                 scale = LossScale(tokens=max(counts[0].item(), 1.0), sequences=counts[1].item(),
                                   horizon=horizon)
                 micros = self.micro_batches(mini)
@@ -250,7 +252,7 @@ class MegatronModel:
                 self.scheduler.step(increment=1)
                 grad_norms.append(grad_norm or 0.0)
                 steps += 1
-        return self._mean_stats(totals, steps) | {"grad_norm": sum(grad_norms) / len(grad_norms),
+        return self._mean_stats(totals, steps) | {"grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                                                   "lr": self.optimizer.param_groups[0]["lr"]}
 
     def padding_ratio(self) -> float:

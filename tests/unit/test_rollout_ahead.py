@@ -58,11 +58,11 @@ class FakeRun:
         self.ahead = Ahead(self.produce, staleness, steps, self.gate, partial=False)
         self.generated: dict[int, tuple[float, float]] = {}
 
-    def produce(self, step: int) -> list[Sample]:
+    def produce(self, step: int) -> Rollout:
         start, version = time.perf_counter(), self.version
         time.sleep(self.gen_s)
         self.generated[step] = (start, time.perf_counter())
-        return [sample(version)]
+        return Rollout(step, [sample(version)])
 
     def run(self) -> list[tuple[dict, dict]]:
         trained = []
@@ -210,7 +210,7 @@ def test_partial_rollouts_have_no_turn_synchronous_mode():
 
 
 def test_rollouts_pickle_for_checkpoints(tmp_path):
-    rollouts = [Rollout(3, [sample(1, versions=[1, 2])], 0.5, 0.1)]
+    rollouts = [Rollout(3, [sample(1, versions=[1, 2])], seconds=0.5, engines_waited_s=0.1)]
     save_rollouts_ahead(str(tmp_path), rollouts)
     assert load_rollouts_ahead(str(tmp_path)) == rollouts
     assert load_rollouts_ahead(str(tmp_path / "none")) == []
