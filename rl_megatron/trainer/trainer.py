@@ -130,7 +130,8 @@ class Trainer:
             if self.cfg.trainer.rollout_staleness:
                 metrics |= current_version_mismatch(samples, batch, self.policy_version)
             with timer("reward"):  # what scoring adds to the step after the forward passes
-                scores, reward_metrics = scoring.result()
+                scored = scoring.result()
+                scores, reward_metrics = scored.scores, dict(scored.stats)
             metrics |= reward_metrics
             for sample, score in zip(samples, scores.tolist()):
                 sample.reward = score
