@@ -1,5 +1,6 @@
-"""RL algorithm math (advantages, losses, KL, rollout mismatch), free of any distributed or model code; the policy
-losses and advantage estimators are registered by name (`registry.py`), so that a user can add their own.
+"""RL algorithm math (advantages, losses, KL, rollout mismatch, reward shaping), free of any distributed or model
+code; the policy losses and advantage estimators are registered by name (`registry.py`), so that a user can add
+their own.
 
 Per-token tensors are [B, S] with a 0/1 response_mask; per-sequence tensors are [B].
 """
@@ -29,6 +30,7 @@ from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats,
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
 from rl_megatron.algorithms.policy_losses import POLICY_LOSSES, ppo_loss, register_policy_loss
+from rl_megatron.algorithms.reward_shaping import overlong_penalty
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -52,6 +54,7 @@ __all__ = [
     "masked_whiten",
     "needs_critic",
     "outcome_token_rewards",
+    "overlong_penalty",
     "policy_loss",
     "ppo_loss",
     "register_adv_estimator",

@@ -33,6 +33,7 @@ def preflight(cfg: Config) -> None:
     _check_trainer(cfg)
     check_data_section(cfg.data)
     _check_algorithm(cfg)
+    _check_reward(cfg)
     _check_asynchronous(cfg)
     # The user's code imports (each raises a ConfigError naming its key and what is missing).
     import_user_modules(cfg.trainer.imports)
@@ -163,3 +164,13 @@ def _check_algorithm(cfg: Config) -> None:
     if c.placement == "separate" and not c.enable:
         raise ConfigError("critic.placement=separate asks for critic workers, but this run has no critic "
                           "(algorithm.adv_estimator is not gae); set critic.placement=colocated.")
+
+
+def _check_reward(cfg: Config) -> None:
+    """The overlong buffer must leave room for responses it does not penalise."""
+    buffer, max_tokens = cfg.reward.overlong_buffer, cfg.rollout.max_tokens
+    if buffer.enable and buffer.len >= max_tokens:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len} must be below rollout.max_tokens={max_tokens}: "
+                          "the penalty grows over the last len tokens before max_tokens, so a buffer that long "
+                          "would penalise responses of any length. Lower reward.overlong_buffer.len (DAPO: 4096 of "
+                          "20480), raise rollout.max_tokens, or set reward.overlong_buffer.enable=false.")

@@ -242,12 +242,20 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False  # DAPO's overlong reward shaping (soft overlong punishment): a response that runs into the last `len` tokens before rollout.max_tokens loses reward, linearly up to penalty_factor at rollout.max_tokens
+    len: int = checked(4096, POSITIVE)  # tokens before rollout.max_tokens over which the penalty grows from 0 (DAPO: 4096 of a 20480-token response); must be below rollout.max_tokens
+    penalty_factor: float = checked(1.0, NOT_NEGATIVE)  # the penalty at rollout.max_tokens and beyond (a multi-turn trajectory's model tokens over all its turns can pass it)
+
+
+@dataclass
 class RewardConfig:
     num_workers: int = checked(4, POSITIVE)  # scorer processes; a step's samples are scored in parallel, off the controller
     timeout_s: float = checked(10.0, above(0), "seconds, e.g. 10")  # per-sample limit: a scorer past it is killed, scores 0 and counts in reward/timeouts
     custom_fn: Optional[str] = None  # "pkg.mod:fn" or "file.py:fn" scoring all samples: fn(data_source, solution_str, ground_truth, extra_info)
     gsm8k_match: Literal[MATCH_MODES] = "exact"  # openai/gsm8k: exact (verl's scores: "#### 72", text equal to the ground truth) or numeric (also "####72", "#### $72"; equal values: "72.00" = "72")
     math_match: Literal[MATCH_MODES] = "exact"  # MATH sources: exact (verl's default_compute_score; data_source math is DAPO's 1/-1 "Answer:" scorer) or numeric (lenient \boxed{} equivalence, 0.5 = \frac{1}{2})
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO's length penalty, added to the scores (not to the accuracy)
 
 
 @dataclass

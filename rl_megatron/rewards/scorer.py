@@ -6,9 +6,9 @@ cheaper than actors and testable without Ray. The pool lives across steps; a ste
 chunks per process (one message each way per chunk), and `submit` returns at once, so the trainer can
 overlap scoring with its next phase.
 
-A sample whose scorer raises, returns a non-number, or runs past `reward.timeout_s` scores 0 and is counted
-(`reward/errors`, `reward/timeouts`) and logged; a process past the timeout is killed with its process group
-and replaced, so hung scorers never pile up.
+A sample whose scorer raises, returns a non-number (score or "acc"), or runs past `reward.timeout_s` scores 0
+(acc 0) and is counted (`reward/errors`, `reward/timeouts`) and logged; a process past the timeout is killed with
+its process group and replaced, so hung scorers never pile up.
 """
 from __future__ import annotations
 
@@ -107,6 +107,16 @@ def _stop_all(processes: list[_ScorerProcess]) -> None:
 
 
 @dataclass
+class Scored:
+    """A batch's rewards. `scores`: float32, the scorer's reward per sample; `acc`: float32 per sample, the "acc"
+    entry of a verl-style dict (DAPO logs it beside the shaped reward and filters groups on it), else the score;
+    `stats`: {"reward/timeouts": n, "reward/errors": n}. A sample whose scorer failed has score 0 and acc 0."""
+    scores: torch.Tensor
+    acc: torch.Tensor
+    stats: dict[str, int]
+
+
+@dataclass
 class _BatchProblems:
     """The samples of a batch that scored 0 because their scorer failed, and the first such failure."""
     timeouts: int = 0
@@ -145,7 +155,7 @@ class RewardScorer:
     """Scores samples with the registered scorer of each one's data_source, or with `reward.custom_fn`.
 
     with RewardScorer(cfg.reward, cfg.trainer.imports) as scorer:
-        scores, stats = scorer.score(data_sources, responses, ground_truths, extra_infos, prompts=prompts)
+        scored = scorer.score(data_sources, responses, ground_truths, extra_infos, prompts=prompts)
     """
 
     def __init__(self, cfg, imports: list[str] = ()):
@@ -199,8 +209,8 @@ class RewardScorer:
                            prompts=[prompt_texts[tuple(s.prompt_ids)] for s in samples])
 
     def score(self, data_sources, solutions, ground_truths, extra_infos=None,
-              prompts=None) -> tuple[torch.Tensor, dict[str, int]]:
-        """(float32 scores, {"reward/timeouts": n, "reward/errors": n}) of the samples; see `submit`."""
+              prompts=None) -> Scored:
+        """The samples' `Scored` (scores, acc, timeout and error counts); see `submit`."""
         return self.submit(data_sources, solutions, ground_truths, extra_infos, prompts).result()
 
     def close(self) -> None:
@@ -262,7 +272,7 @@ class RewardScorer:
             raise RuntimeError(f"a reward scorer process did not start within {STARTUP_TIMEOUT_S:.0f}s (importing "
                                f"reward.custom_fn={self.custom_fn_spec!r} hangs?)")
 
-    def _score_batch_or_reset(self, samples: list[tuple]) -> tuple[torch.Tensor, dict[str, int]]:
+    def _score_batch_or_reset(self, samples: list[tuple]) -> Scored:
         try:
             return self._score_batch(samples)
         except BaseException:
@@ -273,8 +283,8 @@ class RewardScorer:
                     self._processes[slot] = _ScorerProcess(self.code)
             raise
 
-    def _score_batch(self, samples: list[tuple]) -> tuple[torch.Tensor, dict[str, int]]:
-        scores = [0.0] * len(samples)
+    def _score_batch(self, samples: list[tuple]) -> Scored:
+        rewards = [(0.0, 0.0)] * len(samples)  # (score, acc) per sample; a failed one keeps (0, 0)
         problems = _BatchProblems()
         size = max(1, math.ceil(len(samples) / (len(self._processes) * CHUNKS_PER_WORKER)))
         pending = deque((start, samples[start : start + size]) for start in range(0, len(samples), size))
@@ -290,7 +300,7 @@ class RewardScorer:
             for slot, process in enumerate(self._processes):
                 if not process.ready:
                     self._check_start(process)
-                elif process.chunk and not self._collect(process, scores, problems):
+                elif process.chunk and not self._collect(process, rewards, problems):
                     if replacements_left == 0:
                         raise RuntimeError("reward scorer processes keep dying between samples; see their output")
                     replacements_left -= 1
@@ -300,8 +310,8 @@ class RewardScorer:
                            "reward.timeout_s=%gs, %d raised, crashed or returned a non-number); first: %s",
                            problems.timeouts + problems.errors, len(samples), problems.timeouts, self.timeout_s,
                            problems.errors, problems.first[0])
-        stats = {"reward/timeouts": problems.timeouts, "reward/errors": problems.errors}
-        return torch.tensor(scores, dtype=torch.float32), stats
+        scores, acc = torch.tensor(rewards, dtype=torch.float32).reshape(-1, 2).T.contiguous()
+        return Scored(scores, acc, {"reward/timeouts": problems.timeouts, "reward/errors": problems.errors})
 
     def _poll_timeout(self) -> float:
         """Seconds until the earliest running sample reaches the timeout, at most MAX_POLL_S."""
@@ -309,7 +319,8 @@ class RewardScorer:
                 if p.chunk and (running := p.current_sample()) is not None]
         return max(0.0, min([MAX_POLL_S, *left]))
 
-    def _collect(self, process: _ScorerProcess, scores: list[float], problems: _BatchProblems) -> bool:
+    def _collect(self, process: _ScorerProcess, rewards: list[tuple[float, float]],
+                 problems: _BatchProblems) -> bool:
         """Take the process's answer if it has one; False if it must be replaced (timed out or died)."""
         start, chunk = process.chunk
         try:
@@ -321,8 +332,8 @@ class RewardScorer:
         if message is None:
             running = process.current_sample()
             return running is None or running[1] <= self.timeout_s
-        _, chunk_scores, errors = message
-        scores[start : start + len(chunk)] = chunk_scores
+        _, chunk_rewards, errors = message
+        rewards[start : start + len(chunk)] = chunk_rewards
         for index, error in errors:
             problems.add("error", chunk[index], error)
         process.chunk = None

@@ -53,27 +53,37 @@ def progress_view(fd: int):
     return (ctypes.c_double * 2).from_buffer(mmap.mmap(fd, PROGRESS_BYTES))
 
 
-def as_reward(raw) -> float:
-    """A scorer's return value as a finite float: a number (numpy scalars too), a bool, or a dict's "score"
-    (verl's scorers may return {"score": ..., ...})."""
-    if isinstance(raw, dict):
-        if "score" not in raw:
-            raise TypeError(f"the scorer returned a dict without a 'score' entry (keys: {sorted(map(str, raw))[:8]})")
-        raw = raw["score"]
+def finite_float(value, what: str, poisons: str) -> float:
+    """`value` (a number, numpy scalars too, or a bool) as a finite float; `what` and `poisons` name it in the error."""
     try:
-        value = float(raw)
+        number = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"the scorer returned {type(raw).__name__} {str(raw)[:80]!r}, not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"the scorer returned {value}, which would poison the advantages")
-    return value
+        raise TypeError(f"the scorer returned {what}{type(value).__name__} {str(value)[:80]!r}, not a "
+                        "number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"the scorer returned {what}{number}, which would poison {poisons}")
+    return number
+
+
+def as_reward(raw) -> tuple[float, float]:
+    """(score, acc) of a scorer's return value: a number, a bool, or a verl-style dict {"score": ..., "acc": ...}
+    whose "acc" (DAPO logs it beside the shaped score and filters groups on it) is optional; acc defaults to
+    the score."""
+    if not isinstance(raw, dict):
+        score = finite_float(raw, "", "the advantages")
+        return score, score
+    if "score" not in raw:
+        raise TypeError(f"the scorer returned a dict without a 'score' entry (keys: {sorted(map(str, raw))[:8]})")
+    score = finite_float(raw["score"], "", "the advantages")
+    return score, finite_float(raw["acc"], "an 'acc' of ", "the accuracy") if "acc" in raw else score
 
 
 def score_chunk(samples: list, custom_fn, keywords: dict[str, dict],
-                progress) -> tuple[list[float], list[tuple[int, str]]]:
-    """(scores, [(index, error message)]) of (data_source, solution, ground_truth, extra_info) samples; a registered
-    scorer also gets its data source's `keywords` (and extra_info if it was registered with reads_extra_info)."""
-    scores, errors = [], []
+                progress) -> tuple[list[tuple[float, float]], list[tuple[int, str]]]:
+    """([(score, acc)], [(index, error message)]) of (data_source, solution, ground_truth, extra_info) samples (a
+    failed sample's is (0, 0)); a registered scorer also gets its data source's `keywords` (and extra_info if it
+    was registered with reads_extra_info)."""
+    rewards, errors = [], []
     for index, (data_source, solution, ground_truth, extra_info) in enumerate(samples):
         progress[0] = index
         progress[1] = time.monotonic()
@@ -82,12 +92,12 @@ def score_chunk(samples: list, custom_fn, keywords: dict[str, dict],
                 raw = custom_fn(data_source, solution, ground_truth, extra_info)
             else:
                 raw = score(data_source, solution, ground_truth, extra_info, **keywords.get(data_source, {}))
-            scores.append(as_reward(raw))
+            rewards.append(as_reward(raw))
         except BaseException as err:  # SystemExit too: a scorer's failure costs one sample, not the process
-            scores.append(0.0)
+            rewards.append((0.0, 0.0))
             errors.append((index, f"{type(err).__name__}: {err}"[:ERROR_CHARS]))
     progress[1] = IDLE
-    return scores, errors
+    return rewards, errors
 
 
 def exit_when_orphaned(poll_s: float = 1.0) -> None:

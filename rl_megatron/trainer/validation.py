@@ -25,9 +25,8 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
     for batch_index, prompts in enumerate(val_loader.in_order()):
         sampling = Sampling(n, 0.0 if n == 1 else cfg.rollout.temperature, f"validation {batch_index}", step)
         samples = rollout(prompts, sampling)
-        batch_scores, _ = scorer.submit_samples(samples, tokenizer).result()
         sources += [p.data_source for p in prompts]
-        scores.append(batch_scores)
+        scores.append(scorer.submit_samples(samples, tokenizer).result().scores)
         texts += [(tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
                    tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
     scores = torch.cat(scores)

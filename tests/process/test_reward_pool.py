@@ -33,8 +33,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
         return float("nan")
     if solution_str == "text":
         return "high"
-    if solution_str == "dict":
-        return {"score": 0.25, "acc": True}
+    if solution_str == "dict_wrong":  # verl-style dicts, as DAPO's scorer returns them
+        return {"score": -1.0, "acc": False}
+    if solution_str == "dict_right":
+        return {"score": 0.5, "acc": 1}
+    if solution_str == "acc_text":
+        return {"score": 1.0, "acc": "high"}
     if solution_str == "extra":
         return float(extra_info["weight"])
     return 1.0 if solution_str == ground_truth else 0.0
@@ -70,10 +74,11 @@ def test_builtin_scorers_through_the_pool():
         ("lighteval/MATH", "$\\boxed{\\dfrac12}$", "0.5", "q", 1.0),
     ]
     with RewardScorer(reward_cfg()) as scorer:
-        scores, stats = scorer.score(*([s[i] for s in samples] for i in range(3)), prompts=[s[3] for s in samples])
-    assert scores.dtype == torch.float32
-    assert scores.tolist() == pytest.approx([s[4] for s in samples])
-    assert stats == {"reward/timeouts": 0, "reward/errors": 0}
+        scored = scorer.score(*([s[i] for s in samples] for i in range(3)), prompts=[s[3] for s in samples])
+    assert scored.scores.dtype == scored.acc.dtype == torch.float32
+    assert scored.scores.tolist() == pytest.approx([s[4] for s in samples])
+    assert torch.equal(scored.acc, scored.scores)  # a scorer returning a number: its accuracy is its score
+    assert scored.stats == {"reward/timeouts": 0, "reward/errors": 0}
 
 
 @pytest.mark.parametrize("match, expected", [("exact", [0.0, 0.0, -1.0]), ("numeric", [1.0, 1.0, 1.0])])
@@ -82,7 +87,7 @@ def test_the_match_modes_reach_the_scorer_processes(match, expected):
     samples = [("openai/gsm8k", "#### 72.00", "72"), ("lighteval/MATH", "\\boxed{0.50}", "\\frac{1}{2}"),
                ("math", "\\boxed{0.50}", "\\frac{1}{2}")]  # verl scores data_source math with DAPO's 1 / -1
     with RewardScorer(reward_cfg(num_workers=1, gsm8k_match=match, math_match=match)) as scorer:
-        scores, _ = scorer.score(*([s[i] for s in samples] for i in range(3)))
+        scores = scorer.score(*([s[i] for s in samples] for i in range(3))).scores
     assert scores.tolist() == expected
 
 
@@ -91,9 +96,10 @@ def test_large_batches_keep_sample_order_across_chunks():
     solutions = [str(i) if i % 3 else "wrong" for i in range(n)]
     with RewardScorer(reward_cfg(num_workers=3)) as scorer:
         for _ in range(2):  # the pool is reused across steps
-            scores, _ = scorer.score(["arithmetic"] * n, solutions, [str(i) for i in range(n)])
+            scores = scorer.score(["arithmetic"] * n, solutions, [str(i) for i in range(n)]).scores
             assert scores.tolist() == [float(i % 3 != 0) for i in range(n)]
-        assert scorer.score([], [], [])[0].shape == (0,)
+        empty = scorer.score([], [], [])
+        assert empty.scores.shape == empty.acc.shape == (0,)
 
 
 def test_a_hung_scorer_is_killed_and_counted_as_a_timeout(user_module, tmp_path, caplog):
@@ -103,22 +109,22 @@ def test_a_hung_scorer_is_killed_and_counted_as_a_timeout(user_module, tmp_path,
     with RewardScorer(reward_cfg(user_module, timeout_s=0.5)) as scorer:
         started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="rl_megatron.rewards.scorer"):
-            scores, stats = user_score(scorer, solutions, extra_infos=extra_infos)
+            scored = user_score(scorer, solutions, extra_infos=extra_infos)
         assert time.monotonic() - started < 3.0
-        assert scores.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
-        assert stats == {"reward/timeouts": 1, "reward/errors": 0}
+        assert scored.scores.tolist() == scored.acc.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
+        assert scored.stats == {"reward/timeouts": 1, "reward/errors": 0}
         assert "1 timed out after reward.timeout_s=0.5s" in caplog.text
         with pytest.raises(ProcessLookupError):  # the hung process is gone, not left running
             os.kill(int(pid_file.read_text()), 0)
-        scores, stats = user_score(scorer, ["ok"] * 6)  # the replaced pool scores the next batch
-        assert scores.tolist() == [1.0] * 6 and stats == {"reward/timeouts": 0, "reward/errors": 0}
+        scored = user_score(scorer, ["ok"] * 6)  # the replaced pool scores the next batch
+        assert scored.scores.tolist() == [1.0] * 6 and scored.stats == {"reward/timeouts": 0, "reward/errors": 0}
 
 
 def test_the_timeout_is_per_sample_not_per_chunk(user_module):
     # One process gets chunks of several 0.1 s samples: a chunk takes longer than the timeout, no sample does.
     with RewardScorer(reward_cfg(user_module, num_workers=1, timeout_s=0.3)) as scorer:
-        scores, stats = user_score(scorer, ["sleep:0.1"] * 12, ["sleep:0.1"] * 12)
-    assert scores.tolist() == [1.0] * 12 and stats["reward/timeouts"] == 0
+        scored = user_score(scorer, ["sleep:0.1"] * 12, ["sleep:0.1"] * 12)
+    assert scored.scores.tolist() == [1.0] * 12 and scored.stats["reward/timeouts"] == 0
 
 
 @pytest.mark.parametrize("failure, message", [
@@ -130,17 +136,24 @@ def test_the_timeout_is_per_sample_not_per_chunk(user_module):
 def test_a_failing_scorer_scores_zero_and_is_counted(user_module, caplog, failure, message):
     with RewardScorer(reward_cfg(user_module)) as scorer:
         with caplog.at_level(logging.WARNING, logger="rl_megatron.rewards.scorer"):
-            scores, stats = user_score(scorer, ["ok", failure, "ok", "ok"])
-        assert scores.tolist() == [1.0, 0.0, 1.0, 1.0]
-        assert stats == {"reward/timeouts": 0, "reward/errors": 1}
+            scored = user_score(scorer, ["ok", failure, "ok", "ok"])
+        assert scored.scores.tolist() == scored.acc.tolist() == [1.0, 0.0, 1.0, 1.0]
+        assert scored.stats == {"reward/timeouts": 0, "reward/errors": 1}
         assert message in caplog.text and "data_source='user_task'" in caplog.text
-        assert user_score(scorer, ["ok", "ok"])[1] == {"reward/timeouts": 0, "reward/errors": 0}
+        assert user_score(scorer, ["ok", "ok"]).stats == {"reward/timeouts": 0, "reward/errors": 0}
 
 
-def test_custom_fn_gets_extra_info_and_may_return_verl_style_dicts(user_module):
+def test_custom_fn_gets_extra_info_and_may_return_verl_style_dicts_with_an_accuracy(user_module, caplog):
     with RewardScorer(reward_cfg(user_module)) as scorer:
-        scores, _ = user_score(scorer, ["dict", "extra"], extra_infos=[None, {"weight": 0.75}])
-    assert scores.tolist() == [0.25, 0.75]
+        scored = user_score(scorer, ["dict_wrong", "dict_right", "extra"], extra_infos=[None, None, {"weight": 0.75}])
+        assert scored.scores.tolist() == [-1.0, 0.5, 0.75]
+        assert scored.acc.tolist() == [0.0, 1.0, 0.75]  # the dicts' "acc" (bool or number), else the score
+        assert scored.stats == {"reward/timeouts": 0, "reward/errors": 0}
+        with caplog.at_level(logging.WARNING, logger="rl_megatron.rewards.scorer"):
+            scored = user_score(scorer, ["acc_text", "dict_right"])
+    assert scored.scores.tolist() == [0.0, 0.5] and scored.acc.tolist() == [0.0, 1.0]  # a bad "acc" fails its sample
+    assert scored.stats == {"reward/timeouts": 0, "reward/errors": 1}
+    assert "the scorer returned an 'acc' of str 'high', not a number" in caplog.text
 
 
 def test_custom_fn_from_a_file_path(tmp_path):
@@ -148,7 +161,7 @@ def test_custom_fn_from_a_file_path(tmp_path):
     path.write_text("def length_reward(data_source, solution_str, ground_truth, extra_info):\n"
                     "    return len(solution_str) / 10\n")
     with RewardScorer(reward_cfg(f"{path}:length_reward")) as scorer:
-        assert user_score(scorer, ["abc", "abcde"])[0].tolist() == pytest.approx([0.3, 0.5])
+        assert user_score(scorer, ["abc", "abcde"]).scores.tolist() == pytest.approx([0.3, 0.5])
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -178,7 +191,7 @@ def test_submit_returns_at_once_and_close_stops_the_processes(user_module):
     started = time.monotonic()
     pending = scorer.submit(["user_task"] * 2, ["sleep:0.3"] * 2, ["sleep:0.3"] * 2)
     assert time.monotonic() - started < 0.2  # the trainer can go on while the pool scores
-    assert pending.result()[0].tolist() == [1.0, 1.0]
+    assert pending.result().scores.tolist() == [1.0, 1.0]
     processes = [p.process for p in scorer._processes]
     scorer.close()
     assert all(p.returncode is not None for p in processes)
@@ -193,8 +206,8 @@ def test_a_batch_that_cannot_be_sent_fails_alone(user_module):
         truths = ["ok"] * (n - 1) + [lambda: "ok"]
         with pytest.raises(Exception, match="pickle"):
             user_score(scorer, ["sleep:0.05"] * n, truths)
-        scores, stats = user_score(scorer, ["ok", "no", "ok"])
-    assert scores.tolist() == [1.0, 0.0, 1.0] and stats["reward/errors"] == 0
+        scored = user_score(scorer, ["ok", "no", "ok"])
+    assert scored.scores.tolist() == [1.0, 0.0, 1.0] and scored.stats["reward/errors"] == 0
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -245,8 +258,8 @@ def registering_module(tmp_path, monkeypatch):
 
 def test_a_scorer_registered_by_a_module_of_trainer_imports_scores_in_the_processes(registering_module):
     with RewardScorer(reward_cfg(num_workers=2), imports=[registering_module]) as scorer:
-        scores, stats = scorer.score(["shouting_task"] * 3, ["HI", "hi", "YO"], ["hi", "hi", "yo"])
-    assert scores.tolist() == [1.0, 0.0, 1.0] and stats == {"reward/timeouts": 0, "reward/errors": 0}
+        scored = scorer.score(["shouting_task"] * 3, ["HI", "hi", "YO"], ["hi", "hi", "yo"])
+    assert scored.scores.tolist() == [1.0, 0.0, 1.0] and scored.stats == {"reward/timeouts": 0, "reward/errors": 0}
 
 
 def test_a_scorer_registered_only_in_the_controller_names_trainer_imports(registering_module):

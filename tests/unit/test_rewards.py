@@ -2,6 +2,7 @@ import pytest
 
 from rl_megatron.rewards import REGISTRY, register, score
 from rl_megatron.rewards.arithmetic import compute_score
+from rl_megatron.rewards.worker import as_reward, score_chunk
 
 
 @pytest.mark.parametrize(
@@ -104,12 +105,33 @@ def test_keywords_from_config_follow_the_registrations():
 
 
 def test_scorer_processes_call_the_scorers_with_their_keywords():
-    from rl_megatron.rewards.worker import score_chunk
-
     samples = [("openai/gsm8k", "#### 72.00", "72", None), ("arithmetic", "7", "7", None)]
     progress = [0.0, 0.0]
-    assert score_chunk(samples, None, {}, progress) == ([0.0, 1.0], [])
-    assert score_chunk(samples, None, {"openai/gsm8k": {"match": "numeric"}}, progress) == ([1.0, 1.0], [])
+    assert score_chunk(samples, None, {}, progress) == ([(0.0, 0.0), (1.0, 1.0)], [])
+    assert score_chunk(samples, None, {"openai/gsm8k": {"match": "numeric"}}, progress) == \
+        ([(1.0, 1.0), (1.0, 1.0)], [])
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (0.5, (0.5, 0.5)),  # a number is its own accuracy
+    (True, (1.0, 1.0)),
+    ({"score": -1.0, "acc": False, "pred": "7"}, (-1.0, 0.0)),  # DAPO's scorer: score -1, acc False
+    ({"score": 0.5, "acc": 1}, (0.5, 1.0)),
+    ({"score": 0.25}, (0.25, 0.25)),
+])
+def test_as_reward_reads_the_score_and_the_accuracy(raw, expected):
+    assert as_reward(raw) == expected
+
+
+@pytest.mark.parametrize("raw, error, words", [
+    ({"score": 1.0, "acc": "yes"}, TypeError, "the scorer returned an 'acc' of str 'yes', not a number"),
+    ({"score": 1.0, "acc": float("nan")}, ValueError, "the scorer returned an 'acc' of nan, which would poison"),
+    ({"score": None, "acc": 1}, TypeError, "the scorer returned NoneType 'None', not a number"),
+    ({"acc": 1}, TypeError, "without a 'score' entry"),
+])
+def test_as_reward_refuses_a_bad_score_or_accuracy(raw, error, words):
+    with pytest.raises(error, match=words):
+        as_reward(raw)
 
 
 def test_register_takes_several_names_and_the_prompt_flag():

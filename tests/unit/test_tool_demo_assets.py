@@ -188,7 +188,8 @@ def test_register_reads_extra_info():
         assert score("test_reads_extra_info", "", "", {"num_turns": 2}) == 2.0
         assert score("test_plain", "", "", {"num_turns": 2}) == 0.5
         # The scorer processes call them the same way.
-        assert score_chunk(samples, None, {}, [0.0, 0.0]) == ([3.0, 0.5, CALL_CREDIT, 1.0], [])
+        assert score_chunk(samples, None, {}, [0.0, 0.0]) == ([(3.0, 3.0), (0.5, 0.5), (CALL_CREDIT, CALL_CREDIT),
+                                                               (1.0, 1.0)], [])
         register("test_reads_extra_info")(plain)  # registered again without the option: no extra_info
         assert "test_reads_extra_info" not in READS_EXTRA_INFO
         assert score("test_reads_extra_info", "", "", {"num_turns": 2}) == 0.5
