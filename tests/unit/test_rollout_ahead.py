@@ -111,7 +111,7 @@ def test_finished_batches_restore_into_a_new_pipeline_as_they_were():
     resumed = Ahead(lambda step: pytest.fail("restored batches are not generated again"), 2, 3, EngineGate(), False)
     resumed.restore(pending)
     assert resumed.take(2, Timer()).samples == pending[0].samples
-    in_step = InStep(lambda step: [sample(9)])  # a synchronous run resuming an asynchronous checkpoint
+    in_step = InStep(lambda step: Rollout(step, [sample(9)]))  # a synchronous run resuming an asynchronous checkpoint
     in_step.restore(pending)
     assert in_step.take(2, Timer()) is pending[0] and in_step.take(4, Timer()).samples[0].policy_version == 9
 
