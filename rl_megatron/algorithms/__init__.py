@@ -29,7 +29,8 @@ from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats,
                                           value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
-from rl_megatron.algorithms.policy_losses import POLICY_LOSSES, ppo_loss, register_policy_loss
+from rl_megatron.algorithms.policy_losses import (POLICY_LOSSES, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss,
+                                                  ppo_loss, register_policy_loss)
 from rl_megatron.algorithms.reward_shaping import overlong_penalty
 
 __all__ = [
@@ -44,10 +45,14 @@ __all__ = [
     "LossStats",
     "aggregate_loss",
     "apply_kl_penalty",
+    "cispo_loss",
+    "clip_cov_loss",
     "compute_advantages",
     "gae_advantages",
     "grpo_advantages",
+    "gspo_loss",
     "kl_controller",
+    "kl_cov_loss",
     "kl_divergence",
     "masked_mean",
     "masked_sum",

@@ -1,4 +1,5 @@
-"""PPO policy and value losses, aggregated so micro-batch losses sum to the mini-batch loss.
+"""PPO policy and value losses, and the parts every policy loss shares (masked log-ratio, clipped surrogate, stats),
+aggregated so micro-batch losses sum to the mini-batch loss.
 
 Every micro-batch divides by the sizes of the whole mini-batch (LossScale, summed over data-parallel ranks), so the
 losses of its micro-batches on all ranks add up to the mini-batch aggregate whatever the split. Their `LossStats`
@@ -63,6 +64,55 @@ def _masked_count(condition: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(condition.float(), mask).detach()
 
 
+def masked_log_ratio(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:
+    """log(pi / pi_old) per token, in float32: 0 outside the mask, so that padding (which may hold inf or NaN) can
+    never turn into an inf ratio or a NaN gradient, and within +-20 so that its exp() stays finite."""
+    log_ratio = torch.where(mask.bool(), log_probs.float() - old_log_probs.float(), 0.0)
+    return log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
+
+
+def token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    """[B, S] float advantages (a [B] one spread over its row's tokens), 0 outside the mask."""
+    advantages = advantages.float()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    return torch.where(mask.bool(), advantages, 0.0)
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_ratio_low: float, clip_ratio_high: float,
+                      clip_ratio_c: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's per-token loss max(-A r, -A clip(r, 1 - low, 1 + high)), capped at -A c where A < 0 with dual-clip;
+    and where it took the clipped term and where the cap (neither has a gradient in r)."""
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        # With A < 0 the pessimistic term grows without bound in the ratio; dual-clip caps it at -A * c.
+        cap = -advantages * clip_ratio_c
+        dual_clipped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual_clipped, cap, per_token)
+    return per_token, clipped > unclipped, dual_clipped
+
+
+def weighted_aggregate(per_token: Tensor, mask: Tensor, mode: str, scale: LossScale,
+                       importance_weights: Tensor | None) -> Tensor:
+    """`aggregate_loss` of the per-token loss times the rollout correction's per-token weights (if any)."""
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    return aggregate_loss(per_token, mask, mode, scale)
+
+
+def token_stats(mask: Tensor, log_ratio: Tensor, **token_values: Tensor) -> LossStats:
+    """A policy loss's stats: the response tokens, ppo_kl (old - new log-prob) and each of `token_values` (a
+    condition counts its tokens), summed over the response tokens."""
+    sums = {name: masked_sum(values.float(), mask).detach() for name, values in token_values.items()}
+    return LossStats(tokens=_masked_count(mask, mask),
+                     token_sums={**sums, "ppo_kl": masked_sum(-log_ratio, mask).detach()})
+
+
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -79,32 +129,12 @@ def policy_loss(
     """PPO clipped surrogate with ratio range [1 - low, 1 + high], optional dual-clip (cap -A * c where A < 0) and
     optional per-token importance weights; advantages are [B, S] or [B]. Token sums: pg_clipfrac (clipped tokens),
     pg_clipfrac_lower (dual-clipped tokens), ppo_kl (old - new log-prob)."""
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     mask = response_mask.bool()
-    advantages = advantages.float()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    # Zeroed outside the mask so that padding can never turn into an inf ratio (and NaN gradients).
-    log_ratio = torch.where(mask, log_probs.float() - old_log_probs.float(), 0.0)
-    ratio = torch.exp(log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    dual_clipped = torch.zeros_like(mask)
-    if clip_ratio_c is not None:
-        # With A < 0 the pessimistic term grows without bound in the ratio; dual-clip caps it at -A * c.
-        cap = -advantages * clip_ratio_c
-        dual_clipped = (advantages < 0) & (per_token > cap)
-        per_token = torch.where(dual_clipped, cap, per_token)
-    if importance_weights is not None:
-        per_token = per_token * importance_weights
-    stats = LossStats(tokens=_masked_count(mask, mask), token_sums={
-        "pg_clipfrac": _masked_count(clipped > unclipped, mask),
-        "pg_clipfrac_lower": _masked_count(dual_clipped, mask),
-        "ppo_kl": masked_sum(-log_ratio, mask).detach(),
-    })
-    return aggregate_loss(per_token, mask, agg_mode, scale), stats
+    log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
+    per_token, clipped, dual_clipped = clipped_surrogate(torch.exp(log_ratio), token_advantages(advantages, mask),
+                                                         clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    stats = token_stats(mask, log_ratio, pg_clipfrac=clipped, pg_clipfrac_lower=dual_clipped)
+    return weighted_aggregate(per_token, mask, agg_mode, scale, importance_weights), stats
 
 
 def value_loss(

@@ -10,15 +10,21 @@ log_probs are the policy's [B, S] (with gradient), old_log_probs the same tokens
 mini-batch's sizes (`LossScale`: aggregate with `aggregate_loss(per_token, mask, actor.loss_agg_mode, scale)`), and
 importance_weights the rollout correction's per-token weights (algorithm.rollout_correction), which multiply the
 per-token loss. Token sums in the stats are reported as actor/<name> averaged over response tokens.
+
+Positions outside response_mask may hold anything (inf, NaN): every loss reads log-probs only through
+`masked_log_ratio` or a `torch.where` on the mask, so they reach neither the loss nor its gradient.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
-from rl_megatron.algorithms.losses import LossScale, LossStats, policy_loss
+from rl_megatron.algorithms.losses import (LossScale, LossStats, clipped_surrogate, masked_log_ratio, policy_loss,
+                                          token_advantages, token_stats, weighted_aggregate)
+from rl_megatron.algorithms.masked import masked_sum
 from rl_megatron.algorithms.registry import Registry
 
 if TYPE_CHECKING:  # for the annotations only: the config schema imports this package
@@ -42,3 +48,171 @@ def ppo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, respo
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=actor.clip_ratio_low,
                        clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
                        agg_mode=actor.loss_agg_mode, scale=scale, importance_weights=importance_weights)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+              actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+              ) -> tuple[Tensor, LossStats]:
+    """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv:2507.18071), in its GSPO-token form.
+
+    The importance ratio is the sequence's, the geometric mean of its token ratios, so a sequence is clipped whole:
+
+        s_i    = exp(mean over i's response tokens of (logp_t - old_t))
+        s_i,t  = sg[s_i] * exp(logp_t - sg[logp_t])          (value s_i, gradient s_i * grad logp_t)
+        loss_t = max(-A_t s_i,t, -A_t clip(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    With one advantage per sequence this is GSPO's sequence-level objective; with one response token, PPO's. No
+    dual-clip (actor.clip_ratio_c is not used). The paper's objective averages each sequence's tokens, then the
+    sequences: set actor.loss_agg_mode=seq-mean-token-mean (verl forces that mode for GSPO; here the key decides, as
+    for every loss). A mean log-ratio moves far less than a token's, so the paper's clip range is tiny:
+    actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4 (PPO's 0.2 would clip next to nothing).
+
+    Token sums: pg_clipfrac (tokens whose term was clipped), ppo_kl, and seq_ratio: each token carries its
+    sequence's s_i, so reported over the tokens it is the token-weighted mean of s_i (a mean over sequences would
+    not add up over micro-batches and ranks as token sums do).
+    """
+    mask = response_mask.bool()
+    log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
+    sequence_log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    # log_ratio - sg[log_ratio] is 0 with the gradient of logp_t (old_t is a constant), and 0 outside the mask.
+    token_ratio = torch.exp(sequence_log_ratio.detach() + log_ratio - log_ratio.detach())
+    per_token, clipped, _ = clipped_surrogate(token_ratio, token_advantages(advantages, mask), actor.clip_ratio_low,
+                                              actor.clip_ratio_high)
+    stats = token_stats(mask, log_ratio, pg_clipfrac=clipped, seq_ratio=token_ratio)
+    return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
+
+
+@register_policy_loss("cispo")
+def cispo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+               actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+               ) -> tuple[Tensor, LossStats]:
+    """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585): clip the importance weight, not the update. The
+    clipped weight is a stop-gradient coefficient of the REINFORCE term, so no token leaves the gradient (PPO's
+    clipped tokens have none):
+
+        loss_t = -sg[min(r_t, 1 + cispo_clip_high)] * A_t * logp_t,   r_t = exp(logp_t - old_t)
+
+    whose gradient is -min(r_t, 1 + cispo_clip_high) A_t grad logp_t. Upper bound only: the paper's
+    clip(r, 1 - eps_low, 1 + eps_high) sets eps_low so large that it never binds (it tunes eps_high alone), so no
+    lower bound is applied (verl clips with actor.clip_ratio_low/high instead; its CISPO example sets
+    clip_ratio_low=10 to the same effect). The paper aggregates by token-mean (actor.loss_agg_mode's default). The
+    loss's value, -w A logp, is not comparable to PPO's; only its gradient matters.
+
+    Token sums: pg_clipfrac (tokens whose weight was capped), ppo_kl.
+    """
+    mask = response_mask.bool()
+    log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
+    ratio = torch.exp(log_ratio)
+    capped = ratio > 1.0 + actor.cispo_clip_high
+    weight = ratio.clamp(max=1.0 + actor.cispo_clip_high).detach()
+    per_token = -weight * token_advantages(advantages, mask) * torch.where(mask, log_probs.float(), 0.0)
+    stats = token_stats(mask, log_ratio, pg_clipfrac=capped)
+    return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
+
+
+# --- Clip-Cov and KL-Cov: a few tokens picked by the covariance of their log-prob and advantage ------------------
+
+def _token_covariance(log_probs: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """(logp_t - mean logp) * (A_t - mean A) per response token, the means over the response tokens given;
+    -inf elsewhere, so that no pick lands there. Detached: it only picks tokens."""
+    log_probs = torch.where(mask, log_probs.detach().float(), 0.0)
+    token_count = mask.sum().clamp(min=1)
+    centred_log_probs = log_probs - log_probs.sum() / token_count
+    centred_advantages = advantages - masked_sum(advantages, mask) / token_count
+    return torch.where(mask, centred_log_probs * centred_advantages, -torch.inf)
+
+
+def _pick_count(fraction: float, mask: Tensor) -> int:
+    """max(1, floor(fraction x response tokens)) as in the paper and verl (0 without response tokens)."""
+    token_count = int(mask.sum().item())
+    return min(max(int(fraction * token_count), 1), token_count)
+
+
+def _data_seed(values: Tensor, mask: Tensor) -> int:
+    """A seed that depends on `values` at the mask only (so it changes from micro-batch to micro-batch and step to
+    step): the integer sum of their float32 bit patterns, exact, so the same whatever order the device adds them in."""
+    bits = torch.where(mask, values.detach().float(), 0.0).view(torch.int32).long().sum()
+    return int(bits.item()) % 2**63
+
+
+def _random_pick(candidates: Tensor, count: int, seed: int) -> Tensor:
+    """`count` of the `candidates` positions (all of them if fewer), drawn uniformly by a generator seeded `seed`."""
+    positions = candidates.flatten().nonzero().squeeze(1)
+    order = torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(seed))
+    picked = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    picked[positions[order[:count].to(positions.device)]] = True
+    return picked.view_as(candidates)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                  actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+                  ) -> tuple[Tensor, LossStats]:
+    """Clip-Cov (Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+    arXiv:2505.22617): the tokens whose log-prob and advantage covary most drive the entropy down; a few of them
+    leave the policy gradient. With the covariance of each response token
+
+        cov_t = (logp_t - mean logp) * (A_t - mean A)        (means over the response tokens)
+
+    max(1, floor(clip_cov_ratio x response tokens)) tokens are drawn at random from those with cov_t in
+    [clip_cov_lb, clip_cov_ub] that still have a gradient (not already clipped by PPO); a drawn token's term is 0
+    (no value, no gradient: the paper's objective, and verl's), every other token's is PPO's (`ppo_loss`, with
+    actor.clip_ratio_low/high/c).
+
+    The draw is reproducible: a torch.Generator seeded from the micro-batch's old log-probs (`_data_seed`) instead of
+    verl's torch.randperm on the global generator. The same micro-batch thus draws the same tokens in every run and
+    on every tensor- and context-parallel rank that computes its loss (their gradients must agree), and the global
+    RNG is neither read nor advanced. The means and the draw are over the tokens of the micro-batch the loss sees (as
+    in verl), so they depend on micro-batching (actor.micro_batch_size, actor.max_tokens_per_micro_batch).
+
+    Token sums: pg_clipfrac (the drawn tokens, as verl reports it), pg_clipfrac_ppo and pg_clipfrac_lower (clipped
+    and dual-clipped by PPO, ppo's pg_clipfrac and pg_clipfrac_lower), ppo_kl.
+    """
+    if actor.clip_cov_lb > actor.clip_cov_ub:
+        raise ValueError(f"clip_cov needs actor.clip_cov_lb <= actor.clip_cov_ub, got {actor.clip_cov_lb} > "
+                         f"{actor.clip_cov_ub}")
+    mask = response_mask.bool()
+    log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
+    advantages = token_advantages(advantages, mask)
+    per_token, clipped, dual_clipped = clipped_surrogate(torch.exp(log_ratio), advantages, actor.clip_ratio_low,
+                                                         actor.clip_ratio_high, actor.clip_ratio_c)
+    covariance = _token_covariance(log_probs, advantages, mask)
+    candidates = (mask & ~clipped & ~dual_clipped & (covariance >= actor.clip_cov_lb)
+                  & (covariance <= actor.clip_cov_ub))
+    drawn = _random_pick(candidates, _pick_count(actor.clip_cov_ratio, mask), _data_seed(old_log_probs, mask))
+    per_token = torch.where(drawn, 0.0, per_token)
+    stats = token_stats(mask, log_ratio, pg_clipfrac=drawn, pg_clipfrac_ppo=clipped, pg_clipfrac_lower=dual_clipped)
+    return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+                ) -> tuple[Tensor, LossStats]:
+    """KL-Cov (Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+    arXiv:2505.22617): the max(1, floor(kl_cov_ratio x response tokens)) response tokens of the largest covariance
+    cov_t (as in `clip_cov_loss`) get a KL penalty; every token has the importance-weighted policy gradient:
+
+        loss_t = -A_t r_t + [t picked] * ppo_kl_coef * |logp_t - old_t|,   r_t = exp(logp_t - old_t)
+
+    |logp - old| is the paper's per-token estimate of KL(pi_old || pi). No PPO clip, as in the paper's objective and
+    verl's: the penalty is the trust region of the tokens that drive the entropy down (actor.clip_ratio_low/high/c
+    are not used). The pick is the top-k by covariance: deterministic, no randomness. The means and the top-k are over
+    the tokens of the micro-batch the loss sees (as in verl), so they depend on micro-batching
+    (actor.micro_batch_size, actor.max_tokens_per_micro_batch).
+
+    Token sums: pg_clipfrac (the picked tokens), kl_cov_penalty (|logp - old| of the picked tokens, before
+    ppo_kl_coef), ppo_kl (old - new log-prob over all tokens; verl reports |logp - old| there instead).
+    """
+    mask = response_mask.bool()
+    log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
+    advantages = token_advantages(advantages, mask)
+    covariance = _token_covariance(log_probs, advantages, mask).flatten()
+    picked = torch.zeros_like(covariance, dtype=torch.bool)
+    picked[covariance.topk(_pick_count(actor.kl_cov_ratio, mask)).indices] = True
+    picked = picked.view_as(mask)
+    penalty = torch.where(picked, log_ratio.abs(), 0.0)
+    per_token = -advantages * torch.exp(log_ratio) + actor.ppo_kl_coef * penalty
+    stats = token_stats(mask, log_ratio, pg_clipfrac=picked, kl_cov_penalty=penalty)
+    return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats

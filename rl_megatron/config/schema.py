@@ -91,6 +91,12 @@ class ActorConfig:
     clip_ratio_low: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept above 1 - clip_ratio_low
     clip_ratio_high: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher: raise it)
     clip_ratio_c: Optional[float] = checked(None, above(1), "dual-clip's bound, e.g. 3.0, or null to disable dual-clip")  # dual-clip PPO: a negative-advantage token's loss is capped at -A*c (c > 1)
+    cispo_clip_high: float = checked(0.2, NOT_NEGATIVE)  # cispo: a token's importance weight (its stop-gradient coefficient) is capped at 1 + this (MiniMax-M1's eps_high; no lower cap)
+    clip_cov_ratio: float = checked(0.0002, within(0, 1, low_open=True))  # clip_cov: fraction of a micro-batch's response tokens (at least one) drawn from the covariance band to leave the policy gradient
+    clip_cov_lb: float = 1.0  # clip_cov: lower end of the band of token covariances (centred log-prob x centred advantage) to draw from
+    clip_cov_ub: float = 5.0  # clip_cov: upper end of that band (at least clip_cov_lb)
+    kl_cov_ratio: float = checked(0.0002, within(0, 1, low_open=True))  # kl_cov: fraction of a micro-batch's response tokens (at least one), those of the largest covariance, that get the KL penalty
+    ppo_kl_coef: float = checked(0.1, NOT_NEGATIVE)  # kl_cov: weight of the penalty |logp - old_logp| on those tokens
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"  # how token losses sum up to the mini-batch loss
     entropy_coeff: float = checked(0.0, NOT_NEGATIVE)  # weight of the entropy bonus in the actor loss
     use_kl_loss: bool = False  # add coef * KL(actor || reference) to the actor loss (GRPO's KL term)
