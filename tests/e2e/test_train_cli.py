@@ -80,11 +80,13 @@ def demo_model_with_layers(folder, layers: int) -> str:
 
 
 # The user's own code, named in the config by file path: a scorer registered for the demo's data source (which
-# replaces the built-in one, in the scorer processes too: 0.5 where it gives 1, 0.25 where it gives 0) and a rollout function that wraps the default one and
-# records what it was asked and what it returned.
+# replaces the built-in one, in the scorer processes too: 0.5 where it gives 1, 0.25 where it gives 0), a rollout
+# function that wraps the default one and records what it was asked and what it returned, and a policy loss (GSPO,
+# reporting that it ran: actor/user_loss_tokens, the share of response tokens it saw, 1).
 USER_PLUGIN = """
 import json, os
 
+from rl_megatron.algorithms import gspo_loss, register_policy_loss
 from rl_megatron.rewards import arithmetic, register
 from rl_megatron.rollout import default as default_rollout
 
@@ -102,14 +104,22 @@ def recording_rollout(engines, prompts, sampling):
         f.write(json.dumps({"purpose": sampling.purpose, "prompts": len(prompts), "n": sampling.n,
                             "samples": len(samples), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
     return samples
+
+
+@register_policy_loss("users_gspo")
+def users_gspo(log_probs, old_log_probs, advantages, response_mask, *, actor, scale, importance_weights=None):
+    loss, stats = gspo_loss(log_probs, old_log_probs, advantages, response_mask, actor=actor, scale=scale,
+                            importance_weights=importance_weights)
+    stats.token_sums["user_loss_tokens"] = stats.tokens
+    return loss, stats
 """
 
 
 def test_interleaved_pipeline_parallel_run_with_the_users_scorer_and_rollout_function(tmp_path):
     """A few steps with the policy split into two pipeline stages instead of two tensor-parallel shards, each
     stage holding two interleaved model chunks (one layer each). (Two stages without interleaving run end to end
-    in test_checkpoint_resume.py, resumed at TP=1 x PP=2.) The same run takes its scorer and its rollout function
-    from a file of the user's (trainer.imports, rollout.function)."""
+    in test_checkpoint_resume.py, resumed at TP=1 x PP=2.) The same run takes its scorer, its rollout function and
+    its policy loss from a file of the user's (trainer.imports, rollout.function, actor.policy_loss)."""
     vpp = 2
     model = demo_model_with_layers(tmp_path / "model", layers=2 * vpp)
     plugin = tmp_path / "user_plugin.py"
@@ -117,8 +127,9 @@ def test_interleaved_pipeline_parallel_run_with_the_users_scorer_and_rollout_fun
     _, rows, _ = train(tmp_path, "trainer.total_steps=3", "actor.tensor_model_parallel_size=1",
                        "actor.pipeline_model_parallel_size=2", f"actor.virtual_pipeline_model_parallel_size={vpp}",
                        f"model.path={model}", "rollout.max_tokens=3", f"trainer.imports=[{plugin}]",
-                       f"rollout.function={plugin}:recording_rollout")
+                       f"rollout.function={plugin}:recording_rollout", "actor.policy_loss=users_gspo")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["actor/user_loss_tokens"] == 1.0 and r["actor/seq_ratio"] > 0 for r in rows)  # the user's GSPO ran
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     # The engine samples from the weights the trainer exported from its stages and chunks.
     # float32 on both sides, summed in different orders: a few ULPs of a large log-prob (1.19e-5 at step 158 on the
