@@ -3,16 +3,16 @@ beside it) and 16 prompts a step: the reward rises under each registered policy 
 sampling.
 
 In CI one run serves both: KL-Cov with dynamic sampling. The other losses' runs are `slow` (RL_MEGATRON_SLOW=1): on
-the demo's one-token answers GSPO's sequence ratio is the token ratio and CISPO's capped weight never binds, so both
-follow PPO's trajectory exactly (the demo's own test), and Clip-Cov differs from it by the tokens it draws; their
-math is pinned by tests/unit/test_policy_losses.py, and a user's GSPO-based loss runs through the workers in
-tests/e2e/test_train_cli.py (three-token answers, interleaved pipeline)."""
+the demo's one-token answers GSPO's sequence ratio is the token ratio, so it is PPO there, and CISPO differs from
+PPO only where a ratio passes its cap; their math is pinned by tests/unit/test_policy_losses.py, and a user's
+GSPO-based loss runs through the workers in tests/e2e/test_train_cli.py (three-token answers, interleaved pipeline)."""
 import pytest
 
 from helpers.runs import train
 
+# Two optimizer steps a step, so that the second mini-batch is off-policy and the losses' ratios, clips and penalties act.
 SMALL = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "data.train_batch_size=16",
-         "actor.optim.lr=3e-3", "trainer.target_reward=null")
+         "actor.ppo_mini_batch_size=8", "actor.optim.lr=3e-3", "trainer.target_reward=null")
 
 
 def mean_reward(rows, key="reward/mean") -> float:
@@ -38,6 +38,8 @@ def test_the_demo_learns_under_each_policy_loss(tmp_path, loss, options):
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     if loss in ("clip_cov", "kl_cov"):  # the covariance selection picked tokens
         assert sum(r["actor/pg_clipfrac"] > 0 for r in rows) > len(rows) / 2
+    if loss == "kl_cov":  # and the picked tokens of the off-policy mini-batch were penalised
+        assert all(r["actor/kl_cov_penalty"] > 0 for r in rows)
 
 
 def test_dynamic_sampling_trains_on_groups_that_vary_and_the_reward_rises_under_kl_cov(tmp_path):
@@ -48,7 +50,7 @@ def test_dynamic_sampling_trains_on_groups_that_vary_and_the_reward_rises_under_
         assert r["filter/prompts_used"] == 32 * r["filter/gen_batches"]
         assert r["filter/kept_groups"] == 16 and not r["filter/reached_cap"]  # the demo never needs 10 rounds
         assert 0 < r["reward/mean"] < 1  # only groups with right and wrong answers are trained on
-        assert r["actor/pg_clipfrac"] > 0  # KL-Cov's share of the tokens got the penalty
+        assert r["actor/pg_clipfrac"] > 0 and r["actor/kl_cov_penalty"] > 0  # KL-Cov's share got the penalty
     assert max(r["filter/gen_batches"] for r in rows) > 1  # more rounds were needed at the start
     assert mean_reward(rows[-10:], "filter/generated_reward/mean") > mean_reward(
         rows[:5], "filter/generated_reward/mean") + 0.03
