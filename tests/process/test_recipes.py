@@ -1,7 +1,8 @@
 """The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml, *_math_async.yaml,
-configs/moe/grpo_qwen3_30b_a3b.yaml) load, validate and fit their cluster, activations included: each with the real
-model's config.json and data prepared by `python -m rl_megatron.data.prepare` (DAPO's files, already in verl's
-layout, written here)."""
+*_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml) load,
+validate and fit their cluster, activations included: each with the real model's config.json and data prepared by
+`python -m rl_megatron.data.prepare` (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
+recipes also keep their papers' hyper-parameters."""
 import json
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from helpers.model_folders import write_header_only_weights, write_text_tokenizer, write_tool_text_tokenizer
 
+from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.config import ConfigError, load_config
 from rl_megatron.launch import format_plan
 from rl_megatron.rewards import score
@@ -75,7 +78,9 @@ def dapo_file(tmp_path):
                                               ("grpo_qwen2_5_7b_math_8k", "7b", "dapo"),
                                               ("grpo_qwen2_5_7b_math_async", "7b", "dapo"),
                                               ("grpo_qwen2_5_3b_tool_math", "3b", "gsm8k"),
-                                              ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math")])
+                                              ("dapo_qwen2_5_7b_math", "7b", "dapo"),
+                                              ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math"),
+                                              ("gspo_qwen3_30b_a3b_math", "30b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "dapo":
         train = val = dapo_file(tmp_path)
@@ -120,6 +125,40 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
             format_plan(load_config(f"{REPO}/configs/{recipe}.yaml", [
                 f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", *keys]),
                 gpu_memory_gib=80)
+    if recipe == "dapo_qwen2_5_7b_math":  # DAPO's four techniques with the paper's values, and no KL
+        actor, algorithm = cfg.actor, cfg.algorithm
+        assert (actor.policy_loss, actor.clip_ratio_low, actor.clip_ratio_high) == ("ppo", 0.2, 0.28)
+        assert actor.loss_agg_mode == "token-mean" and not actor.use_kl_loss and not algorithm.use_kl_in_reward
+        assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.data.max_prompt_length) == (512, 16, 2048)
+        assert cfg.data.train_batch_size // actor.ppo_mini_batch_size == 16  # optimizer steps per RL step
+        groups = algorithm.filter_groups
+        assert groups.enable and groups.metric == "acc" and groups.max_num_gen_batches == 10
+        assert cfg.data.gen_batch_size == 3 * cfg.data.train_batch_size
+        buffer = cfg.reward.overlong_buffer
+        assert buffer.enable and (buffer.len, buffer.penalty_factor, cfg.rollout.max_tokens) == (4096, 1.0, 20480)
+        lengths = torch.tensor([16384, 18432, 20480])  # the penalty starts at 16k and reaches 1.0 at 20k tokens
+        assert overlong_penalty(lengths, cfg.rollout.max_tokens, buffer.len, buffer.penalty_factor).tolist() == [
+            0.0, -0.5, -1.0]
+        optim = actor.optim
+        assert (optim.lr, optim.weight_decay, optim.clip_grad, optim.lr_warmup_steps) == (1e-6, 0.1, 1.0, 10 * 16)
+        assert (cfg.rollout.temperature, cfg.rollout.top_p) == (1.0, 1.0)
+        # 20k-token responses: one longest sample per micro-batch, recomputed, beside the engine's half
+        assert "64 GPUs" in plan and "TP=4 PP=1 CP=1 EP=1 DP=16" in plan
+        assert "actor pool: 63.2 GiB = actor 12.0 GiB" in plan and "rollout 40.0 GiB" in plan
+        assert "activations 11.2 GiB (the actor's; one pass at a time)" in plan
+        assert "22528 tokens per micro-batch, full recompute" in plan
+    if recipe == "gspo_qwen3_30b_a3b_math":  # sequence-level ratio with the paper's tiny clip range, no KL
+        actor = cfg.actor
+        assert (actor.policy_loss, actor.clip_ratio_low, actor.clip_ratio_high) == ("gspo", 3e-4, 4e-4)
+        assert actor.loss_agg_mode == "seq-mean-token-mean" and not actor.use_kl_loss
+        assert not cfg.algorithm.use_kl_in_reward and "ref " not in plan  # no reference model without KL
+        assert cfg.data.train_batch_size // actor.ppo_mini_batch_size == 4  # the paper's four mini-batches
+        assert cfg.rollout.n == 16 and cfg.moe.router_dtype == "fp32"
+        buffer = cfg.reward.overlong_buffer
+        assert buffer.enable and (buffer.len, buffer.penalty_factor, cfg.rollout.max_tokens) == (4096, 1.0, 8192)
+        # 8k-token responses in the MoE recipe's layout: a token budget and full recompute instead of 1 sample
+        assert "actor pool: 69.2 GiB = actor 23.0 GiB" in plan and "rollout 36.0 GiB" in plan
+        assert "10240 tokens per micro-batch, full recompute" in plan
 
 
 def test_recipe_names_the_one_key_to_set():
