@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
 from rl_megatron.errors import CheckpointError
-from rl_megatron.models.family import family_fields, rope_theta
+from rl_megatron.models.family import family_fields
+from rl_megatron.models.rotary import partial_rotary_factor, rope_scaling, rope_theta
 
 METADATA_FILE = "rl_megatron_checkpoint.json"
 FORMAT = "rl_megatron.model_checkpoint"
@@ -51,6 +52,10 @@ def config_fields(hf_config: dict) -> dict:
         "rms_norm_eps": hf_config.get("rms_norm_eps", 1e-6),
         "rope_theta": rope_theta(hf_config),
         **family_fields(hf_config),
+        # Only where set, so that the checkpoints of models without them keep their recorded hash.
+        **{key: value for key, value in (("rope_scaling", rope_scaling(hf_config)),
+                                         ("partial_rotary_factor", partial_rotary_factor(hf_config)))
+           if value not in (None, 1.0)},
     }
 
 

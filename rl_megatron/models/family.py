@@ -13,23 +13,15 @@ from dataclasses import dataclass
 
 from rl_megatron.errors import ConfigError
 from rl_megatron.models import families
+from rl_megatron.models.rotary import check_rope
 from rl_megatron.models.weight_tables import DenseTable, ExpertNames, MoeTable
-
-
-def rope_theta(hf: dict) -> float:
-    # transformers >= 5 writes rope settings under "rope_parameters"; older configs keep them top-level.
-    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-
-
-def rope_scaling(hf: dict):
-    parameters = hf.get("rope_parameters") or {}
-    return hf.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
 
 
 # config.json fields every family reads: the first four are required, the others have defaults.
 REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
 COMMON_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
-                 "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "max_position_embeddings")
+                 "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor", "tie_word_embeddings",
+                 "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -52,15 +44,25 @@ class ModelFamily:
     always_qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2); otherwise when config.json's attention_bias
     qk_layernorm: bool  # queries and keys normalised per head (Qwen3)
     moe: MoeSpec | None = None  # None: a dense family
+    sliding_window: bool = False  # config.json's sliding_window limits every layer's attention (Mistral)
 
     @property
     def config_fields(self) -> tuple[str, ...]:
         """The config.json fields this family reads."""
-        bias = () if self.always_qkv_bias else ("attention_bias",)
+        attention = () if self.always_qkv_bias else ("attention_bias",)
+        attention += ("sliding_window",) if self.sliding_window else ("use_sliding_window",)
         moe = () if self.moe is None else ("num_experts", "num_local_experts", "num_experts_per_tok",
                                            self.moe.width_key, "norm_topk_prob", "mlp_only_layers",
                                            "decoder_sparse_step")
-        return tuple(dict.fromkeys((*COMMON_FIELDS, *bias, *moe)))
+        return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
+
+    def window(self, hf: dict) -> int | None:
+        """Positions a token attends to (itself included), None for full causal attention. Qwen2's configs carry
+        a sliding_window that applies only with use_sliding_window, and then to the upper layers alone: refused."""
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true (sliding-window attention in the layers from max_window_layers "
+                             "on) is not supported; Qwen's released models leave it false.")
+        return hf.get("sliding_window") if self.sliding_window else None
 
     def qkv_bias(self, hf: dict) -> bool:
         return self.always_qkv_bias or bool(hf.get("attention_bias", False))
@@ -110,6 +112,11 @@ class ModelFamily:
 
     def check(self, hf: dict, source: str) -> None:
         """What a config.json of this family must hold beyond the common fields (ConfigError naming `source`)."""
+        try:
+            check_rope(hf)
+            self.window(hf)
+        except ValueError as err:
+            raise ConfigError(f"{source}: {err}") from None
         if self.moe is None:
             return
         for key in self.moe.required_fields(hf):
@@ -124,6 +131,8 @@ class ModelFamily:
     def checkpoint_fields(self, hf: dict) -> dict:
         """The family's part of what decides a model's tensors (compared when a checkpoint is loaded)."""
         fields = dict(qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_layernorm, num_experts=self.experts(hf))
+        if self.window(hf) is not None:  # only where set: other checkpoints keep their recorded hash
+            fields["sliding_window"] = self.window(hf)
         if self.moe is not None:
             fields.update(expert_width=hf[self.moe.width_key], num_experts_per_tok=hf["num_experts_per_tok"])
         return fields

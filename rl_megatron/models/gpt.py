@@ -13,9 +13,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
-from rl_megatron.models.family import family_of, rope_scaling, rope_theta, table_for
+from rl_megatron.models.family import family_of, table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
 from rl_megatron.models.packed_attention import PackedDotProductAttention
+from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,8 +80,6 @@ def initialization(has_cuda: bool, weights_follow: bool) -> dict:
 def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp: int | None = None,
                        moe: MoeConfig | None = None, weights_follow: bool = False,
                        activations: ActivationSettings = ActivationSettings()) -> TransformerConfig:
-    if rope_scaling(hf):
-        raise ValueError(f"config.json sets rope scaling {rope_scaling(hf)}, which is not supported yet.")
     heads = hf["num_attention_heads"]
     torch_dtype = DTYPES[dtype]
     return TransformerConfig(
@@ -89,7 +88,8 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        kv_channels=head_dim(hf),
+        **position_fields(hf),
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
@@ -113,6 +113,27 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         calculate_per_token_loss=False,
         **moe_settings(hf, moe),
     )
+
+
+def head_dim(hf: dict) -> int:
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def position_fields(hf: dict) -> dict:
+    """Megatron TransformerConfig fields of the model's rotary embedding and attention window. YaRN scales cos and
+    sin by its attention factor m, on queries and keys alike: with every dimension rotated that is the softmax
+    scale m^2 / sqrt(head_dim), which every attention kernel takes."""
+    rotary, fields = rotary_of(hf, head_dim(hf)), {}
+    if rotary.attention_factor != 1.0:
+        if partial_rotary_factor(hf) != 1.0:
+            raise ValueError(f"config.json combines YaRN (attention factor {rotary.attention_factor}) with "
+                             f"partial_rotary_factor={partial_rotary_factor(hf)}, which is not supported.")
+        fields["softmax_scale"] = rotary.attention_factor ** 2 / head_dim(hf) ** 0.5
+    window = family_of(hf).window(hf)
+    if window is not None:
+        # HF's window counts the token itself: W positions, this one and the W - 1 before it.
+        fields["window_size"] = (window - 1, 0)
+    return fields
 
 
 def uses_transformer_engine() -> bool:
@@ -205,9 +226,11 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
         parallel_output=True,  # logits stay split over the vocabulary; log-probs never gather them
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")) and value_head_seed is None,
         position_embedding_type="rope",
-        rotary_base=int(rope_theta(hf)),
+        rotary_percent=partial_rotary_factor(hf),
         vp_stage=vp_stage,
     )
+    # The rope type's frequencies (models/rotary.py), in place of Megatron's plain ones.
+    model.rotary_pos_emb.inv_freq = rotary_of(hf, config.kv_channels).inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     if value_head_seed is not None and model.post_process:
         model.output_layer = ValueHead(config, value_head_seed)
     return model.to(DTYPES[dtype])

@@ -9,7 +9,8 @@ applies them per span when cu_seqlens are given), so positions within a sample a
 
 Per span, with torch's fused scaled-dot-product attention (a flash kernel on CPU too): like TE's kernels it never
 holds a span's score matrix, so a packed micro-batch's memory grows with its tokens, not with the square of its
-longest sample. Unpacked rows keep Megatron's own path.
+longest sample. Unpacked rows keep Megatron's own path unless a sliding window is set (Mistral), whose mask
+Megatron's local attention builds on CUDA only.
 """
 from __future__ import annotations
 
@@ -20,21 +21,38 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class PackedDotProductAttention(DotProductAttention):
+    """Megatron's local attention, plus packed rows and sliding windows (whose mask Megatron's local path builds on
+    CUDA only); both go through torch's fused attention, one sample span (or unpacked row) at a time."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is None:
+        window = self.config.window_size
+        if packed_seq_params is None and window is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        # THD input: [tokens, heads (query groups for key/value), head_dim] (Megatron squeezed the batch of 1).
+        # [tokens, batch, heads (query groups for key/value), head_dim]; Megatron squeezes a packed row's batch of 1.
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        query, key, value = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, tokens, d]
+        if packed_seq_params is not None:
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+        query, key, value = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [batch, heads, tokens, d]
         if groups > 1:
             key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        spans = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                                scale=self.softmax_scale) for a, b in zip(bounds, bounds[1:])]
-        out = torch.cat(spans, dim=2)  # [1, heads, tokens, d]
-        return out.squeeze(0).transpose(0, 1).reshape(out.shape[2], 1, -1)  # [tokens, 1, heads * d]
+        tokens = query.shape[2]
+        bounds = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else [0, tokens]
+        spans = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                **causal(b - a, window, query.device), scale=self.softmax_scale)
+                 for a, b in zip(bounds, bounds[1:])]
+        out = torch.cat(spans, dim=2)  # [batch, heads, tokens, d]
+        return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
+
+
+def causal(length: int, window: tuple[int, int] | None, device) -> dict:
+    """Scaled-dot-product attention's arguments for causal attention over `length` positions, within Megatron's
+    `window_size` (positions before, positions after: 0, causal) where set."""
+    if window is None:
+        return {"is_causal": True}
+    position = torch.arange(length, device=device)
+    behind = position[:, None] - position[None, :]
+    return {"attn_mask": (behind >= 0) & (behind <= window[0])}
 
 
 def packed_seq_params(cu_seqlens: list[int], device) -> PackedSeqParams:

@@ -1,5 +1,7 @@
 """The model-family registry: one complete `ModelFamily` record per supported config.json model_type, what each
 gives Megatron and the weight tables, and the message for a model_type without one."""
+import math
+
 import pytest
 
 from rl_megatron.config import ConfigError, check_model_layout
@@ -16,7 +18,7 @@ def model(model_type: str) -> dict:
 
 
 def test_the_supported_families_are_registered_by_model_type():
-    assert sorted(FAMILIES) == ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+    assert sorted(FAMILIES) == ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
     assert all(family.model_type == name for name, family in FAMILIES.items())
 
 
@@ -51,7 +53,7 @@ def test_family_specific_settings():
 
 def test_an_unknown_model_type_lists_the_supported_ones():
     hf = {**DENSE, "model_type": "gpt_neox"}
-    supported = "llama, mixtral, qwen2, qwen3, qwen3_moe"
+    supported = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
     with pytest.raises(ValueError, match=f"'gpt_neox' .*supported: {supported}"):
         family_of(hf)
     with pytest.raises(ValueError, match="gpt_neox"):
@@ -63,3 +65,35 @@ def test_an_unknown_model_type_lists_the_supported_ones():
 def test_a_family_registers_once():
     with pytest.raises(ValueError, match="'qwen2' is registered twice"):
         register(ModelFamily("qwen2", always_qkv_bias=True, qk_layernorm=False))
+
+
+def test_sliding_window_mistral_only_and_refused_where_qwen2_layers_it():
+    from rl_megatron.checkpoint.model import config_fields
+    from rl_megatron.models.gpt import position_fields
+    from rl_megatron.models.packed_attention import causal
+
+    mistral = {**model("mistral"), "sliding_window": 3}
+    assert position_fields(mistral)["window_size"] == (2, 0)
+    assert config_fields(mistral)["sliding_window"] == 3
+    # Qwen2's config.json carries a sliding_window that only use_sliding_window turns on.
+    qwen2 = {**model("qwen2"), "sliding_window": 4096, "use_sliding_window": False}
+    assert "window_size" not in position_fields(qwen2) and "sliding_window" not in config_fields(qwen2)
+    with pytest.raises(ConfigError, match="model.path's config.json: use_sliding_window=true .* not supported"):
+        check_model_layout({**qwen2, "use_sliding_window": True}, ("tp", 1), ("pp", 1), ("ep", 1))
+    # Each position sees itself and the two before it.
+    assert causal(4, (2, 0), "cpu")["attn_mask"].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0],
+                                                                    [0, 1, 1, 1]]
+
+
+def test_rope_scaling_is_checked_before_anything_is_built_and_recorded_in_checkpoints():
+    from rl_megatron.checkpoint.model import config_fields
+    from rl_megatron.models.gpt import position_fields
+
+    with pytest.raises(ConfigError, match="model.path's config.json: rope_scaling type 'dynamic' is not supported"):
+        check_model_layout({**model("llama"), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                           ("tp", 1), ("pp", 1), ("ep", 1))
+    yarn = {**model("qwen2"), "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}
+    assert config_fields(yarn)["rope_scaling"]["rope_type"] == "yarn"
+    assert "rope_scaling" not in config_fields(model("qwen2"))
+    # YaRN's cos/sin factor m enters as the softmax scale m^2 / sqrt(head_dim) (head_dim 8 / 4 = 2 here).
+    assert position_fields(yarn)["softmax_scale"] == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / 2 ** 0.5)
