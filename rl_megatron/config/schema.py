@@ -117,6 +117,7 @@ class MoeConfig:
     token_dispatcher: Optional[Literal["allgather", "alltoall"]] = None  # (None: alltoall on GPU, allgather on CPU)
     router_dtype: Optional[Literal["fp32", "fp64"]] = None  # the router's logits and probabilities (None: model.dtype)
     freeze_router: bool = False  # keep the routers' weights fixed during training (requires_grad False)
+    router_bias_update_rate: float = checked(0.0, NOT_NEGATIVE)  # routers with an expert bias (DeepSeek-V3, GLM-4.5: aux-loss-free balancing): its step per optimizer step towards even loads (DeepSeek's pretraining: 1e-3; 0: the bias stays as loaded)
     grouped_gemm: bool = False  # a layer's experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; GPU + TE)
 
 

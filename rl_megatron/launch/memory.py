@@ -115,12 +115,16 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
     `tp`). tp=pp=ep=1 gives the whole model."""
     table = table_for(hf, padded_vocab_size(hf["vocab_size"], vocab_divisible_by, tp))
     experts_per_rank = moe_experts(hf) // ep
-    dense_per_layer = expert_per_layer = 0
-    for name, entry in table.layer.items():
-        if name.startswith("mlp.experts."):  # one entry stands for every routed expert of the layer
-            expert_per_layer += math.prod(entry.local_shape(etp or tp)) * experts_per_rank
-        else:
-            dense_per_layer += math.prod(entry.local_shape(tp))
+
+    def layer_parameters(layer: int) -> tuple[int, int]:
+        dense = expert = 0
+        for name, entry in table.layer_entries(layer).items():
+            if name.startswith("mlp.experts."):  # one entry stands for every routed expert of the layer
+                expert += math.prod(entry.local_shape(etp or tp)) * experts_per_rank
+            else:
+                dense += math.prod(entry.local_shape(tp))
+        return dense, expert
+
     embedding = math.prod(table.other["embedding.word_embeddings.weight"].local_shape(tp))
     final_norm = math.prod(table.other["decoder.final_layernorm.weight"].local_shape(tp))
     if value_head:
@@ -129,11 +133,13 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
         output = 0
     else:  # untied, or tied across stages: the last stage keeps its own copy
         output = math.prod(table.other["output_layer.weight"].local_shape(tp))
-    layers = hf["num_hidden_layers"] // pp
-    first_stage_extra = embedding + (final_norm + output if pp == 1 else 0)
-    last_stage_extra = final_norm + output if pp > 1 else first_stage_extra
-    dense = layers * dense_per_layer + max(first_stage_extra, last_stage_extra)
-    return RankParameters(dense=dense, expert=layers * expert_per_layer)
+    per_stage = hf["num_hidden_layers"] // pp
+    stages = []
+    for stage in range(pp):
+        counts = [layer_parameters(layer) for layer in range(stage * per_stage, (stage + 1) * per_stage)]
+        extra = (embedding if stage == 0 else 0) + (final_norm + output if stage == pp - 1 else 0)
+        stages.append(RankParameters(dense=sum(d for d, _ in counts) + extra, expert=sum(e for _, e in counts)))
+    return max(stages, key=lambda params: params.total)
 
 
 def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, cp: int,

@@ -64,14 +64,16 @@ def check_sequence_length(hf: dict, length: Size, source: str = MODEL_SOURCE) ->
 
 
 def check_moe_model(hf: dict, etp: Size) -> None:
-    """An MoE model (config.json after the moe section's overrides) against what Megatron trains: no shared
-    experts, top-k within the experts, a router with a gradient, experts split evenly over expert-TP."""
+    """An MoE model (config.json after the moe section's overrides) against what Megatron trains: shared experts
+    only where the family maps them, top-k within the experts, a router with a gradient, experts split evenly over
+    expert-TP."""
     family = FAMILIES[hf["model_type"]]
     experts = family.experts(hf)
-    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
-        if hf.get(key):
-            raise ConfigError(f"The model's config.json (model.path) has {key}={hf[key]}: shared experts are not "
-                              "supported yet (Qwen3-MoE and Mixtral have none); use a model without them.")
+    if family.moe.shared is None:
+        for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+            if hf.get(key):
+                raise ConfigError(f"The model's config.json (model.path) has {key}={hf[key]}, but the "
+                                  f"{hf['model_type']} family has no shared experts; is model_type right?")
     top_k = hf["num_experts_per_tok"]
     if top_k > experts:
         raise ConfigError(f"Each token goes to num_experts_per_tok={top_k} experts (moe.top_k or config.json) of only "

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from rl_megatron.errors import ConfigError
 from rl_megatron.models import families
 from rl_megatron.models.rotary import check_rope
-from rl_megatron.models.weight_tables import DenseTable, ExpertNames, MoeTable
+from rl_megatron.models.moe import MoeSpec
+from rl_megatron.models.weight_tables import DenseTable, MoeTable
 
 
 # config.json fields every family reads: the first four are required, the others have defaults.
@@ -25,35 +26,20 @@ COMMON_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "intermedi
 
 
 @dataclass(frozen=True)
-class MoeSpec:
-    """An MoE family's router and experts: their HF names, where config.json gives an expert's width, and how the
-    router weighs the top-k experts by default."""
-
-    names: ExpertNames
-    width_key: str  # config.json key of an expert's hidden width
-    renormalises_top_k: bool  # default of norm_topk_prob: the top-k weights divided by their sum
-
-    def required_fields(self, hf: dict) -> tuple[str, ...]:
-        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts.
-        return ("num_experts" if "num_experts" in hf else "num_local_experts", "num_experts_per_tok", self.width_key)
-
-
-@dataclass(frozen=True)
 class ModelFamily:
     model_type: str
-    always_qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2); otherwise when config.json's attention_bias
     qk_layernorm: bool  # queries and keys normalised per head (Qwen3)
+    qkv_bias_key: str | None = "attention_bias"  # config.json's switch of the q/k/v projections' biases (None: none)
+    qkv_bias_default: bool = False  # their bias without that key (Qwen2: always)
     moe: MoeSpec | None = None  # None: a dense family
     sliding_window: bool = False  # config.json's sliding_window limits every layer's attention (Mistral)
 
     @property
     def config_fields(self) -> tuple[str, ...]:
         """The config.json fields this family reads."""
-        attention = () if self.always_qkv_bias else ("attention_bias",)
+        attention = (self.qkv_bias_key,) if self.qkv_bias_key else ()
         attention += ("sliding_window",) if self.sliding_window else ("use_sliding_window",)
-        moe = () if self.moe is None else ("num_experts", "num_local_experts", "num_experts_per_tok",
-                                           self.moe.width_key, "norm_topk_prob", "mlp_only_layers",
-                                           "decoder_sparse_step")
+        moe = () if self.moe is None else self.moe.config_fields
         return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
 
     def window(self, hf: dict) -> int | None:
@@ -65,19 +51,11 @@ class ModelFamily:
         return hf.get("sliding_window") if self.sliding_window else None
 
     def qkv_bias(self, hf: dict) -> bool:
-        return self.always_qkv_bias or bool(hf.get("attention_bias", False))
+        return bool(hf.get(self.qkv_bias_key, self.qkv_bias_default)) if self.qkv_bias_key else self.qkv_bias_default
 
     def experts(self, hf: dict) -> int:
-        """Routed experts per layer, 0 for a dense family. The MoE tables map every layer's MLP as experts, so a
-        model with dense MLP layers in between is rejected (ValueError)."""
-        if self.moe is None:
-            return 0
-        dense, step = hf.get("mlp_only_layers") or [], hf.get("decoder_sparse_step", 1)
-        if dense or step != 1:
-            raise ValueError(f"The model's config.json has mlp_only_layers={dense} and decoder_sparse_step={step}: "
-                             "MoE models with dense MLP layers are not supported yet (every layer must be MoE: "
-                             "mlp_only_layers=[] and decoder_sparse_step=1).")
-        return hf.get("num_experts", hf.get("num_local_experts"))
+        """Routed experts per layer, 0 for a dense family."""
+        return self.moe.experts(hf) if self.moe is not None else 0
 
     def attention_fields(self, hf: dict) -> dict:
         """Megatron TransformerConfig fields of the family's attention."""
@@ -87,28 +65,24 @@ class ModelFamily:
         """Megatron TransformerConfig fields of the family's router and experts (none for a dense family)."""
         if self.moe is None:
             return {}
-        return dict(
-            num_moe_experts=self.experts(hf),
-            moe_router_topk=hf["num_experts_per_tok"],
-            moe_ffn_hidden_size=hf[self.moe.width_key],
-            # transformers (and vLLM) route with softmax over all experts, then top-k, then with norm_topk_prob
-            # divide the k weights by their sum. Megatron's pre-softmax router is softmax then top-k; its default
-            # router is softmax over the top-k logits, which is the renormalised form.
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not self.renormalises_top_k_of(hf),
-        )
+        return dict(num_moe_experts=self.experts(hf), moe_router_topk=hf["num_experts_per_tok"],
+                    moe_ffn_hidden_size=hf[self.moe.width_key], **self.moe.router_fields(hf),
+                    **self.moe.layer_fields(hf))
 
     def renormalises_top_k_of(self, hf: dict) -> bool:
         """Whether the router divides the top-k weights by their sum (config.json norm_topk_prob, or the family's
         default)."""
-        return bool(self.moe) and hf.get("norm_topk_prob", self.moe.renormalises_top_k)
+        return self.moe is not None and self.moe.renormalises(hf)
 
     def weight_table(self, hf: dict, padded_vocab: int) -> DenseTable:
         """The Megatron <-> HF table of exactly the parameters a model of this family has."""
         if self.moe is None:
             return DenseTable(hf, padded_vocab, self.qkv_bias(hf), self.qk_layernorm)
+        shared = self.moe.shared
         return MoeTable(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], self.qkv_bias(hf),
-                        self.qk_layernorm)
+                        self.qk_layernorm, sparse_layers=self.moe.sparse_layers(hf),
+                        shared=(shared.module, shared.width(hf), shared.gate) if shared and shared.width(hf) else None,
+                        expert_bias=self.moe.expert_bias)
 
     def check(self, hf: dict, source: str) -> None:
         """What a config.json of this family must hold beyond the common fields (ConfigError naming `source`)."""
@@ -124,7 +98,7 @@ class ModelFamily:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{source} has {key}={value!r}; an MoE model needs a positive integer there.")
         try:
-            self.experts(hf)
+            self.moe_fields(hf)
         except ValueError as err:
             raise ConfigError(f"{source}: {err}") from None
 
@@ -135,6 +109,12 @@ class ModelFamily:
             fields["sliding_window"] = self.window(hf)
         if self.moe is not None:
             fields.update(expert_width=hf[self.moe.width_key], num_experts_per_tok=hf["num_experts_per_tok"])
+            # Only where set, as the sliding window above.
+            layer_fields = self.moe.layer_fields(hf)
+            if "moe_layer_freq" in layer_fields:
+                fields["sparse_layers"] = layer_fields["moe_layer_freq"]
+            if "moe_shared_expert_intermediate_size" in layer_fields:
+                fields["shared_expert_width"] = layer_fields["moe_shared_expert_intermediate_size"]
         return fields
 
 

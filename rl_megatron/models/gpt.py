@@ -1,6 +1,7 @@
 """Megatron GPTModel built from a Hugging Face config.json, and HF weights loaded into its TP/PP shards."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -59,6 +60,7 @@ def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.token_drop_policy,
         moe_router_dtype=moe.router_dtype,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
         moe_token_dispatcher_type=token_dispatcher(moe),
         # One linear layer per expert (SequentialMLP: local_experts.<j>.linear_fc1.weight) unless moe.grouped_gemm
         # (TEGroupedMLP: linear_fc1.weight<j>); the weight table maps both names to the same HF tensors.
@@ -146,19 +148,20 @@ def uses_transformer_engine() -> bool:
     return platform.has_cuda() and gpt_layer_specs.HAVE_TE
 
 
-def layer_spec(qk_layernorm: bool, num_experts: int | None = None, moe_grouped_gemm: bool = False):
-    """Transformer-Engine spec on GPU when TE imports, Megatron's local spec otherwise (MoE MLPs with
-    `num_experts`, as TE's grouped GEMM with `moe_grouped_gemm`). All name their parameters so that one weight
-    table maps any of them (TE's fused norms and grouped experts are aliases)."""
+def layer_spec(config: TransformerConfig, vp_stage: int):
+    """The layers of model chunk `vp_stage` of this rank's stage: Transformer-Engine specs on GPU when TE imports,
+    Megatron's local ones otherwise; dense or MoE per layer (config.moe_layer_freq), as Megatron-LM builds GPT
+    models. All name their parameters so that one weight table maps any of them (TE's fused norms and grouped
+    experts are aliases)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if uses_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                    normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # packed rows, untouched otherwise
-    return spec
+    te = uses_transformer_engine()
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
+                                                       vp_stage=vp_stage)
+    if not te:
+        for spec in block.layer_specs:  # packed rows and sliding windows; untouched otherwise
+            spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return block
 
 
 class ValueHead(torch.nn.Module):
@@ -218,7 +221,7 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
                                                  and config.moe_token_dispatcher_type == "allgather")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config.qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm),
+        transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=padded_vocab_size(hf["vocab_size"], make_vocab_size_divisible_by, tp),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -249,8 +252,11 @@ def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
 def hf_parameters(model: GPTModel):
     """(name, parameter) of everything that has a Hugging Face counterpart: all but a critic's value head."""
     critic = isinstance(getattr(model, "output_layer", None), ValueHead)
-    return ((name, param) for name, param in model.named_parameters()
-            if not (critic and name.startswith("output_layer.")))
+    parameters = ((name, param) for name, param in model.named_parameters()
+                  if not (critic and name.startswith("output_layer.")))
+    # The routers' expert biases (aux-loss-free balancing) are buffers, updated outside the optimizer.
+    return itertools.chain(parameters, ((name, buffer) for name, buffer in model.named_buffers()
+                                        if name.endswith(".router.expert_bias")))
 
 
 def weight_table(model: GPTModel, hf: dict) -> DenseTable:

@@ -10,7 +10,10 @@ Metric names (per global layer i, from 0, and over all layers):
   moe/load_balancing_loss, moe/z_loss (and per layer)   Megatron's tracked losses (names as Megatron logs them),
                                               without their coefficients, mean per micro-batch and over the ranks;
                                               only when moe.aux_loss_coeff / moe.z_loss_coeff turn them on
-Counts include the padding positions of the micro-batches (the router sees every position).
+  moe/expert_bias_min, moe/expert_bias_max     routers with an expert bias (DeepSeek-V3, GLM-4.5): its extremes over the
+  (and moe/layer{i}/expert_bias_*)            experts after the update (moe.router_bias_update_rate moves it)
+Only layers that route are reported (a model's dense layers have no router). Counts include the padding positions
+of the micro-batches (the router sees every position).
 """
 from __future__ import annotations
 
@@ -33,9 +36,18 @@ class RouterMetrics:
         self.assigned = torch.zeros(self.num_layers, dtype=torch.float64)  # tokens x top-k, before dropping
         self.calls = torch.zeros(self.num_layers, dtype=torch.float64)
         self.recording_now = False
+        freq = config.moe_layer_freq
+        self.routing = [i for i in range(self.num_layers)
+                        if (freq[i] if isinstance(freq, list) else i % freq == 0)]
+        self.has_bias = config.moe_router_enable_expert_bias
+        self.biases = {}  # global layer -> its router's expert bias (a buffer), on this rank's stage
         for chunk in chunks:
             for layer in chunk.decoder.layers:
-                layer.mlp.router.register_forward_hook(self._hook(layer.layer_number - 1))
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    router.register_forward_hook(self._hook(layer.layer_number - 1))
+                    if getattr(router, "expert_bias", None) is not None:
+                        self.biases[layer.layer_number - 1] = router.expert_bias
 
     def _hook(self, layer: int):
         def record(module, inputs, output) -> None:
@@ -80,10 +92,12 @@ class RouterMetrics:
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
         dropped = assigned - load.sum(1)
         out = {}
-        for i in range(self.num_layers):
-            out.update({f"moe/layer{i}/load_min": load[i].min().item(), f"moe/layer{i}/load_max": load[i].max().item(),
-                        f"moe/layer{i}/load_std": load[i].std().item(),
-                        f"moe/layer{i}/dropped_tokens": dropped[i].item()})
+        load, dropped = load[self.routing], dropped[self.routing]
+        for i, layer in enumerate(self.routing):
+            out.update({f"moe/layer{layer}/load_min": load[i].min().item(),
+                        f"moe/layer{layer}/load_max": load[i].max().item(),
+                        f"moe/layer{layer}/load_std": load[i].std().item(),
+                        f"moe/layer{layer}/dropped_tokens": dropped[i].item()})
         out.update({"moe/load_min": load.min().item(), "moe/load_max": load.max().item(),
                     "moe/load_std": load.std(dim=1).mean().item(), "moe/dropped_tokens": dropped.sum().item()})
         tracker = get_moe_layer_wise_logging_tracker()
@@ -95,6 +109,23 @@ class RouterMetrics:
             # part of it) is the sum over that group, and every loss is averaged over the other ranks.
             parts = tracker[name]["reduce_group"].size() if tracker[name].get("reduce_group") is not None else 1
             per_layer = values / (ranks_per_stage // parts) / calls.clamp(min=1)
-            out[f"moe/{name}"] = per_layer.mean().item()
-            out.update({f"moe/layer{i}/{name}": value for i, value in enumerate(per_layer.tolist())})
+            out[f"moe/{name}"] = per_layer[self.routing].mean().item()
+            out.update({f"moe/layer{i}/{name}": per_layer[i].item() for i in self.routing})
+        return out | self.bias_metrics()
+
+    def bias_metrics(self) -> dict[str, float]:
+        """The expert biases' extremes per layer and overall (a collective when the model has them: each layer's
+        bias is on its stage's ranks only)."""
+        if not self.has_bias:
+            return {}
+        extremes = torch.full((self.num_layers, 2), -float("inf"), dtype=torch.float64)
+        for layer, bias in self.biases.items():
+            extremes[layer] = torch.stack([bias.max(), -bias.min()]).double().cpu()
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        held = extremes[:, 0] > -float("inf")
+        out = {"moe/expert_bias_max": extremes[held, 0].max().item(),
+               "moe/expert_bias_min": -extremes[held, 1].max().item()}
+        for layer in held.nonzero().flatten().tolist():
+            out.update({f"moe/layer{layer}/expert_bias_max": extremes[layer, 0].item(),
+                        f"moe/layer{layer}/expert_bias_min": -extremes[layer, 1].item()})
         return out

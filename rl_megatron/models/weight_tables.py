@@ -241,12 +241,16 @@ class DenseTable:
             if output_layer or name != "output_layer.weight":
                 needed.update(zip(entry.hf_names, entry.hf_shapes))
         for layer in range(self.num_layers):
-            for entry in self.layer.values():
+            for entry in self.layer_entries(layer).values():
                 per_expert = any("{e}" in name for name in entry.hf_names)
                 for expert in range(self.experts) if per_expert else (None,):
                     needed.update((name.format(i=layer, e=expert), shape)
                                   for name, shape in zip(entry.hf_names, entry.hf_shapes))
         return needed
+
+    def layer_entries(self, layer: int) -> dict[str, Entry]:
+        """The entries of layer `layer`'s parameters (every layer alike here)."""
+        return self.layer
 
     def lookup(self, megatron_name: str, layer_offset: int, expert_offset: int = 0) -> Entry:
         """The HF names (layer and expert indices resolved to global ones: this chunk's first layer is
@@ -263,9 +267,10 @@ class DenseTable:
             expert_index, suffix = int(expert.group(1)), "mlp.experts." + expert.group(2)
         elif (expert := _GROUPED_EXPERT.match(suffix)) is not None:
             expert_index, suffix = int(expert.group(2)), f"mlp.experts.{expert.group(1)}.weight"
-        if suffix not in self.layer:
+        entries = self.layer_entries(local + layer_offset)
+        if suffix not in entries:
             raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")
-        entry = self.layer[suffix]
+        entry = entries[suffix]
         global_expert = expert_offset + expert_index if expert_index is not None else None
         names = tuple(n.format(i=local + layer_offset, e=global_expert) for n in entry.hf_names)
         return Entry(names, entry.layout, entry.hf_shapes)
@@ -282,19 +287,23 @@ class ExpertNames:
 
 
 class MoeTable(DenseTable):
-    """Qwen3-MoE and Mixtral: the dense family's attention and norms; every layer's MLP is a router and `experts`
-    routed experts of width `expert_width`, no shared expert. Experts are stored per expert under HF names (what
-    transformers' save_pretrained writes and vLLM loads). They split over tensor-parallel ranks like a dense MLP:
-    Megatron's expert-TP size defaults to the TP size, and nothing here sets it."""
+    """MoE families: the dense family's attention and norms; the MLP of each routing layer (`sparse_layers`, every
+    layer by default) is a router, `experts` routed experts of width `expert_width` and optionally shared experts
+    (`shared`: their HF module, width, and the HF name of their sigmoid gate or None); the other layers keep the
+    dense MLP. Experts are stored per expert under HF names (what transformers' save_pretrained writes and vLLM
+    loads). They split over tensor-parallel ranks like a dense MLP: Megatron's expert-TP size defaults to the TP
+    size, and nothing here sets it. With `expert_bias` the router holds the per-expert score bias of aux-loss-free
+    balancing (a buffer in Megatron, HF's gate.e_score_correction_bias)."""
 
     def __init__(self, hf_config: dict, padded_vocab: int, names: ExpertNames, experts: int, expert_width: int,
-                 qkv_bias: bool, qk_layernorm: bool):
+                 qkv_bias: bool, qk_layernorm: bool, sparse_layers: list[bool] | None = None,
+                 shared: tuple[str, int, str | None] | None = None, expert_bias: bool = False):
         super().__init__(hf_config, padded_vocab, qkv_bias, qk_layernorm)
         self.experts = experts
+        self.sparse_layers = sparse_layers or [True] * self.num_layers
         hidden = hf_config["hidden_size"]
         block = f"model.layers.{{i}}.{names.block}."
         expert = block + "experts.{e}."
-        del self.layer["mlp.linear_fc1.weight"], self.layer["mlp.linear_fc2.weight"]
         self.layer.update({
             "mlp.router.weight": Entry((block + "gate.weight",), Replicated(), ((experts, hidden),)),
             "mlp.experts.linear_fc1.weight": Entry(
@@ -303,6 +312,37 @@ class MoeTable(DenseTable):
             "mlp.experts.linear_fc2.weight": Entry((expert + names.down + ".weight",), Split(dim=1),
                                                    ((hidden, expert_width),)),
         })
+        if expert_bias:
+            self.layer["mlp.router.expert_bias"] = Entry((block + "gate.e_score_correction_bias",), Replicated(),
+                                                         ((experts,),))
+        if shared is not None:
+            module, width, gate = shared
+            mlp = f"{block}{module}."
+            self.layer.update({
+                "mlp.shared_experts.linear_fc1.weight": Entry((mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                                                              FusedGateUp(), ((width, hidden), (width, hidden))),
+                "mlp.shared_experts.linear_fc2.weight": Entry((mlp + "down_proj.weight",), Split(dim=1),
+                                                              ((hidden, width),)),
+            })
+            if gate:
+                self.layer["mlp.shared_experts.gate_weight"] = Entry((block + gate + ".weight",), Replicated(),
+                                                                     ((1, hidden),))
+
+    def layer_entries(self, layer: int) -> dict[str, Entry]:
+        """A routing layer's entries lack the dense MLP; a dense layer's lack the router and experts."""
+        routing = self.sparse_layers[layer]
+
+        def held(name: str) -> bool:
+            if name in DENSE_MLP:
+                return not routing
+            return routing or not name.startswith(MOE_MLP)
+
+        return {name: entry for name, entry in self.layer.items() if held(name)}
+
+
+# Megatron's MLP parameters of a dense layer, and the prefixes of a routing layer's.
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+MOE_MLP = ("mlp.router.", "mlp.experts.", "mlp.shared_experts.")
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

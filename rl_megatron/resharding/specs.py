@@ -18,12 +18,12 @@ Held = dict[str, tuple[torch.Tensor, TensorSpec]]  # key -> (the local tensor, w
 
 def megatron_sources(chunks: list, table: DenseTable) -> tuple[Held, list[str]]:
     """This rank's Megatron parameters (every virtual-pipeline chunk) and the shape errors found."""
-    from rl_megatron.models.gpt import expert_offset, layer_offset, tp_shard
+    from rl_megatron.models.gpt import expert_offset, hf_parameters, layer_offset, tp_shard
 
     held, errors = {}, []
     for vp, chunk in enumerate(chunks):
         offset, experts = layer_offset(chunk), expert_offset(chunk)
-        for name, param in chunk.named_parameters():
+        for name, param in hf_parameters(chunk):
             try:
                 entry = table.lookup(name, offset, experts)
             except KeyError as error:

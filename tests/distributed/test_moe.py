@@ -17,10 +17,12 @@ def odd_length_batch() -> TrainBatch:
     return make_batch(18).truncated(SEQ - 1)
 
 
-# Both Qwen routers: top-k weights renormalised (Qwen's released models) and not; Mixtral always renormalises.
+# Both Qwen routers: top-k weights renormalised (Qwen's released models) and not; Mixtral always renormalises;
+# Qwen2-MoE's gated shared expert, after a dense first layer.
 @pytest.mark.parametrize("family,tp,ep,router", [("qwen3_moe", 1, 2, {"norm_topk_prob": True}),
                                                  ("qwen3_moe", 2, 2, {"norm_topk_prob": False}),
-                                                 ("mixtral", 1, 2, {})])
+                                                 ("mixtral", 1, 2, {}),
+                                                 ("qwen2_moe", 2, 2, {"mlp_only_layers": [0]})])
 def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, family, tp, ep, router):
     model_dir = family_model_dir(tmp_path / "moe", family, tied=False, **router)
     cfg = config(model_dir, tp, 1, **{"actor.expert_model_parallel_size": ep, "trainer.n_gpus_per_node": tp * ep})

@@ -42,8 +42,11 @@ def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) 
     config_class = transformers.AutoConfig.for_model
     # 4 experts, top-2. Qwen3-MoE: weights renormalised (as Qwen's released models), half-width experts;
     # Mixtral always renormalises, and its experts are as wide as intermediate_size.
+    # Qwen2-MoE: not renormalised (its default), a shared expert of its own width with its gate.
     moe = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64),
-           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)}.get(family, {})
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=96)}.get(family, {})
     config = config_class(family, **dict(dict(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=64, tie_word_embeddings=tied, pad_token_id=0,

@@ -374,9 +374,10 @@ def test_expert_parallelism_must_divide_the_experts(tmp_path):
     assert "actor.expert_model_parallel_size=2" in message and "3 experts" in message
 
 
-def test_moe_models_with_dense_layers_are_rejected(tmp_path):
-    message = config_error(f"model.path={moe_folder(tmp_path / 'm', mlp_only_layers=[1])}")
-    assert "mlp_only_layers=[1]" in message and "model.path" in message
+def test_moe_models_with_dense_layers_load_unless_no_layer_routes(tmp_path):
+    assert load_demo(f"model.path={moe_folder(tmp_path / 'm', mlp_only_layers=[1])}").model.path
+    message = config_error(f"model.path={moe_folder(tmp_path / 'd', mlp_only_layers=[0, 1])}")
+    assert "no layer routes over the experts" in message and "model.path" in message
 
 
 def test_expert_parallel_layout_loads_with_either_experts_key(tmp_path):

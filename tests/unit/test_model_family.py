@@ -18,7 +18,7 @@ def model(model_type: str) -> dict:
 
 
 def test_the_supported_families_are_registered_by_model_type():
-    assert sorted(FAMILIES) == ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+    assert sorted(FAMILIES) == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
     assert all(family.model_type == name for name, family in FAMILIES.items())
 
 
@@ -53,7 +53,7 @@ def test_family_specific_settings():
 
 def test_an_unknown_model_type_lists_the_supported_ones():
     hf = {**DENSE, "model_type": "gpt_neox"}
-    supported = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
+    supported = "llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
     with pytest.raises(ValueError, match=f"'gpt_neox' .*supported: {supported}"):
         family_of(hf)
     with pytest.raises(ValueError, match="gpt_neox"):
@@ -64,7 +64,7 @@ def test_an_unknown_model_type_lists_the_supported_ones():
 
 def test_a_family_registers_once():
     with pytest.raises(ValueError, match="'qwen2' is registered twice"):
-        register(ModelFamily("qwen2", always_qkv_bias=True, qk_layernorm=False))
+        register(ModelFamily("qwen2", qk_layernorm=False))
 
 
 def test_sliding_window_mistral_only_and_refused_where_qwen2_layers_it():

@@ -88,7 +88,8 @@ def test_unknown_family_is_rejected_by_name():
         table_for(dict(HF, model_type="gpt_neox"), 16)
 
 
-MOE = dict(HF, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)
+MOE = dict(HF, model_type="qwen3_moe", num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=6)
 
 
 def test_moe_table_names_experts_globally_from_the_expert_offset():
@@ -119,6 +120,30 @@ def test_grouped_gemm_expert_names_map_to_the_same_tensors_as_per_expert_ones(fa
 
 
 @pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
-def test_moe_table_rejects_dense_layers_between_moe_layers(dense):
-    with pytest.raises(ValueError, match="mlp_only_layers"):
-        table_for(dict(MOE, **dense), 16)
+def test_moe_table_maps_dense_layers_between_routing_ones(dense):
+    """Qwen-MoE's dense layers (mlp_only_layers, or off the decoder_sparse_step) keep the dense MLP's names."""
+    table = table_for(dict(MOE, **dense), 16)
+    fc1 = table.lookup("decoder.layers.0.mlp.linear_fc1.weight", 0)
+    assert fc1.hf_names == ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    assert fc1.hf_shapes == ((16, 8), (16, 8))  # the dense width, intermediate_size
+    with pytest.raises(KeyError, match="mlp.router.weight"):
+        table.lookup("decoder.layers.0.mlp.router.weight", 0)
+    with pytest.raises(KeyError, match="mlp.linear_fc1.weight"):
+        table.lookup("decoder.layers.1.mlp.linear_fc1.weight", 0)
+    needed = table.hf_tensors()
+    assert "model.layers.0.mlp.down_proj.weight" in needed and "model.layers.0.mlp.gate.weight" not in needed
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in needed
+    assert "model.layers.1.mlp.down_proj.weight" not in needed
+
+
+def test_shared_experts_gate_and_expert_bias_map_to_their_hf_names():
+    qwen2_moe = dict(MOE, model_type="qwen2_moe", shared_expert_intermediate_size=10)
+    table = table_for(qwen2_moe, 16)
+    fc1 = table.lookup("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 0)
+    assert fc1.hf_names == ("model.layers.1.mlp.shared_expert.gate_proj.weight",
+                            "model.layers.1.mlp.shared_expert.up_proj.weight") and fc1.hf_shapes[0] == (10, 8)
+    gate = table.lookup("decoder.layers.1.mlp.shared_experts.gate_weight", 0)
+    assert gate.hf_names == ("model.layers.1.mlp.shared_expert_gate.weight",) and gate.hf_shapes == ((1, 8),)
+    assert table.lookup("decoder.layers.0.self_attention.linear_qkv.bias", 0)  # Qwen2's q/k/v biases
+
+

@@ -2,4 +2,4 @@
 positions (Mistral-7B v0.1: 4096; v0.3 and later leave it null)."""
 from rl_megatron.models.family import ModelFamily, register
 
-FAMILY = register(ModelFamily("mistral", always_qkv_bias=False, qk_layernorm=False, sliding_window=True))
+FAMILY = register(ModelFamily("mistral", qk_layernorm=False, sliding_window=True))
