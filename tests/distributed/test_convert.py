@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.parity import family_model_dir
+from helpers.ranks import vllm_greedy
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint, stored_hf_config
 from rl_megatron.convert import main
 from rl_megatron.doctor.cycle import hf_greedy
@@ -204,18 +205,6 @@ def test_the_trainer_starts_from_a_converted_checkpoint(converted, tmp_path):
     assert all(torch.equal(state[name], original[name]) for name in original)
 
 
-def _vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from rl_megatron.config.schema import RolloutConfig
-    from rl_megatron.rollout.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(model_dir, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
-                        load_format="auto")
-    try:
-        return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
-    finally:
-        engine.close()
-
-
 def test_exported_folder_loads_in_vllm(converted, tmp_path):
     """The to-hf folder as a vLLM user loads it (its own safetensors, not the trainer's sync): vLLM's greedy
     answers equal transformers' on the original model."""
@@ -226,4 +215,4 @@ def test_exported_folder_loads_in_vllm(converted, tmp_path):
     assert main(["to-hf", "--ckpt", ckpt, "--out", out]) == 0
     prompts, new_tokens = [[1, 5, 6, 7], [1, 9, 3, 3, 4]], 5
     expected = hf_greedy(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), prompts, new_tokens)
-    assert run_distributed(_vllm_greedy, 1, args=(out, prompts, new_tokens))[0] == expected
+    assert run_distributed(vllm_greedy, 1, args=(out, prompts, new_tokens))[0] == expected

@@ -18,19 +18,24 @@ def odd_length_batch() -> TrainBatch:
 
 
 # Both Qwen routers: top-k weights renormalised (Qwen's released models) and not; Mixtral always renormalises;
-# Qwen2-MoE's gated shared expert, after a dense first layer.
-@pytest.mark.parametrize("family,tp,ep,router", [("qwen3_moe", 1, 2, {"norm_topk_prob": True}),
-                                                 ("qwen3_moe", 2, 2, {"norm_topk_prob": False}),
-                                                 ("mixtral", 1, 2, {}),
-                                                 ("qwen2_moe", 2, 2, {"mlp_only_layers": [0]})])
-def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, family, tp, ep, router):
+# Qwen2-MoE's gated shared expert after a dense first layer; DeepSeek-V3's latent attention, sigmoid router with its
+# expert bias and groups, shared expert and dense first layer; DeepSeek-V2's softmax router, over pipeline stages;
+# GLM-4.5's partial rotary, q/k norms and biases with the sigmoid router (tests/helpers/parity.py has their configs).
+@pytest.mark.parametrize("family,tp,pp,ep,router", [("qwen3_moe", 1, 1, 2, {"norm_topk_prob": True}),
+                                                    ("qwen3_moe", 2, 1, 2, {"norm_topk_prob": False}),
+                                                    ("mixtral", 1, 1, 2, {}),
+                                                    ("qwen2_moe", 2, 1, 2, {"mlp_only_layers": [0]}),
+                                                    ("deepseek_v3", 2, 1, 2, {}), ("deepseek_v2", 1, 2, 1, {}),
+                                                    ("glm4_moe", 2, 1, 2, {})])
+def test_expert_parallel_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, ep, router):
     model_dir = family_model_dir(tmp_path / "moe", family, tied=False, **router)
-    cfg = config(model_dir, tp, 1, **{"actor.expert_model_parallel_size": ep, "trainer.n_gpus_per_node": tp * ep})
+    cfg = config(model_dir, tp, pp, **{"actor.expert_model_parallel_size": ep, "trainer.n_gpus_per_node": tp * pp * ep})
     batch = odd_length_batch()
-    results = run_distributed(log_probs_and_export, tp * ep, tp, ep=ep, args=(cfg, batch))
+    results = run_distributed(log_probs_and_export, tp * pp * ep, tp, pp, ep=ep, args=(cfg, batch))
     ref_log_probs, ref_entropy, _ = hf_reference(model_dir, batch, cfg.rollout.temperature)
     mask = batch.response_mask.bool()
-    for owner in (results[0][0], results[tp][0]):  # the first TP rank of each data-parallel (= expert) rank
+    last_stage = (pp - 1) * tp * ep  # ranks in Megatron's order: TP fastest, then data (= expert) parallel, then PP
+    for owner in (results[last_stage + dp * tp][0] for dp in range(ep)):  # each data-parallel rank's first TP rank
         assert (owner.log_probs[mask] - ref_log_probs[mask]).abs().max() <= 1e-4
         assert (owner.entropy[mask] - ref_entropy[mask]).abs().max() <= 1e-4
     exported, saved = results[0][1], saved_checkpoint(model_dir)
@@ -56,7 +61,10 @@ def test_expert_parallel_grpo_update_equals_one_rank(tmp_path, tp, ep):
         assert not torch.equal(initial[name], state[name]), f"the update left {name} unchanged"
 
 
-@pytest.mark.parametrize("family,tp,ep,engine_tp", [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 2, 2), ("mixtral", 1, 2, 1)])
+# vLLM's engines of each family: Qwen2-MoE's shared expert and its gate, DeepSeek-V3's latent attention (vLLM remakes
+# its decoding copies of kv_b_proj after each sync) and expert bias, GLM-4.5's.
+@pytest.mark.parametrize("family,tp,ep,engine_tp", [("qwen2_moe", 1, 2, 1), ("qwen3_moe", 2, 2, 2), ("mixtral", 1, 2, 1),
+                                                    ("deepseek_v3", 1, 2, 1), ("glm4_moe", 2, 2, 2)])
 def test_engines_hold_the_expert_parallel_trainer_weights_exactly(tmp_path, family, tp, ep, engine_tp):
     model_dir = family_model_dir(tmp_path / "moe", family, tied=False)
     check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, ep, engine_tp, "process_group")

@@ -1,5 +1,5 @@
 """The resharding module end to end on gloo: Megatron shards at every layout of the grid -> real vLLM engines
-(TP 1 and 2). The engines' weights equal the trainer's HF export bit for bit, and they generate what
+(TP 1 and 2), of the dense families. The engines' weights equal the trainer's HF export bit for bit, and they generate what
 `transformers` generates with those weights."""
 import pytest
 import torch
@@ -9,15 +9,19 @@ from helpers.ranks import check_engines_hold_the_trainer_weights
 from rl_megatron.workers.spawn import run_distributed
 
 # (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
-# send buckets.
+# send buckets. Two of the layouts run other dense families: Llama 3.2 (tied, Llama 3.1's rope scaling) and Mistral
+# with a sliding window shorter than the prompts and answers.
 # (The process_group channel's exactness: test_moe's engine tests and the reshard benchmark's test.)
-GRID = [(1, 1, 1, 1, False, "auto"), (2, 1, 1, 2, True, "shared_memory"),
-        (1, 2, 1, 1, True, "auto"), (2, 2, 1, 2, False, "shared_memory"), (1, 2, 2, 2, False, "auto")]
+LLAMA3_2 = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16}}
+GRID = [(1, 1, 1, 1, False, "auto", "qwen2", {}), (2, 1, 1, 2, True, "shared_memory", "llama", LLAMA3_2),
+        (1, 2, 1, 1, True, "auto", "mistral", {"sliding_window": 4}), (2, 2, 1, 2, False, "shared_memory", "qwen2", {}),
+        (1, 2, 2, 2, False, "auto", "qwen2", {})]
 
 
-@pytest.mark.parametrize("tp,pp,vpp,engine_tp,tied,channel", GRID)
-def test_engines_hold_the_trainer_weights_exactly(tmp_path, tp, pp, vpp, engine_tp, tied, channel):
-    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied, layers=2 * vpp)
+@pytest.mark.parametrize("tp,pp,vpp,engine_tp,tied,channel,family,extra", GRID)
+def test_engines_hold_the_trainer_weights_exactly(tmp_path, tp, pp, vpp, engine_tp, tied, channel, family, extra):
+    model_dir = family_model_dir(tmp_path / family, family, tied, layers=2 * vpp, **extra)
     check_engines_hold_the_trainer_weights(model_dir, tp, pp, vpp, 1, engine_tp, channel)
 
 

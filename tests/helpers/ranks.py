@@ -44,6 +44,19 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
         engine.close()
 
 
+def vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """vLLM's greedy answers on a model folder as any vLLM user loads it (its own safetensors)."""
+    from rl_megatron.config.schema import RolloutConfig
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
+                        load_format="auto")
+    try:
+        return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
+    finally:
+        engine.close()
+
+
 def build_actor(cfg):
     from rl_megatron.config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
