@@ -27,6 +27,7 @@ from typing import Optional
 from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
+from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.roles import Role
 
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an H100 80GB; GPU_MEMORY_GIB or nvidia-smi give the real size
@@ -158,7 +159,9 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
         notes.append(f"EP group ({span} GPUs incl. expert-TP) {where}")
     if name is Role.ACTOR or pool.name == name:  # a colocated role shares the actor's groups: nothing new to say
         pool.placement_notes.append(f"{name}: " + "; ".join(notes))
-    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp)
+    stages = StageLayers.of_role(cfg, name)
+    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp, vpp,
+                                    stages)
     dtype = cfg.model.dtype
     if trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
@@ -168,7 +171,11 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     else:
         bytes_ = memory.weight_bytes(params.total, dtype)
         note = f"{_count(params.total)} params/GPU: weights only"
-    sizes = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
+    uneven = ""
+    if stages.first is not None or stages.last is not None:
+        stage_sizes = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages).stage_sizes()
+        uneven = f" (layers {'+'.join(stage_runs(stage_sizes))})"
+    sizes = (f"TP={tp} PP={pp}{uneven}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
              + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
     passes = role_passes(name, cfg, layout, on_gpu)
     activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
@@ -190,6 +197,7 @@ def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool) -> memory.R
     return memory.RolePasses(
         tokens=tokens, row_tokens=min(tokens, longest), dtype=cfg.model.dtype, tp=tp, pp=layout["pp"],
         vpp=layout.get("vpp", 1), cp=layout.get("cp", 1), etp=layout.get("etp", tp),
+        stages=StageLayers.of_role(cfg, name),
         sequence_parallel=tp > 1 and cfg.actor.sequence_parallel is not False,
         attention="fused" if on_gpu else "spans" if packing else "local", trains=name.trainable,
         recompute=recompute.recompute_granularity if recompute else None,
