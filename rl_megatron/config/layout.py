@@ -91,9 +91,10 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
     if r.placement == "separate":
         engine_devices = r.nnodes * r.n_gpus_per_node
         whose = ("rollout pool's", "rollout.nnodes x rollout.n_gpus_per_node")
-        if r.n_gpus_per_node % r.tensor_parallel_size:
+        if r.n_gpus_per_node % r.tensor_parallel_size and r.tensor_parallel_size % r.n_gpus_per_node:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide "
-                              f"rollout.n_gpus_per_node={r.n_gpus_per_node}: an engine's shards stay on one node.")
+                              f"rollout.n_gpus_per_node={r.n_gpus_per_node} (an engine's shards on one node), or be a "
+                              "multiple of it (whole nodes, for weights one node cannot hold).")
     else:
         engine_devices, whose = actor_devices, ("actor's", "trainer.nnodes x trainer.n_gpus_per_node")
     if engine_devices % r.tensor_parallel_size:

@@ -8,7 +8,9 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
 - PP stage s holds the consecutive ranks s*W/PP .. (s+1)*W/PP - 1, so stages follow node order; each stage
   either spans whole nodes (W/PP a multiple of G) or fits inside one (W/PP divides G), never half of a node
   shared with its neighbour;
-- a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP;
+- a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP, or, for weights that one
+  node cannot hold (DeepSeek-V3 in bf16: 1.3 TB), spans whole nodes (TP a multiple of G): vLLM's SPMD engine takes
+  its TP group from the trainer's ranks wherever they are, and its all-reduces then cross the network;
 - an EP group (ETP*EP consecutive ranks of the experts' own rank order, ETP = expert-TP, default TP) may span
   nodes: its all-to-all then crosses the network.
 Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
@@ -123,6 +125,19 @@ def _check_within_node(size: int, size_key: str, pool: Pool, what: str) -> str:
                           f"on one node's NVLink). Use a {size_key} that divides {g} "
                           f"({', '.join(map(str, divisors))}), or change {pool.gpus_key}.")
     return f"each {what} ({size} GPUs) inside one node"
+
+
+def _check_engine(size: int, pool: Pool) -> str:
+    """A vLLM engine's `size` consecutive ranks: inside one node (as a TP group), or over whole nodes."""
+    g = pool.gpus_per_node
+    if size > g and size % g == 0:
+        return (f"each vLLM engine ({size} GPUs) spans {size // g} whole nodes: its all-reduces cross the network "
+                "(for weights one node cannot hold)")
+    if size > g:
+        raise ConfigError(f"rollout.tensor_parallel_size={size} does not fit the {pool.name} pool's {pool.gpus_key}={g} "
+                          f"GPUs per node: an engine would share a node with the next one. Use a divisor of {g} (one "
+                          f"node's NVLink), or a multiple of {g} (whole nodes, for weights one node cannot hold).")
+    return _check_within_node(size, "rollout.tensor_parallel_size", pool, "vLLM engine")
 
 
 def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
@@ -323,7 +338,7 @@ def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, 
     """The vLLM engines in `pool`: their placement checked, their memory per GPU (a warning when the weights do
     not fit the engine's share)."""
     r = cfg.rollout
-    note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", pool, "vLLM engine")
+    note = _check_engine(r.tensor_parallel_size, pool)
     pool.placement_notes.append(f"rollout: {note}")
     engines = pool.world // r.tensor_parallel_size
     engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size

@@ -204,15 +204,22 @@ def test_context_parallelism_in_the_plan():
     (["trainer.nnodes=3", "trainer.n_gpus_per_node=2", "actor.tensor_model_parallel_size=1",
       "actor.pipeline_model_parallel_size=2", "rollout.n=3", "actor.micro_batch_size=1"],
      "actor.pipeline_model_parallel_size=2", "among 1, 3, 6"),
-    # a vLLM engine over two nodes
-    (["trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=2",
-      "actor.micro_batch_size=8"],
-     "rollout.tensor_parallel_size=2", "trainer.n_gpus_per_node"),
+    # a vLLM engine straddling two nodes (over whole nodes it is allowed: below)
+    (["trainer.n_gpus_per_node=3", "actor.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=2",
+      "rollout.n=3", "actor.micro_batch_size=1"],
+     "rollout.tensor_parallel_size=2", "divides 3"),
 ])
 def test_layouts_that_do_not_fit_the_nodes_name_the_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as err:
         build_plan(cluster(*overrides))
     assert key in str(err.value) and fix in str(err.value)
+
+
+def test_an_engine_over_whole_nodes_is_placed_with_a_note():
+    """For weights one node cannot hold (DeepSeek-V3 in bf16), an engine may span whole nodes: 2 nodes of 1 GPU."""
+    plan = format_plan(cluster("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1",
+                               "rollout.tensor_parallel_size=2", "actor.micro_batch_size=8"), gpu_memory_gib=80)
+    assert "TP=2, 1 engines" in plan and "each vLLM engine (2 GPUs) spans 2 whole nodes" in plan
 
 
 def test_hostlist_simple_forms():
