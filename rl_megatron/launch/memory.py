@@ -228,12 +228,12 @@ class ModelShape:
         return cls(hidden=hf["hidden_size"], ffn=hf.get("intermediate_size", 0), heads=heads,
                    kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, layers=hf["num_hidden_layers"],
-                   vocab=hf["vocab_size"], qk_norm=family.qk_layernorm, experts=experts,
+                   vocab=hf["vocab_size"], qk_norm=family.qk_norm(hf), experts=experts,
                    top_k=hf["num_experts_per_tok"] if experts else 0,
                    expert_ffn=hf[moe.width_key] if experts else 0,
                    shared_ffn=moe.shared.width(hf) if experts and moe.shared else 0,
                    dense_layers=tuple(i for i, routed in enumerate(routes) if not routed),
-                   latent=LatentAttention.of(hf))
+                   latent=LatentAttention.of(hf) if family.mla else None)
 
     def routes(self, layer: int) -> bool:
         """Whether `layer`'s MLP routes over experts."""

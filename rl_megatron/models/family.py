@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from rl_megatron.errors import ConfigError
 from rl_megatron.models import families
 from rl_megatron.models.rotary import check_rope
+from rl_megatron.models.mla import MLA_FIELDS, mla_entries, mla_fields
 from rl_megatron.models.moe import MoeSpec
 from rl_megatron.models.weight_tables import DenseTable, MoeTable
 
@@ -25,19 +26,27 @@ COMMON_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "intermedi
                  "max_position_embeddings")
 
 
+def head_dim(hf: dict) -> int:
+    """The attention heads' width (its key/value heads' too) of a family without MLA."""
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     model_type: str
     qk_layernorm: bool  # queries and keys normalised per head (Qwen3)
     qkv_bias_key: str | None = "attention_bias"  # config.json's switch of the q/k/v projections' biases (None: none)
     qkv_bias_default: bool = False  # their bias without that key (Qwen2: always)
+    qk_layernorm_key: str | None = None  # config.json's switch of the per-head q/k norms (GLM-4.5: use_qk_norm)
+    mla: bool = False  # multi-head latent attention (DeepSeek): models/mla.py
     moe: MoeSpec | None = None  # None: a dense family
     sliding_window: bool = False  # config.json's sliding_window limits every layer's attention (Mistral)
 
     @property
     def config_fields(self) -> tuple[str, ...]:
         """The config.json fields this family reads."""
-        attention = (self.qkv_bias_key,) if self.qkv_bias_key else ()
+        attention = tuple(key for key in (self.qkv_bias_key, self.qk_layernorm_key) if key)
+        attention += MLA_FIELDS if self.mla else ()
         attention += ("sliding_window",) if self.sliding_window else ("use_sliding_window",)
         moe = () if self.moe is None else self.moe.config_fields
         return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
@@ -53,13 +62,21 @@ class ModelFamily:
     def qkv_bias(self, hf: dict) -> bool:
         return bool(hf.get(self.qkv_bias_key, self.qkv_bias_default)) if self.qkv_bias_key else self.qkv_bias_default
 
+    def qk_norm(self, hf: dict) -> bool:
+        """Whether queries and keys are RMS-normalised per head (never with MLA, whose LoRA norms are its own)."""
+        if self.mla:
+            return False
+        return bool(hf.get(self.qk_layernorm_key, self.qk_layernorm)) if self.qk_layernorm_key else self.qk_layernorm
+
     def experts(self, hf: dict) -> int:
         """Routed experts per layer, 0 for a dense family."""
         return self.moe.experts(hf) if self.moe is not None else 0
 
     def attention_fields(self, hf: dict) -> dict:
-        """Megatron TransformerConfig fields of the family's attention."""
-        return dict(add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_layernorm)
+        """Megatron TransformerConfig fields of the family's attention (with MLA: MLATransformerConfig's)."""
+        if self.mla:
+            return mla_fields(hf)
+        return dict(kv_channels=head_dim(hf), add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_norm(hf))
 
     def moe_fields(self, hf: dict) -> dict:
         """Megatron TransformerConfig fields of the family's router and experts (none for a dense family)."""
@@ -74,21 +91,28 @@ class ModelFamily:
         default)."""
         return self.moe is not None and self.moe.renormalises(hf)
 
-    def weight_table(self, hf: dict, padded_vocab: int) -> DenseTable:
-        """The Megatron <-> HF table of exactly the parameters a model of this family has."""
+    def weight_table(self, hf: dict, padded_vocab: int, transformer_engine: bool = False) -> DenseTable:
+        """The Megatron <-> HF table of exactly the parameters a model of this family has (`transformer_engine`:
+        of the layers Transformer Engine builds, where they hold other parts than the local ones)."""
+        qkv_bias, qk_norm = self.qkv_bias(hf) and not self.mla, self.qk_norm(hf)
         if self.moe is None:
-            return DenseTable(hf, padded_vocab, self.qkv_bias(hf), self.qk_layernorm)
-        shared = self.moe.shared
-        return MoeTable(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], self.qkv_bias(hf),
-                        self.qk_layernorm, sparse_layers=self.moe.sparse_layers(hf),
-                        shared=(shared.module, shared.width(hf), shared.gate) if shared and shared.width(hf) else None,
-                        expert_bias=self.moe.expert_bias)
+            table = DenseTable(hf, padded_vocab, qkv_bias, qk_norm)
+        else:
+            shared = self.moe.shared
+            table = MoeTable(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], qkv_bias,
+                             qk_norm, sparse_layers=self.moe.sparse_layers(hf),
+                             shared=(shared.module, shared.width(hf), shared.gate) if shared and shared.width(hf)
+                             else None, expert_bias=self.moe.expert_bias)
+        if self.mla:
+            table.replace_attention(mla_entries(hf, transformer_engine))
+        return table
 
     def check(self, hf: dict, source: str) -> None:
         """What a config.json of this family must hold beyond the common fields (ConfigError naming `source`)."""
         try:
             check_rope(hf)
             self.window(hf)
+            self.attention_fields(hf)
         except ValueError as err:
             raise ConfigError(f"{source}: {err}") from None
         if self.moe is None:
@@ -104,7 +128,9 @@ class ModelFamily:
 
     def checkpoint_fields(self, hf: dict) -> dict:
         """The family's part of what decides a model's tensors (compared when a checkpoint is loaded)."""
-        fields = dict(qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_layernorm, num_experts=self.experts(hf))
+        fields = dict(qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_norm(hf), num_experts=self.experts(hf))
+        if self.mla:  # only where set, as below
+            fields["mla"] = {key: hf.get(key) for key in MLA_FIELDS}
         if self.window(hf) is not None:  # only where set: other checkpoints keep their recorded hash
             fields["sliding_window"] = self.window(hf)
         if self.moe is not None:
@@ -141,8 +167,8 @@ def family_of(hf: dict) -> ModelFamily:
     return family
 
 
-def table_for(hf: dict, padded_vocab: int) -> DenseTable:
-    return family_of(hf).weight_table(hf, padded_vocab)
+def table_for(hf: dict, padded_vocab: int, transformer_engine: bool = False) -> DenseTable:
+    return family_of(hf).weight_table(hf, padded_vocab, transformer_engine)
 
 
 def moe_experts(hf: dict) -> int:

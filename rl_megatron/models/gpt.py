@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from rl_megatron import platform
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
-from rl_megatron.models.family import family_of, table_for
+from rl_megatron.models.family import family_of, head_dim, table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
-from rl_megatron.models.packed_attention import PackedDotProductAttention
+from rl_megatron.models.packed_attention import LatentDotProductAttention, PackedDotProductAttention
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
@@ -60,7 +60,8 @@ def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
         moe_z_loss_coeff=moe.z_loss_coeff or None,
         moe_expert_capacity_factor=moe.capacity_factor,
         moe_token_drop_policy=moe.token_drop_policy,
-        moe_router_dtype=moe.router_dtype,
+        # Sigmoid routers (DeepSeek-V3, GLM-4.5) score in fp32 in transformers and vLLM: the same by default here.
+        moe_router_dtype=moe.router_dtype or ("fp32" if family.moe.score_function_of(hf) == "sigmoid" else None),
         moe_router_bias_update_rate=moe.router_bias_update_rate,
         moe_token_dispatcher_type=token_dispatcher(moe),
         # One linear layer per expert (SequentialMLP: local_experts.<j>.linear_fc1.weight) unless moe.grouped_gemm
@@ -86,20 +87,20 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
                        stages: StageLayers = StageLayers()) -> TransformerConfig:
     heads = hf["num_attention_heads"]
     torch_dtype = DTYPES[dtype]
-    return TransformerConfig(
+    family = family_of(hf)
+    return (MLATransformerConfig if family.mla else TransformerConfig)(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=head_dim(hf),
-        **position_fields(hf),
+        **({} if family.mla else position_fields(hf)),  # MLA layers hold their own rotary embedding
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        **family_of(hf).attention_fields(hf),
+        **family.attention_fields(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -118,10 +119,6 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         calculate_per_token_loss=False,
         **moe_settings(hf, moe),
     )
-
-
-def head_dim(hf: dict) -> int:
-    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
 
 
 def position_fields(hf: dict) -> dict:
@@ -162,8 +159,9 @@ def layer_spec(config: TransformerConfig, vp_stage: int):
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
                                                        vp_stage=vp_stage)
     if not te:
+        attention = LatentDotProductAttention if config.multi_latent_attention else PackedDotProductAttention
         for spec in block.layer_specs:  # packed rows and sliding windows; untouched otherwise
-            spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+            spec.submodules.self_attention.submodules.core_attention = attention
     return block
 
 
@@ -237,11 +235,16 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
         rotary_percent=partial_rotary_factor(hf),
         vp_stage=vp_stage,
     )
-    # The rope type's frequencies (models/rotary.py), in place of Megatron's plain ones.
-    model.rotary_pos_emb.inv_freq = rotary_of(hf, config.kv_channels).inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if not config.multi_latent_attention:  # the rope type's frequencies (models/rotary.py) for Megatron's plain ones
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rotary_of(hf, config.kv_channels).inv_freq.to(rotary.inv_freq.device)
     if value_head_seed is not None and model.post_process:
         model.output_layer = ValueHead(config, value_head_seed)
-    return model.to(DTYPES[dtype])
+    model = model.to(DTYPES[dtype])
+    for module in model.modules():  # the expert biases stay in fp32, as Megatron updates and applies them
+        if getattr(module, "expert_bias", None) is not None:
+            module.expert_bias.data = module.expert_bias.data.float()
+    return model
 
 
 def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
@@ -266,7 +269,7 @@ def hf_parameters(model: GPTModel):
 
 
 def weight_table(model: GPTModel, hf: dict) -> DenseTable:
-    return table_for(hf, model.vocab_size)
+    return table_for(hf, model.vocab_size, uses_transformer_engine())
 
 
 def layer_offset(model: GPTModel) -> int:

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.extensions import transformer_engine as te_extension
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+# Without Transformer Engine, megatron-core still imports its TE extension (stand-ins for the missing classes) and
+# MLA's `HAVE_TE` says True, so its fp8 check calls isinstance() with a stand-in; the extension's own flag is right.
+multi_latent_attention.HAVE_TE = te_extension.HAVE_TE
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -43,6 +49,17 @@ class PackedDotProductAttention(DotProductAttention):
                  for a, b in zip(bounds, bounds[1:])]
         out = torch.cat(spans, dim=2)  # [batch, heads, tokens, d]
         return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
+
+
+class LatentDotProductAttention(PackedDotProductAttention):
+    """The local core attention of MLA layers: queries and keys of nope + rope dimensions, values of v_head_dim,
+    which Megatron's DotProductAttention (sized by kv_channels alone) does not take. MLA hands packed rows over
+    as [tokens, heads, d], as the packed path expects."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
 def causal(length: int, window: tuple[int, int] | None, device) -> dict:

@@ -176,6 +176,9 @@ def shard_from_hf(entry: Entry, hf_tensors: list[torch.Tensor], rank: int, size:
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # Multi-head latent attention: its q and kv LoRA norms, fused into the up projections.
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Megatron numbers the routed experts of a layer per expert-parallel rank; HF numbers them globally. One linear
@@ -247,6 +250,11 @@ class DenseTable:
                     needed.update((name.format(i=layer, e=expert), shape)
                                   for name, shape in zip(entry.hf_names, entry.hf_shapes))
         return needed
+
+    def replace_attention(self, entries: dict[str, Entry]) -> None:
+        """Another attention's entries in place of the q/k/v ones (multi-head latent attention)."""
+        self.layer = {**{name: entry for name, entry in self.layer.items()
+                         if not name.startswith("self_attention.")}, **entries}
 
     def layer_entries(self, layer: int) -> dict[str, Entry]:
         """The entries of layer `layer`'s parameters (every layer alike here)."""

@@ -11,14 +11,18 @@ from rl_megatron.models.weight_tables import MoeTable
 DENSE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 8,
          "intermediate_size": 16, "vocab_size": 10}
 MOE = {**DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
+MLA = {"num_key_value_heads": 4, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
+       "v_head_dim": 2}
 
 
 def model(model_type: str) -> dict:
-    return {**(MOE if FAMILIES[model_type].moe else DENSE), "model_type": model_type}
+    family = FAMILIES[model_type]
+    return {**(MOE if family.moe else DENSE), **(MLA if family.mla else {}), "model_type": model_type}
 
 
 def test_the_supported_families_are_registered_by_model_type():
-    assert sorted(FAMILIES) == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert sorted(FAMILIES) == ["deepseek_v2", "deepseek_v3", "glm4_moe", "llama", "mistral", "mixtral", "qwen2",
+                                "qwen2_moe", "qwen3", "qwen3_moe"]
     assert all(family.model_type == name for name, family in FAMILIES.items())
 
 
@@ -28,7 +32,8 @@ def test_each_record_is_complete(model_type):
     hf = model(model_type)
     assert set(COMMON_FIELDS) <= set(family.config_fields)
     attention = family.attention_fields(hf)
-    assert set(attention) == {"add_qkv_bias", "qk_layernorm"}
+    assert {"kv_channels", "add_qkv_bias", "qk_layernorm"} <= set(attention)
+    assert attention.get("multi_latent_attention", False) == family.mla
     moe = family.moe_fields(hf)
     assert bool(moe) == (family.moe is not None)
     if family.moe is not None:
@@ -38,13 +43,17 @@ def test_each_record_is_complete(model_type):
     assert isinstance(table, MoeTable) == (family.moe is not None)
     # The table holds exactly the model's parameters: the planner counts them, loading looks them up.
     assert ("self_attention.linear_qkv.bias" in table.layer) == attention["add_qkv_bias"]
-    assert ("self_attention.q_layernorm.weight" in table.layer) == attention["qk_layernorm"]
+    if family.mla:  # the LoRA norms of queries (with q_lora_rank) and of the key/value latent
+        assert {"self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"} <= set(table.layer)
+    else:
+        assert ("self_attention.q_layernorm.weight" in table.layer) == attention["qk_layernorm"]
     assert set(family.checkpoint_fields(hf)) >= {"qkv_bias", "qk_layernorm", "num_experts"}
     check_model_layout(hf, ("tp", 2), ("pp", 2), ("ep", 4 if family.moe else 1))
 
 
 def test_family_specific_settings():
-    assert FAMILIES["qwen2"].attention_fields(model("qwen2")) == {"add_qkv_bias": True, "qk_layernorm": False}
+    assert FAMILIES["qwen2"].attention_fields(model("qwen2")) == {"kv_channels": 2, "add_qkv_bias": True,
+                                                                  "qk_layernorm": False}
     assert FAMILIES["llama"].attention_fields({**model("llama"), "attention_bias": True})["add_qkv_bias"]
     assert FAMILIES["qwen3"].attention_fields(model("qwen3"))["qk_layernorm"]
     assert FAMILIES["mixtral"].moe_fields(model("mixtral"))["moe_router_pre_softmax"] is False  # renormalised
@@ -53,7 +62,7 @@ def test_family_specific_settings():
 
 def test_an_unknown_model_type_lists_the_supported_ones():
     hf = {**DENSE, "model_type": "gpt_neox"}
-    supported = "llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    supported = "deepseek_v2, deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
     with pytest.raises(ValueError, match=f"'gpt_neox' .*supported: {supported}"):
         family_of(hf)
     with pytest.raises(ValueError, match="gpt_neox"):
