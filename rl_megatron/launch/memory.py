@@ -128,12 +128,13 @@ class RankParameters:
 
 def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divisible_by: int = 1,
                     value_head: bool = False, etp: int | None = None, vpp: int = 1,
-                    stages: StageLayers = StageLayers()) -> RankParameters:
+                    stages: StageLayers = StageLayers(), transformer_engine: bool = False) -> RankParameters:
     """One rank's parameter count on its fullest pipeline stage. `value_head`: the critic, whose output layer
     is a scalar head (hidden -> 1) instead of the vocabulary projection; `etp`: the experts' TP size (default
-    `tp`); `vpp` and `stages`: which layers each stage holds (interleaved chunks; uneven first / last stages).
-    tp=pp=ep=1 gives the whole model."""
-    table = table_for(hf, padded_vocab_size(hf["vocab_size"], vocab_divisible_by, tp))
+    `tp`); `vpp` and `stages`: which layers each stage holds (interleaved chunks; uneven first / last stages);
+    `transformer_engine`: its layers' shards (MLA's down projections whole on every TP rank). tp=pp=ep=1 gives
+    the whole model."""
+    table = table_for(hf, padded_vocab_size(hf["vocab_size"], vocab_divisible_by, tp), transformer_engine)
     experts_per_rank = moe_experts(hf) // ep
 
     def layer_parameters(layer: int) -> tuple[int, int]:

@@ -134,9 +134,10 @@ def _check_engine(size: int, pool: Pool) -> str:
         return (f"each vLLM engine ({size} GPUs) spans {size // g} whole nodes: its all-reduces cross the network "
                 "(for weights one node cannot hold)")
     if size > g:
-        raise ConfigError(f"rollout.tensor_parallel_size={size} does not fit the {pool.name} pool's {pool.gpus_key}={g} "
-                          f"GPUs per node: an engine would share a node with the next one. Use a divisor of {g} (one "
-                          f"node's NVLink), or a multiple of {g} (whole nodes, for weights one node cannot hold).")
+        raise ConfigError(f"rollout.tensor_parallel_size={size} does not fit the {pool.name} pool's "
+                          f"{pool.gpus_key}={g} GPUs per node: an engine would share a node with the next one. Use a "
+                          f"divisor of {g} (one node's NVLink), or a multiple of {g} (whole nodes, for weights one "
+                          "node cannot hold).")
     return _check_within_node(size, "rollout.tensor_parallel_size", pool, "vLLM engine")
 
 
@@ -176,7 +177,7 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
         pool.placement_notes.append(f"{name}: " + "; ".join(notes))
     stages = StageLayers.of_role(cfg, name)
     params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp, vpp,
-                                    stages)
+                                    stages, transformer_engine=on_gpu)
     dtype = cfg.model.dtype
     if trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
