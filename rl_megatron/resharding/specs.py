@@ -112,11 +112,28 @@ def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str]) -> l
     return [whole(names[0], tuple(param.shape))]
 
 
+# Parameters vLLM derives from others once they are loaded, rather than loads: multi-head latent attention's per-head
+# copies of kv_b_proj for decoding (vLLM's MLAAttention). `rederive_after_sync` makes them again after a sync.
+DERIVED = ("W_UK_T", "W_UV")
+
+
+def rederive_after_sync(model) -> None:
+    """Recompute what vLLM derives from the weights a sync wrote (`DERIVED`): in place, as vLLM reloads weights."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            module.process_weights_after_loading(module.kv_b_proj.weight.dtype)
+
+
 def vllm_targets(model) -> Held:
-    """The engine's parameters on this rank (vLLM names) and the HF regions vLLM keeps in each."""
+    """The engine's parameters on this rank (vLLM names) and the HF regions vLLM keeps in each (not those it
+    derives: `DERIVED`)."""
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     held = {}
     for name, param in model.named_parameters():
+        if name.rpartition(".")[2] in DERIVED:
+            continue
         if param.numel() == 0:
             raise RuntimeError(f"vLLM parameter '{name}' is empty: the engine repacked it for its CPU kernels, "
                                "so it cannot be updated in place (start engines through rl_megatron's VLLMEngine).")

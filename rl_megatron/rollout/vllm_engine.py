@@ -22,6 +22,8 @@ from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
 from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.models.family import family_of
+from rl_megatron.resharding.specs import rederive_after_sync
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
 ENGINE_ENV = {
@@ -174,7 +176,7 @@ class VLLMEngine:
             keep_cpu_weights_in_place()
             if cfg.tensor_parallel_size > 1:
                 remove_stale_cpu_shm()
-        memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
+        settings = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
                   else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
                         # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator,
                         # which CPU generators cannot: "CPU Generator does not use offset". Whole prompts only, and
@@ -182,7 +184,11 @@ class VLLMEngine:
                         "enable_chunked_prefill": False,
                         "max_num_batched_tokens": max(cfg.max_model_len or 0, CPU_STEP_TOKENS)})
         self.cfg = cfg
-        self.stop_token_ids = end_of_sequence_ids(model_path, read_hf_config(model_path))
+        hf = read_hf_config(model_path)
+        self.stop_token_ids = end_of_sequence_ids(model_path, hf)
+        if not platform.has_cuda() and family_of(hf).mla:
+            # On hosts with AMX, vLLM's AMX_MLA backend repacks kv_b_proj and frees it: a sync could not write it.
+            settings["attention_backend"] = "CPU_MLA"
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
@@ -208,7 +214,7 @@ class VLLMEngine:
                 enable_prefix_caching=True,
                 # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
                 enable_sleep_mode=self.sleeps,
-                **memory,
+                **settings,
             )
 
     def _model_runner(self):
@@ -308,8 +314,9 @@ class VLLMEngine:
             self.asleep -= set(waking)
 
     def weights_updated(self) -> None:
-        """Drop cached KV computed with the previous weights."""
+        """Drop cached KV computed with the previous weights, and remake what vLLM derives from the weights."""
         self.llm.reset_prefix_cache()
+        rederive_after_sync(self.model())
 
     def close(self) -> None:
         """Free the engine and its process groups; a sharded engine's groups own /dev/shm segments that are
