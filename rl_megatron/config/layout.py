@@ -9,6 +9,8 @@ from rl_megatron.config.schema import ActorConfig, Config, CriticConfig, MoeConf
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.checks import check_heads, check_model_layout, check_moe_model, check_sequence_length
 from rl_megatron.models.family import moe_experts
+from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
+from rl_megatron.roles import Role
 
 
 def check_actor_layout(cfg: Config) -> None:
@@ -89,9 +91,10 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
     if r.placement == "separate":
         engine_devices = r.nnodes * r.n_gpus_per_node
         whose = ("rollout pool's", "rollout.nnodes x rollout.n_gpus_per_node")
-        if r.n_gpus_per_node % r.tensor_parallel_size:
+        if r.n_gpus_per_node % r.tensor_parallel_size and r.tensor_parallel_size % r.n_gpus_per_node:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide "
-                              f"rollout.n_gpus_per_node={r.n_gpus_per_node}: an engine's shards stay on one node.")
+                              f"rollout.n_gpus_per_node={r.n_gpus_per_node} (an engine's shards on one node), or be a "
+                              "multiple of it (whole nodes, for weights one node cannot hold).")
     else:
         engine_devices, whose = actor_devices, ("actor's", "trainer.nnodes x trainer.n_gpus_per_node")
     if engine_devices % r.tensor_parallel_size:
@@ -152,14 +155,17 @@ def check_model_against_layouts(cfg: Config, hf: dict) -> None:
     length_key = "rollout.max_model_len"
     if r.max_model_len == d.max_prompt_length + r.max_tokens:  # its default: name what it is made of
         length_key += " = data.max_prompt_length + rollout.max_tokens"
+    # The actor's first / last stage keys shape its pipeline only; a separate role splits its own evenly.
+    stages = (("actor.num_layers_in_first_pipeline_stage", a.num_layers_in_first_pipeline_stage),
+              ("actor.num_layers_in_last_pipeline_stage", a.num_layers_in_last_pipeline_stage))
     layouts = [("actor", a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                a.virtual_pipeline_model_parallel_size, a.expert_model_parallel_size)]
-    layouts += [(name, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1)
+                a.virtual_pipeline_model_parallel_size, a.expert_model_parallel_size, stages)]
+    layouts += [(name, role.tensor_model_parallel_size, role.pipeline_model_parallel_size, 1, 1, (None, None))
                 for name, role in (("ref", cfg.ref), ("critic", cfg.critic)) if role.placement == "separate"]
-    for index, (role, tp, pp, vpp, ep) in enumerate(layouts):
+    for index, (role, tp, pp, vpp, ep, (first, last)) in enumerate(layouts):
         check_model_layout(hf, (f"{role}.tensor_model_parallel_size", tp), (f"{role}.pipeline_model_parallel_size", pp),
                            (f"{role}.expert_model_parallel_size", ep),
-                           (f"{role}.virtual_pipeline_model_parallel_size", vpp))
+                           (f"{role}.virtual_pipeline_model_parallel_size", vpp), first_stage=first, last_stage=last)
         check_heads(hf, ("rollout.tensor_parallel_size", r.tensor_parallel_size))
         check_sequence_length(hf, (length_key, r.max_model_len))
         if index == 0:  # the experts exist in the actor's layout only (separate roles run at EP 1)
@@ -196,24 +202,26 @@ def check_activations(cfg: Config, hf: dict) -> None:
     a, c = cfg.actor, cfg.critic
     # A colocated critic runs in the actor's processes (its pipeline and chunks); a separate one without VPP.
     roles = [("actor", a, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-              a.virtual_pipeline_model_parallel_size)]
+              a.virtual_pipeline_model_parallel_size, StageLayers.of_role(cfg, Role.ACTOR))]
     if c.enable:
         roles.append(("critic", c, c.tensor_model_parallel_size, c.pipeline_model_parallel_size,
-                      a.virtual_pipeline_model_parallel_size if c.placement == "colocated" else 1))
-    for name, section, tp, pp, vpp in roles:
+                      a.virtual_pipeline_model_parallel_size if c.placement == "colocated" else 1,
+                      StageLayers.of_role(cfg, Role.CRITIC)))
+    for name, section, tp, pp, vpp, stages in roles:
         if a.sequence_parallel is False and tp > 1 and moe_experts(hf):
             raise ConfigError(
                 f"actor.sequence_parallel=false, but model.path is an MoE model (model_type={hf['model_type']!r}) "
                 f"that the {name} trains at {name}.tensor_model_parallel_size={tp}: Megatron trains MoE layers at "
                 "TP > 1 only with sequence parallelism. Remove actor.sequence_parallel (on at TP > 1 by default), or "
                 f"set {name}.tensor_model_parallel_size=1.")
-        _check_recompute(name, section, layers_per_chunk=hf["num_hidden_layers"] // (pp * vpp))
+        _check_recompute(name, section, PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages).chunk_sizes())
 
 
-def _check_recompute(name: str, section: ActorConfig | CriticConfig, layers_per_chunk: int) -> None:
+def _check_recompute(name: str, section: ActorConfig | CriticConfig, chunk_sizes: list[int]) -> None:
     """A role's recompute_* keys (ActorConfig's or CriticConfig's) as Megatron's TransformerConfig and
-    TransformerBlock take them: full needs a method and a layer count that fit the model chunk; selective takes
-    neither (it recomputes the attention core of every layer)."""
+    TransformerBlock take them: full needs a method and a layer count that fit the model chunks (`chunk_sizes`:
+    their distinct layer counts, several with uneven pipeline stages); selective takes neither (it recomputes the
+    attention core of every layer)."""
     granularity, method, layers = section.recompute_granularity, section.recompute_method, section.recompute_num_layers
     extras = [f"{name}.{key}={value}" for key, value in (("recompute_method", method),
                                                           ("recompute_num_layers", layers)) if value is not None]
@@ -231,12 +239,14 @@ def _check_recompute(name: str, section: ActorConfig | CriticConfig, layers_per_
                           f"recomputed in groups of recompute_num_layers; block: only the first recompute_num_layers "
                           f"layers of each model chunk) and {name}.recompute_num_layers; e.g. "
                           f"{name}.recompute_method=uniform {name}.recompute_num_layers=1 (every layer, least memory).")
-    if method == "uniform" and layers_per_chunk % layers:
+    counts = " / ".join(map(str, chunk_sizes))
+    if method == "uniform" and any(size % layers for size in chunk_sizes):
         # Megatron's uniform groups run past the chunk's last layer otherwise (an IndexError in the first update).
-        raise ConfigError(f"{name}.recompute_method=uniform cuts each model chunk's {layers_per_chunk} layers into "
-                          f"groups of {name}.recompute_num_layers={layers}, which must divide them; choose a divisor "
-                          f"of {layers_per_chunk} (1: every layer on its own, least memory).")
-    if method == "block" and layers > layers_per_chunk:
-        raise ConfigError(f"{name}.recompute_num_layers={layers} exceeds the {layers_per_chunk} layers of each model "
-                          f"chunk (model layers / pipeline stages / virtual stages) that {name}.recompute_method=block "
-                          f"counts in; use at most {layers_per_chunk} ({layers_per_chunk}: every layer).")
+        divisors = [d for d in range(1, chunk_sizes[0] + 1) if all(size % d == 0 for size in chunk_sizes)]
+        raise ConfigError(f"{name}.recompute_method=uniform cuts each model chunk's {counts} layers into groups of "
+                          f"{name}.recompute_num_layers={layers}, which must divide them; choose a divisor of "
+                          f"{counts} ({', '.join(map(str, divisors))}; 1: every layer on its own, least memory).")
+    if method == "block" and layers > chunk_sizes[-1]:
+        raise ConfigError(f"{name}.recompute_num_layers={layers} exceeds the {counts} layers of each model chunk "
+                          f"(a pipeline stage's layers / virtual stages) that {name}.recompute_method=block counts in; "
+                          f"use at most {chunk_sizes[-1]} ({chunk_sizes[-1]}: every layer).")

@@ -75,6 +75,8 @@ class ActorConfig:
     tensor_model_parallel_size: int = checked(1, POSITIVE)  # Megatron TP size of the policy
     pipeline_model_parallel_size: int = checked(1, POSITIVE)  # Megatron PP size of the policy
     virtual_pipeline_model_parallel_size: int = checked(1, POSITIVE)  # model chunks per PP stage (interleaved schedule; >1 needs PP>1)
+    num_layers_in_first_pipeline_stage: Optional[int] = checked(None, POSITIVE)  # decoder layers on the first PP stage, the other stages sharing the rest evenly (None: an even share; e.g. fewer where the embedding also sits); needs PP>1
+    num_layers_in_last_pipeline_stage: Optional[int] = checked(None, POSITIVE)  # decoder layers on the last PP stage (None: an even share; e.g. DeepSeek-V3's 61 layers at PP=16: 1 here, 4 on each other stage); needs PP>1
     context_parallel_size: int = checked(1, POSITIVE)  # Megatron CP size of the policy: each sequence split over this many ranks (> 1 needs actor.sequence_packing and Transformer Engine on a CUDA device)
     expert_model_parallel_size: int = checked(1, POSITIVE)  # Megatron EP size: an MoE layer's experts split over this many ranks
     expert_tensor_parallel_size: Optional[int] = checked(None, POSITIVE)  # each expert's own TP size, at most TP (default: the TP)

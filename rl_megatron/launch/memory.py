@@ -8,9 +8,10 @@ Memory per device (bytes), what the plan prints; the CUDA context, NCCL's buffer
 included, so keep a margin:
 
   training state  = P_dense * (w + g + o / S_dense) + P_expert * (w + g + o / S_expert)
-      P_dense, P_expert: one rank's parameters on its fullest pipeline stage (layers / PP, plus the embedding on
-          the first stage and the output layer on the last), split over TP; routed experts over EP and each expert
-          over expert-TP (ETP, default TP) instead
+      P_dense, P_expert: one rank's parameters on its fullest pipeline stage (its layers: layers / PP, or with
+          uneven stages the first / last stage's counts and even shares between, models/pipeline_stages.py; plus
+          the embedding on the first stage and the output layer on the last), split over TP; routed experts over EP
+          and each expert over expert-TP (ETP, default TP) instead
       w: weight bytes (2 for bfloat16, 4 for float32 model.dtype)
       g: gradient bytes, 4 (Megatron accumulates and reduces gradients in fp32: grad_reduce_in_fp32)
       o: optimizer bytes, 12 for bfloat16 (fp32 master copy + Adam m + v), 8 for float32 (m + v; the
@@ -35,15 +36,28 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
   t_sp = TP with sequence parallelism (actor.sequence_parallel, None: on at TP > 1), else 1
   h, f = hidden and FFN (intermediate) size; h_q = heads * head_dim, h_kv = kv_heads * head_dim (at least one
          kv head per TP rank: Megatron replicates them when TP exceeds them)
-  A, one decoder layer's saved activations per token:
+  A, one decoder layer's saved activations per token (two kinds in an MoE model with dense layers, e.g. DeepSeek's
+  first_k_dense_replace):
       4h / t_sp                     the two norms' inputs and outputs (the outputs are QKV's and fc1's inputs)
     + (3 h_q + 3 h_kv) / TP         the fused QKV output (V is a view of it, so it stays whole), RoPE's Q and K,
                                     the attention output (the output projection's input)
     + h_q / TP                      per-head Q/K norms (Qwen3): the query's norm input
+      or, multi-head latent attention instead (DeepSeek-V2/V3, Moonlight; Megatron's MLASelfAttention), with q_l,
+      kv_l the query's and key/value's compression ranks (q_l = 0: queries straight from the hidden state) and per
+      head n, r, v the key's non-rotary and rotary widths and the value's:
+        (2 q_l + 2 kv_l) / t_sp     the compressed query and key/value and their norms' outputs (the up-projections'
+                                    inputs), each token's on its own sequence-parallel rank
+      + r                           the rotary key shared by all heads, gathered over the sequence
+      + heads (3 (n + r) + n + 3 v) / TP   the query projection's output and the query after RoPE, the key/value
+                                    up-projection's output, the assembled key, the value (made contiguous for the
+                                    kernel) and the attention output. An approximation: RoPE's and the concatenations'
+                                    temporaries that the backward does not keep are taken as kept; fused RoPE would
+                                    save some
     + 5f / TP                       dense MLP: fc1's output 2f, silu's output f, the linear half + glu_linear_offset
                                     f, their product f (fc2's input): Megatron's unfused SwiGLU
       or k (2h * ETP + 5 f_e) / TP  MoE MLP instead (k experts per token of width f_e): each routed copy's input and
                                     output (gathered over ETP) and its SwiGLU, routing assumed balanced;
+                                    + 5 f_s / TP, the shared experts' SwiGLU (width f_s, all of them together);
                                     + 8 E / t_sp bytes, the router's fp32 logits and probabilities over E experts
     + C                             the attention core beyond Q, K, V and its output: on GPU nothing (Transformer
                                     Engine's fused attention); on CPU K, V repeated to every query head, 2 h_q / TP
@@ -52,11 +66,12 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
                                     TP; without packing (Megatron's local attention) the softmax output over rows of
                                     S = min(T_mb, L) tokens instead, heads/TP * S * (4 + w if bfloat16) bytes (fp32
                                     softmax, cast back)
-  K, what one pipeline stage keeps per token of a micro-batch (L_s = layers / PP, L_c = L_s / VPP per chunk):
-      L_s * A without recompute; L_s * (A - C) with selective recompute (the attention core); with full recompute
-      a layer input h / t_sp per group of n = recompute_num_layers layers, VPP * ceil(L_c / n) of them (method
-      uniform), or h / t_sp for the first n layers of each chunk and A for the others (method block)
-  R, made again in one backward step: full uniform n * A, full block A, selective C, none 0
+  K_s, what pipeline stage s keeps per token of a micro-batch, summed over its layers (L_s of them: layers / PP,
+      or the uneven split's; L_c = L_s / VPP per chunk): A each without recompute; A - C with selective recompute
+      (the attention core); with full recompute a layer input h / t_sp per group of n = recompute_num_layers
+      layers, ceil(L_c / n) of them per chunk (method uniform), or h / t_sp for the first n layers of each chunk
+      and A for the others (method block)
+  R_s, made again in one backward step: full uniform the A of n layers, full block one A, selective C, none 0
   head (last stage), per token: final norm and output-layer inputs 2h / t_sp, plus the policy's logits
       [T, V_pad / TP] in (w + 4c) bytes: the output layer's own output and c fp32 copies at the peak
       (models/logprobs.py, workers/megatron_actor.py): c = 3 in a forward pass (the temperature-scaled logits,
@@ -64,9 +79,11 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
       softmax in place; its gradient and the masked, scaled gradient), 5 with actor.entropy_coeff > 0 (the scaled
       logits and exp kept for the entropy's backward, the copy given to the cross-entropy, the two gradients of
       exp * logits); the critic's value head instead: h / t_sp + h (it gathers the sequence)
-  update pass = T * max(m * K + R           the first stage (PP > 1),
-                        K + max(R, head))    the last; the head's copies are freed before the layers' backward
-      m, micro-batches in flight on the first stage: PP (1F1B), PP * (1 + (PP - 1) / (PP * VPP)) interleaved
+  update pass = T * max(m_s * K_s + R_s         each stage s but the last (PP > 1),
+                        K_l + max(R_l, head))    the last; the head's copies are freed before the layers' backward
+      m_s, micro-batches in flight on stage s: PP - s (1F1B); interleaved, Megatron's warm-up plus one, in chunks
+      of 1 / VPP micro-batch: (2 (PP - s - 1) + (VPP - 1) PP + 1) / VPP (PP * (1 + (PP - 1) / (PP * VPP)) on the
+      first). Even stages make the first the fullest; an uneven split can make another one so
   forward pass = T * max(A, head with c = 3) (no graph: one layer at a time; the critic's: T * A)
   role = actor: max(update, forward: the old log-probs); critic: max(update, values); reference: forward
   pool = its roles' weights and training states + the engine's share + the largest role's activations (the passes
@@ -82,6 +99,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from rl_megatron.models.family import family_of, moe_experts, table_for
+from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.models.weight_tables import padded_vocab_size
 
 GIB = 1024 ** 3
@@ -109,11 +127,14 @@ class RankParameters:
 
 
 def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divisible_by: int = 1,
-                    value_head: bool = False, etp: int | None = None) -> RankParameters:
+                    value_head: bool = False, etp: int | None = None, vpp: int = 1,
+                    stages: StageLayers = StageLayers(), transformer_engine: bool = False) -> RankParameters:
     """One rank's parameter count on its fullest pipeline stage. `value_head`: the critic, whose output layer
     is a scalar head (hidden -> 1) instead of the vocabulary projection; `etp`: the experts' TP size (default
-    `tp`). tp=pp=ep=1 gives the whole model."""
-    table = table_for(hf, padded_vocab_size(hf["vocab_size"], vocab_divisible_by, tp))
+    `tp`); `vpp` and `stages`: which layers each stage holds (interleaved chunks; uneven first / last stages);
+    `transformer_engine`: its layers' shards (MLA's down projections whole on every TP rank). tp=pp=ep=1 gives
+    the whole model."""
+    table = table_for(hf, padded_vocab_size(hf["vocab_size"], vocab_divisible_by, tp), transformer_engine)
     experts_per_rank = moe_experts(hf) // ep
 
     def layer_parameters(layer: int) -> tuple[int, int]:
@@ -133,13 +154,13 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
         output = 0
     else:  # untied, or tied across stages: the last stage keeps its own copy
         output = math.prod(table.other["output_layer.weight"].local_shape(tp))
-    per_stage = hf["num_hidden_layers"] // pp
-    stages = []
+    split = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages)
+    per_stage = []
     for stage in range(pp):
-        counts = [layer_parameters(layer) for layer in range(stage * per_stage, (stage + 1) * per_stage)]
+        counts = [layer_parameters(layer) for layer in split.stage_layers(stage)]
         extra = (embedding if stage == 0 else 0) + (final_norm + output if stage == pp - 1 else 0)
-        stages.append(RankParameters(dense=sum(d for d, _ in counts) + extra, expert=sum(e for _, e in counts)))
-    return max(stages, key=lambda params: params.total)
+        per_stage.append(RankParameters(dense=sum(d for d, _ in counts) + extra, expert=sum(e for _, e in counts)))
+    return max(per_stage, key=lambda params: params.total)
 
 
 def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, cp: int,
@@ -163,6 +184,25 @@ Attention = Literal["fused", "spans", "local"]
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's sizes (config.json's names: DeepSeek-V2/V3, Moonlight)."""
+
+    q_lora_rank: int  # 0: queries projected straight from the hidden state (config.json's null)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def of(cls, hf: dict) -> Optional[LatentAttention]:
+        if not hf.get("kv_lora_rank"):
+            return None
+        return cls(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                   v_head_dim=hf["v_head_dim"])
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes activations are made of, from a config.json (with the moe section's overrides)."""
 
@@ -177,17 +217,28 @@ class ModelShape:
     experts: int = 0
     top_k: int = 0
     expert_ffn: int = 0
+    shared_ffn: int = 0  # the shared experts' width, all of them together
+    dense_layers: tuple[int, ...] = ()  # the layers of an MoE model that keep a dense MLP (of width ffn)
+    latent: Optional[LatentAttention] = None  # multi-head latent attention instead of GQA
 
     @classmethod
     def of(cls, hf: dict) -> ModelShape:
         family, heads = family_of(hf), hf["num_attention_heads"]
         experts = family.experts(hf)
+        moe, routes = family.moe, family.moe.sparse_layers(hf) if experts else []
         return cls(hidden=hf["hidden_size"], ffn=hf.get("intermediate_size", 0), heads=heads,
                    kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, layers=hf["num_hidden_layers"],
-                   vocab=hf["vocab_size"], qk_norm=family.qk_layernorm, experts=experts,
+                   vocab=hf["vocab_size"], qk_norm=family.qk_norm(hf), experts=experts,
                    top_k=hf["num_experts_per_tok"] if experts else 0,
-                   expert_ffn=hf[family.moe.width_key] if experts else 0)
+                   expert_ffn=hf[moe.width_key] if experts else 0,
+                   shared_ffn=moe.shared.width(hf) if experts and moe.shared else 0,
+                   dense_layers=tuple(i for i, routed in enumerate(routes) if not routed),
+                   latent=LatentAttention.of(hf) if family.mla else None)
+
+    def routes(self, layer: int) -> bool:
+        """Whether `layer`'s MLP routes over experts."""
+        return bool(self.experts) and layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -202,6 +253,7 @@ class RolePasses:
     vpp: int = 1
     cp: int = 1
     etp: Optional[int] = None  # None: TP
+    stages: StageLayers = StageLayers()  # uneven first / last pipeline stages
     sequence_parallel: bool = False
     attention: Attention = "fused"
     trains: bool = True
@@ -227,23 +279,25 @@ class Activations:
         return "update" if self.update >= self.forward else "forward"
 
 
-def layer_bytes(shape: ModelShape, run: RolePasses) -> tuple[float, float]:
+def layer_bytes(shape: ModelShape, run: RolePasses, routed: Optional[bool] = None) -> tuple[float, float]:
     """(A, C) per token of one rank: a decoder layer's saved activations, and the part of them that is the
-    attention core's (0 with Transformer Engine's fused attention); see the module docstring."""
+    attention core's (0 with Transformer Engine's fused attention); see the module docstring. `routed`: whether
+    the layer's MLP is the MoE one (default: whether the model has experts)."""
     w, tp = WEIGHT_BYTES[run.dtype], run.tp
     t_sp = tp if run.sequence_parallel else 1
     h, d = shape.hidden, shape.head_dim
-    h_q, h_kv = shape.heads * d, max(shape.kv_heads, tp) * d  # kv heads replicated up to one per TP rank
-    elements = 4 * h / t_sp + (3 * h_q + 3 * h_kv) / tp + (h_q / tp if shape.qk_norm else 0)
-    if shape.experts:
+    elements = 4 * h / t_sp + _attention_elements(shape, tp, t_sp)
+    if shape.experts if routed is None else routed:
         etp = run.etp or tp
-        elements += shape.top_k * (2 * h * etp + 5 * shape.expert_ffn) / tp
+        elements += (shape.top_k * (2 * h * etp + 5 * shape.expert_ffn) + 5 * shape.shared_ffn) / tp
         router = FP32 * 2 * shape.experts / t_sp
     else:
         elements += 5 * shape.ffn / tp
         router = 0
     core = 0.0
     if run.attention != "fused":
+        # Latent attention's heads each have a key and value of their own: nothing is repeated.
+        h_q = shape.heads * (shape.latent.v_head_dim if shape.latent else d)
         repeated = w * 2 * h_q / tp if shape.kv_heads < shape.heads else 0  # K, V repeated to the query heads
         if run.attention == "spans":
             core = repeated + w * h_q / tp  # each sample's output, kept by its kernel, beside the joined output
@@ -253,22 +307,37 @@ def layer_bytes(shape: ModelShape, run: RolePasses) -> tuple[float, float]:
     return w * elements + router + core, core
 
 
-def _kept_and_recomputed(shape: ModelShape, run: RolePasses, layer: float, core: float) -> tuple[float, float]:
+def _attention_elements(shape: ModelShape, tp: int, t_sp: int) -> float:
+    """The attention's saved elements per token of one rank beyond its norm (module docstring): GQA's or MLA's."""
+    latent = shape.latent
+    if latent is None:
+        h_q, h_kv = shape.heads * shape.head_dim, max(shape.kv_heads, tp) * shape.head_dim  # kv heads: >= 1 per rank
+        return (3 * h_q + 3 * h_kv) / tp + (h_q / tp if shape.qk_norm else 0)
+    n, r, v = latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.v_head_dim
+    compressed = (2 * latent.q_lora_rank + 2 * latent.kv_lora_rank) / t_sp + r
+    return compressed + shape.heads * (3 * (n + r) + n + 3 * v) / tp
+
+
+def _kept_and_recomputed(run: RolePasses, chunks: list[list[float]], checkpoint: float,
+                         cores: list[float]) -> tuple[float, float]:
     """Per token of one micro-batch: what one pipeline stage keeps for the backward, and what the backward of one
-    recompute unit makes again."""
-    stage_layers = shape.layers // run.pp
+    recompute unit makes again. `chunks`: the A of each layer of each of the stage's model chunks; `cores`: the C
+    of its layers; `checkpoint`: a layer input's bytes."""
+    layers = [a for chunk in chunks for a in chunk]
     if run.recompute is None:
-        return stage_layers * layer, 0.0
+        return sum(layers), 0.0
     if run.recompute == "selective":
-        return stage_layers * (layer - core), core
-    checkpoint = WEIGHT_BYTES[run.dtype] * shape.hidden / (run.tp if run.sequence_parallel else 1)
-    chunk_layers, n = stage_layers // run.vpp, run.recompute_num_layers or 1
-    if run.recompute_method == "block":
-        recomputed = min(n, chunk_layers)
-        per_chunk = recomputed * checkpoint + (chunk_layers - recomputed) * layer
-        return run.vpp * per_chunk, layer if recomputed else 0.0
-    groups = -(-chunk_layers // n)
-    return run.vpp * groups * checkpoint, min(n, chunk_layers) * layer
+        return sum(layers) - sum(cores), max(cores)
+    n, kept, recomputed = run.recompute_num_layers or 1, 0.0, 0.0
+    for chunk in chunks:
+        if run.recompute_method == "block":  # the first n layers each recomputed alone, the others keep everything
+            kept += min(n, len(chunk)) * checkpoint + sum(chunk[n:])
+            recomputed = max(recomputed, max(chunk[:n], default=0.0))
+        else:  # uniform: groups of n layers, each keeping its input
+            groups = [chunk[i:i + n] for i in range(0, len(chunk), n)]
+            kept += len(groups) * checkpoint
+            recomputed = max(recomputed, max((sum(group) for group in groups), default=0.0))
+    return kept, recomputed
 
 
 def head_bytes(shape: ModelShape, run: RolePasses, logit_copies: int, vocab_multiple: int) -> tuple[float, float]:
@@ -282,29 +351,38 @@ def head_bytes(shape: ModelShape, run: RolePasses, logit_copies: int, vocab_mult
     return w * 2 * shape.hidden / t_sp + logits, logits
 
 
-def in_flight(pp: int, vpp: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at once: PP with 1F1B, more interleaved."""
+def in_flight(pp: int, vpp: int, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at once: PP - stage with 1F1B; interleaved,
+    Megatron's warm-up micro-batches plus one, each a chunk of 1 / VPP of the stage (module docstring)."""
     if pp == 1:
         return 1.0
-    return pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(pp)
+    if vpp == 1:
+        return float(pp - stage)
+    return (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp
 
 
 def activation_bytes(shape: ModelShape, run: RolePasses, vocab_multiple: int = 1) -> Activations:
     """A role's activations per GPU (module docstring); `vocab_multiple`: model.make_vocab_size_divisible_by."""
     tokens = -(-run.tokens // run.cp)
-    layer, core = layer_bytes(shape, run)
+    kinds = {routed: layer_bytes(shape, run, routed) for routed in {shape.routes(i) for i in range(shape.layers)}}
     forward_head, forward_logits = head_bytes(shape, run, LOGIT_COPIES_FORWARD, vocab_multiple)
     if not run.policy_head:
         forward_head = 0.0  # the values need no working set beyond a layer's
-    forward = int(tokens * max(layer, forward_head))
+    forward = int(tokens * max(max(layer for layer, _ in kinds.values()), forward_head))
     update, update_logits = 0, 0.0
     if run.trains:
         copies = LOGIT_COPIES_UPDATE_ENTROPY if run.entropy_bonus else LOGIT_COPIES_UPDATE
         head, update_logits = head_bytes(shape, run, copies, vocab_multiple)
-        kept, recomputed = _kept_and_recomputed(shape, run, layer, core)
-        last = kept + max(recomputed, head)
-        first = in_flight(run.pp, run.vpp) * kept + recomputed if run.pp > 1 else last
-        update = int(tokens * max(first, last))
+        checkpoint = WEIGHT_BYTES[run.dtype] * shape.hidden / (run.tp if run.sequence_parallel else 1)
+        split, stages = PipelineSplit(shape.layers, run.pp, run.vpp, run.stages), []
+        for stage in range(run.pp):
+            chunks = [[kinds[shape.routes(i)][0] for i in chunk] for chunk in split.chunks(stage)]
+            cores = [kinds[shape.routes(i)][1] for i in split.stage_layers(stage)]
+            kept, recomputed = _kept_and_recomputed(run, chunks, checkpoint, cores)
+            last = stage == run.pp - 1
+            stages.append(kept + max(recomputed, head) if last
+                          else in_flight(run.pp, run.vpp, stage) * kept + recomputed)
+        update = int(tokens * max(stages))
     logits = update_logits if update >= forward else forward_logits
     return Activations(bytes=max(update, forward), tokens=tokens, update=update, forward=forward,
                        logits=int(tokens * logits))

@@ -8,7 +8,9 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
 - PP stage s holds the consecutive ranks s*W/PP .. (s+1)*W/PP - 1, so stages follow node order; each stage
   either spans whole nodes (W/PP a multiple of G) or fits inside one (W/PP divides G), never half of a node
   shared with its neighbour;
-- a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP;
+- a vLLM engine (rollout TP consecutive ranks) stays on one node by the same rule as TP, or, for weights that one
+  node cannot hold (DeepSeek-V3 in bf16: 1.3 TB), spans whole nodes (TP a multiple of G): vLLM's SPMD engine takes
+  its TP group from the trainer's ranks wherever they are, and its all-reduces then cross the network;
 - an EP group (ETP*EP consecutive ranks of the experts' own rank order, ETP = expert-TP, default TP) may span
   nodes: its all-to-all then crosses the network.
 Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
@@ -27,6 +29,7 @@ from typing import Optional
 from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
+from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.roles import Role
 
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an H100 80GB; GPU_MEMORY_GIB or nvidia-smi give the real size
@@ -124,6 +127,20 @@ def _check_within_node(size: int, size_key: str, pool: Pool, what: str) -> str:
     return f"each {what} ({size} GPUs) inside one node"
 
 
+def _check_engine(size: int, pool: Pool) -> str:
+    """A vLLM engine's `size` consecutive ranks: inside one node (as a TP group), or over whole nodes."""
+    g = pool.gpus_per_node
+    if size > g and size % g == 0:
+        return (f"each vLLM engine ({size} GPUs) spans {size // g} whole nodes: its all-reduces cross the network "
+                "(for weights one node cannot hold)")
+    if size > g:
+        raise ConfigError(f"rollout.tensor_parallel_size={size} does not fit the {pool.name} pool's "
+                          f"{pool.gpus_key}={g} GPUs per node: an engine would share a node with the next one. Use a "
+                          f"divisor of {g} (one node's NVLink), or a multiple of {g} (whole nodes, for weights one "
+                          "node cannot hold).")
+    return _check_within_node(size, "rollout.tensor_parallel_size", pool, "vLLM engine")
+
+
 def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
     """Pipeline stages are consecutive rank ranges: whole nodes each, or several stages within one node."""
     per_stage, g = pool.world // pp, pool.gpus_per_node
@@ -158,7 +175,9 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
         notes.append(f"EP group ({span} GPUs incl. expert-TP) {where}")
     if name is Role.ACTOR or pool.name == name:  # a colocated role shares the actor's groups: nothing new to say
         pool.placement_notes.append(f"{name}: " + "; ".join(notes))
-    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp)
+    stages = StageLayers.of_role(cfg, name)
+    params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp, vpp,
+                                    stages, transformer_engine=on_gpu)
     dtype = cfg.model.dtype
     if trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
@@ -168,7 +187,11 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     else:
         bytes_ = memory.weight_bytes(params.total, dtype)
         note = f"{_count(params.total)} params/GPU: weights only"
-    sizes = (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
+    uneven = ""
+    if stages.first is not None or stages.last is not None:
+        stage_sizes = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages).stage_sizes()
+        uneven = f" (layers {'+'.join(stage_runs(stage_sizes))})"
+    sizes = (f"TP={tp} PP={pp}{uneven}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
              + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
     passes = role_passes(name, cfg, layout, on_gpu)
     activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
@@ -190,6 +213,7 @@ def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool) -> memory.R
     return memory.RolePasses(
         tokens=tokens, row_tokens=min(tokens, longest), dtype=cfg.model.dtype, tp=tp, pp=layout["pp"],
         vpp=layout.get("vpp", 1), cp=layout.get("cp", 1), etp=layout.get("etp", tp),
+        stages=StageLayers.of_role(cfg, name),
         sequence_parallel=tp > 1 and cfg.actor.sequence_parallel is not False,
         attention="fused" if on_gpu else "spans" if packing else "local", trains=name.trainable,
         recompute=recompute.recompute_granularity if recompute else None,
@@ -315,7 +339,7 @@ def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, 
     """The vLLM engines in `pool`: their placement checked, their memory per GPU (a warning when the weights do
     not fit the engine's share)."""
     r = cfg.rollout
-    note = _check_within_node(r.tensor_parallel_size, "rollout.tensor_parallel_size", pool, "vLLM engine")
+    note = _check_engine(r.tensor_parallel_size, pool)
     pool.placement_notes.append(f"rollout: {note}")
     engines = pool.world // r.tensor_parallel_size
     engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size

@@ -5,17 +5,23 @@ every config.json with where it was read from: each ConfigError names both and t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.family import FAMILIES, REQUIRED_FIELDS, supported_model_types
+from rl_megatron.models.pipeline_stages import check_split
 
 MODEL_SOURCE = "model.path's config.json"
 Size = tuple[str, int]  # (the config key or flag that sets it, its value)
+OptionalSize = tuple[str, Optional[int]]  # a size whose key may be unset (None)
 
 
 def check_model_layout(hf: dict, tp: Size, pp: Size, ep: Size, vpp: Size | None = None,
-                       source: str = MODEL_SOURCE) -> None:
+                       source: str = MODEL_SOURCE, first_stage: OptionalSize | None = None,
+                       last_stage: OptionalSize | None = None) -> None:
     """A model's config.json (read from `source`) against a parallel layout: its family known and its fields
-    usable, TP splitting the heads, PP (x VPP) the layers and EP the experts."""
+    usable, TP splitting the heads, PP (x VPP) the layers (evenly, or with the first / last stage's layer counts
+    where a caller has those keys: `first_stage`, `last_stage`) and EP the experts."""
     for key in REQUIRED_FIELDS:
         if key not in hf:
             raise ConfigError(f"{source} lacks '{key}'; is the model a decoder-only causal LM?")
@@ -28,11 +34,7 @@ def check_model_layout(hf: dict, tp: Size, pp: Size, ep: Size, vpp: Size | None 
         raise ConfigError(f"{source} has model_type={hf.get('model_type')!r}, which is not supported yet; "
                           f"supported: {supported_model_types()}.")
     check_heads(hf, tp, source)
-    (pp_name, pp_size), (vpp_name, vpp_size) = pp, vpp or ("", 1)
-    if hf["num_hidden_layers"] % (pp_size * vpp_size):
-        sizes = f"{pp_name}={pp_size}" + (f" x {vpp_name}={vpp_size}" if vpp_size > 1 else "")
-        raise ConfigError(f"{sizes} must divide the model's {hf['num_hidden_layers']} layers ({source}). Choose "
-                          "sizes whose product divides the layer count.")
+    check_split(hf["num_hidden_layers"], pp, vpp or ("", 1), first_stage, last_stage, source)
     family.check(hf, source)
     experts = family.experts(hf)
     ep_name, ep_size = ep

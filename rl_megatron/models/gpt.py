@@ -17,6 +17,7 @@ from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.family import family_of, head_dim, table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
 from rl_megatron.models.packed_attention import LatentDotProductAttention, PackedDotProductAttention
+from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
@@ -82,7 +83,8 @@ def initialization(has_cuda: bool, weights_follow: bool) -> dict:
 
 def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp: int | None = None,
                        moe: MoeConfig | None = None, weights_follow: bool = False,
-                       activations: ActivationSettings = ActivationSettings()) -> TransformerConfig:
+                       activations: ActivationSettings = ActivationSettings(),
+                       stages: StageLayers = StageLayers()) -> TransformerConfig:
     heads = hf["num_attention_heads"]
     torch_dtype = DTYPES[dtype]
     family = family_of(hf)
@@ -106,6 +108,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         # is on there unless actor.sequence_parallel=false, refused then by config.layout.check_activations).
         **activations.transformer_config_fields(tp),
         pipeline_model_parallel_size=pp,
+        **stages.transformer_config_fields(),  # uneven first / last stages (models/pipeline_stages.py)
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,  # None: the TP size
         params_dtype=torch_dtype,
@@ -188,16 +191,18 @@ class ValueHead(torch.nn.Module):
 
 def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage: int = 0,
               value_head_seed: int | None = None, moe: MoeConfig | None = None,
-              weights_follow: bool = False, activations: ActivationSettings = ActivationSettings()) -> GPTModel:
+              weights_follow: bool = False, activations: ActivationSettings = ActivationSettings(),
+              stages: StageLayers = StageLayers()) -> GPTModel:
     """Model chunk `vp_stage` of this rank's shard of the model (parallel_state must be initialised); with
     `value_head_seed`, the critic: the same trunk with a `ValueHead` instead of the vocabulary output. `moe`: the
     config's MoE knobs (defaults without). `weights_follow`: the caller loads every weight next (`initialization`).
-    `activations`: the role's sequence parallelism and recomputation (default: Megatron's, at this rank's TP)."""
+    `activations`: the role's sequence parallelism and recomputation (default: Megatron's, at this rank's TP).
+    `stages`: the layers of the first / last pipeline stage (default: an even split)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size(),
                                 etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
-                                weights_follow=weights_follow, activations=activations)
+                                weights_follow=weights_follow, activations=activations, stages=stages)
     context = parallel_state.get_context_parallel_world_size()
     if context > 1 and not uses_transformer_engine():
         raise ValueError(f"actor.context_parallel_size={context} needs Transformer Engine's attention on a CUDA device "
@@ -245,11 +250,12 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
 def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
                      value_head_seed: int | None = None, moe: MoeConfig | None = None,
                      weights_follow: bool = False,
-                     activations: ActivationSettings = ActivationSettings()) -> list[GPTModel]:
+                     activations: ActivationSettings = ActivationSettings(),
+                     stages: StageLayers = StageLayers()) -> list[GPTModel]:
     """This rank's model chunks in virtual-pipeline order (one without interleaving)."""
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed, moe, weights_follow,
-                      activations) for vp_stage in range(chunks)]
+                      activations, stages) for vp_stage in range(chunks)]
 
 
 def hf_parameters(model: GPTModel):

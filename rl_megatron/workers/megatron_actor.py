@@ -32,6 +32,7 @@ from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
 from rl_megatron.models.activations import ActivationSettings
+from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
 from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
 from rl_megatron.models.packed_attention import packed_seq_params
@@ -61,18 +62,20 @@ class MegatronModel:
 
     Weights: copied from `initial` (a model of the same layout in this process), else loaded from `checkpoint` (a
     Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed.
-    `activations`: the role's sequence parallelism and recomputation."""
+    `activations`: the role's sequence parallelism and recomputation; `stages`: the layers of its first / last
+    pipeline stage."""
 
     def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, activations: ActivationSettings,
-                 optim: OptimConfig | None = None, optimizer_steps: int = 0, value_head: bool = False,
-                 weights_path: str | None = None, checkpoint: str | None = None, initial: MegatronModel | None = None):
+                 stages: StageLayers, optim: OptimConfig | None = None, optimizer_steps: int = 0,
+                 value_head: bool = False, weights_path: str | None = None, checkpoint: str | None = None,
+                 initial: MegatronModel | None = None):
         self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
             value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe,
             weights_follow=initial is not None or checkpoint is not None or weights_path is not None,
-            activations=activations)]
+            activations=activations, stages=stages)]
         with torch.no_grad():
             if initial is not None:
                 for chunk, source in zip(self.chunks, initial.chunks):
@@ -286,7 +289,8 @@ class MegatronActor(MegatronModel):
         role = Role.ACTOR if trainable else Role.REF
         super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if trainable else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
-                         initial=initial, activations=ActivationSettings.of_role(cfg, role))
+                         initial=initial, activations=ActivationSettings.of_role(cfg, role),
+                         stages=StageLayers.of_role(cfg, role))
         self.table = weight_table(self.chunks[0], hf_config)
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
@@ -353,7 +357,8 @@ class MegatronCritic(MegatronModel):
         batching = Batching(critic.micro_batch_size, critic.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
         super().__init__(cfg, hf_config, batching, optim=critic.optim, optimizer_steps=optimizer_steps,
                          value_head=True, weights_path=None if cfg.model.random_init else critic.model_path,
-                         activations=ActivationSettings.of_role(cfg, Role.CRITIC))
+                         activations=ActivationSettings.of_role(cfg, Role.CRITIC),
+                         stages=StageLayers.of_role(cfg, Role.CRITIC))
 
     @staticmethod
     def _token_outputs(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:

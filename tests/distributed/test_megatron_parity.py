@@ -61,3 +61,17 @@ def test_grpo_update_equals_tp1_pp1(tmp_path, tp, pp, vpp, tied):
     for f in glob.glob(f"{model_dir}/*.safetensors"):
         initial.update(load_file(f))
     assert any(not torch.equal(initial[n], t) for n, t in state.items()), "the update changed nothing"
+
+
+def test_uneven_pipeline_stages_match_transformers(tmp_path):
+    """3 layers at PP=2, the first stage holding 1 (actor.num_layers_in_first_pipeline_stage) and the last 2: each
+    stage builds its layers with Megatron's offsets, the log-probs are transformers', every weight exports whole."""
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False, layers=3)
+    cfg = config(model_dir, 1, 2, **{"actor.num_layers_in_first_pipeline_stage": 1})
+    batch = make_batch(18)
+    (_, exported), (last, _) = run_distributed(log_probs_and_export, 2, 1, 2, args=(cfg, batch))
+    ref_log_probs, _, ref_state = hf_reference(model_dir, batch, cfg.rollout.temperature)
+    mask = batch.response_mask.bool()
+    assert (last.log_probs[mask] - ref_log_probs[mask]).abs().max() <= 1e-4
+    assert set(exported) == set(ref_state)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in ref_state.items())

@@ -1,6 +1,8 @@
 """The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml, *_math_async.yaml,
-*_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml) load,
-validate and fit their cluster, activations included: each with the real model's config.json and data prepared by
+*_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
+scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air) load, validate and fit their
+cluster, activations included (every pool's estimate under an H100's 80 GiB): each with the real model's config.json
+and data prepared by
 `python -m rl_megatron.data.prepare` (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
 recipes also keep their papers' hyper-parameters."""
 import json
@@ -15,7 +17,8 @@ from helpers.model_folders import write_header_only_weights, write_text_tokenize
 
 from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.config import ConfigError, load_config
-from rl_megatron.launch import format_plan
+from rl_megatron.launch import build_plan, format_plan
+from rl_megatron.launch.memory import GIB
 from rl_megatron.rewards import score
 
 REPO = __file__.rsplit("/tests/", 1)[0]
@@ -33,17 +36,59 @@ QWEN2_5 = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_laye
                            num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                            vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
                            eos_token_id=151645)}
+LLAMA3_1 = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=8, vocab_size=128256,
+                rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
+                eos_token_id=[128001, 128008, 128009])  # the Instruct models end a turn with <|eot_id|> (128009)
+RELEASED = {"llama3.1-8b": dict(LLAMA3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32),
+            "llama3.1-70b": dict(LLAMA3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64),
+            # DeepSeek-V3's family: multi-head latent attention, the first layer(s) dense, sigmoid routing with an
+            # expert bias over 64 experts (6 a token) beside 2 shared ones
+            "moonlight-16b-a3b": dict(
+                architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048,
+                intermediate_size=11264, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+                first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, vocab_size=163840,
+                rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False,
+                bos_token_id=163584, eos_token_id=163585, num_nextn_predict_layers=0),
+            # 61 layers (a prime), the first 3 dense; 256 experts (8 a token) in 8 groups, 4 chosen; YaRN to 160k
+            "deepseek-v3": dict(
+                architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+                intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+                first_k_dense_replace=3, moe_layer_freq=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, vocab_size=129280,
+                rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                                "beta_slow": 1},
+                max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0,
+                eos_token_id=1, num_nextn_predict_layers=1),
+            # GQA with q/k/v biases and half-rotary heads; the first layer dense, 128 experts (8 a token) + 1 shared
+            "glm-4.5-air": dict(
+                architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_hidden_layers=46, hidden_size=4096,
+                intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=1408,
+                first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000,
+                vocab_size=151552, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                pad_token_id=151329, eos_token_id=[151329, 151336, 151338], num_nextn_predict_layers=1)}
 
 
 def model_folder(tmp_path, size, tools=False):
     """The released model's config.json, a small text tokenizer and safetensors of the model's shapes whose data
     are holes (the pre-flight check reads the headers only). `tools`: an instruct model's, ending turns with
     <|im_end|> (the tokenizer's id 2) and a chat template in Qwen2.5's tool format."""
-    folder = tmp_path / f"Qwen-{size}"
+    folder = tmp_path / f"model-{size}"
     folder.mkdir()
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6,
-              "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 2 if tools else 151643,
-              **QWEN2_5[size]}
+    config = RELEASED.get(size) or {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "bos_token_id": 151643, "eos_token_id": 2 if tools else 151643, **QWEN2_5[size]}
     (folder / "config.json").write_text(json.dumps(config))
     (write_tool_text_tokenizer if tools else write_text_tokenizer)(str(folder))
     write_header_only_weights(str(folder), config, files=4)
@@ -80,7 +125,12 @@ def dapo_file(tmp_path):
                                               ("grpo_qwen2_5_3b_tool_math", "3b", "gsm8k"),
                                               ("dapo_qwen2_5_7b_math", "7b", "dapo"),
                                               ("moe/grpo_qwen3_30b_a3b", "30b-a3b", "math"),
-                                              ("gspo_qwen3_30b_a3b_math", "30b-a3b", "math")])
+                                              ("gspo_qwen3_30b_a3b_math", "30b-a3b", "math"),
+                                              ("grpo_llama3_1_8b_math", "llama3.1-8b", "math"),
+                                              ("grpo_llama3_1_70b_math", "llama3.1-70b", "math"),
+                                              ("grpo_moonlight_16b_a3b_math", "moonlight-16b-a3b", "math"),
+                                              ("deepseek_v3/grpo_deepseek_v3_math", "deepseek-v3", "math"),
+                                              ("grpo_glm4_5_air_math", "glm-4.5-air", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "dapo":
         train = val = dapo_file(tmp_path)
@@ -96,8 +146,10 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     tools = "tool" in recipe
     cfg = load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={model_folder(tmp_path, size, tools)}",
                                                         f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
+    pools = build_plan(cfg, gpu_memory_gib=80).pools  # a layout that does not fit its nodes is refused here
+    assert max(pool.memory_bytes for pool in pools) < 80 * GIB  # the memory estimate fits an 80 GiB H100
     plan = format_plan(cfg, gpu_memory_gib=80)
-    assert "WARNING" not in plan, plan  # the memory estimate fits an 80 GiB H100
+    assert "WARNING" not in plan, plan
     assert f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPUs" in plan
     if tools:  # whole trajectories (4096 tokens after a 1024-token prompt) in the engines and the token budget
         assert cfg.rollout.max_model_len == 1024 + 4096 and "5120 tokens per micro-batch" in plan
@@ -159,6 +211,38 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         # 8k-token responses in the MoE recipe's layout: a token budget and full recompute instead of 1 sample
         assert "actor pool: 69.2 GiB = actor 23.0 GiB" in plan and "rollout 36.0 GiB" in plan
         assert "10240 tokens per micro-batch, full recompute" in plan
+
+
+    if recipe == "grpo_llama3_1_8b_math":  # the smallest TP that fits beside the engines; GRPO's KL to the reference
+        assert "TP=4 PP=1 CP=1 EP=1 DP=2" in plan and "TP=2, 4 engines" in plan and cfg.actor.use_kl_loss
+        assert "actor pool: 69.6 GiB = actor 22.4 GiB" in plan and "ref 3.7 GiB" in plan
+        assert "8192 tokens per micro-batch, full recompute" in plan
+    if recipe == "grpo_llama3_1_70b_math":  # a node per TP group and per stage; no reference
+        assert "TP=8 PP=4 CP=1 EP=1 DP=1" in plan and "TP=8, 4 engines" in plan and "ref " not in plan
+        assert "actor pool: 73.6 GiB = actor 38.1 GiB" in plan and "rollout 32.0 GiB" in plan
+        assert "16384 tokens per micro-batch, full recompute" in plan
+
+    if recipe == "grpo_moonlight_16b_a3b_math":  # MLA; 8 whole experts a GPU on the node, attention at TP=4
+        assert "TP=4 PP=1 CP=1 EP=8 ETP=1 DP=2" in plan and "TP=2, 4 engines" in plan
+        assert "actor pool: 71.2 GiB = actor 34.8 GiB" in plan and "rollout 32.0 GiB" in plan
+    if recipe == "deepseek_v3/grpo_deepseek_v3_math":  # 61 layers over 16 stages; engines over 4 whole nodes
+        assert "TP=8 PP=16 (layers 3+14x4+2) CP=1 EP=32 ETP=1 DP=4" in plan and "TP=32, 16 engines" in plan
+        assert "each vLLM engine (32 GPUs) spans 4 whole nodes" in plan and cfg.model.dtype == "bfloat16"
+        assert "actor pool: 74.9 GiB = actor 25.1 GiB" in plan and "rollout 48.0 GiB" in plan
+        assert "8192 tokens per micro-batch, full recompute" in plan
+        # An even split of 61 layers is refused, naming the uneven keys.
+        keys = ["actor.num_layers_in_first_pipeline_stage=null", "actor.num_layers_in_last_pipeline_stage=null"]
+        with pytest.raises(ConfigError, match="num_layers_in_last_pipeline_stage=1 \\(15x4\\+1 layers\\)"):
+            load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={cfg.model.path}", f"data.train_files=[{train}]",
+                                                          f"data.val_files=[{val}]", *keys])
+    if recipe == "grpo_glm4_5_air_math":  # 8 nodes: on 4 the experts' state and the engine's share do not fit
+        assert "TP=8 PP=2 CP=1 EP=32 ETP=1 DP=4" in plan and "TP=8, 8 engines" in plan
+        assert "actor pool: 68.5 GiB = actor 30.5 GiB" in plan and "rollout 36.0 GiB" in plan
+        four_nodes = ["trainer.nnodes=4", "actor.expert_model_parallel_size=16", "rollout.gpu_memory_utilization=0.35"]
+        with pytest.raises(ConfigError, match="needs ~88.5 GiB"):
+            build_plan(load_config(f"{REPO}/configs/{recipe}.yaml", [
+                f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                *four_nodes]), gpu_memory_gib=80)
 
 
 def test_recipe_names_the_one_key_to_set():

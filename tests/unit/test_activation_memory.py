@@ -8,8 +8,8 @@ vocabulary 100, bfloat16 (w = 2), TP 2 with sequence parallelism, flash attentio
 """
 import pytest
 
-from rl_megatron.launch.memory import (Activations, ModelShape, RolePasses, activation_bytes, in_flight,
-                                       layer_bytes)
+from rl_megatron.launch.memory import (Activations, LatentAttention, ModelShape, RolePasses, activation_bytes,
+                                       in_flight, layer_bytes)
 
 SHAPE = ModelShape(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, layers=4, vocab=100)
 T = 1000
@@ -51,6 +51,36 @@ def test_moe_layer_by_hand():
     # Experts split over ETP = TP = 2: every rank sees the copies of both ranks' tokens, half of each expert.
     gathered = 4 * 64 / 2 + (3 * 64 + 3 * 32) / 2 + 2 * (2 * 64 * 2 + 5 * 32) / 2
     assert layer_bytes(moe, passes())[0] == 2 * gathered + 32
+
+
+def test_latent_attention_layer_by_hand():
+    """Multi-head latent attention (DeepSeek-V2/V3): query rank 32, key/value rank 16, per head 8 non-rotary, 4 rotary
+    and 8 value dimensions, 4 heads at TP 2 with sequence parallelism: the compressed query and key/value with their
+    norms' outputs (2*32 + 2*16) / 2, the shared rotary key 4, and per head 3 (8 + 4) + 8 + 3 * 8 = 68, 4/2 heads."""
+    latent = LatentAttention(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    mla = ModelShape(**{**SHAPE.__dict__, "kv_heads": 4, "latent": latent})
+    assert layer_bytes(mla, passes()) == (2 * (4 * 64 / 2 + (48 + 4) + 2 * 68 + 5 * 128 / 2), 0)
+    # Queries straight from the hidden state (Moonlight: q_lora_rank null): only the key/value is compressed.
+    direct = ModelShape(**{**mla.__dict__, "latent": LatentAttention(0, 16, 8, 4, 8)})
+    assert layer_bytes(direct, passes())[0] == 2 * (4 * 64 / 2 + (16 + 4) + 2 * 68 + 5 * 128 / 2)
+    hf = {"kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    assert LatentAttention.of(hf) == LatentAttention(0, 512, 128, 64, 128) and LatentAttention.of({}) is None
+
+
+def test_shared_experts_and_dense_layers_by_hand():
+    """An MoE model whose first layer keeps a dense MLP (DeepSeek's first_k_dense_replace) and whose routed layers
+    add shared experts of width 48 beside 2 of 8 routed experts of width 32 (whole, ETP 1): a routed layer keeps
+    2 * (128 + 144 + (2 * (2*64 + 5*32) + 5*48) / 2) + the router's 32 = 1392 bytes a token, the dense one 1184."""
+    moe = ModelShape(**{**SHAPE.__dict__, "experts": 8, "top_k": 2, "expert_ffn": 32, "shared_ffn": 48,
+                        "dense_layers": (0,)})
+    assert layer_bytes(moe, passes(etp=1)) == (1392, 0) and layer_bytes(moe, passes(etp=1), routed=False) == (1184, 0)
+    estimate = activation_bytes(moe, passes(etp=1))
+    assert (estimate.update, estimate.forward) == (T * (1184 + 3 * 1392 + 628), T * 1392)
+    qwen2_moe = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                 "intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 48,
+                 "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0], "vocab_size": 40}
+    shape = ModelShape.of(qwen2_moe)
+    assert (shape.shared_ffn, shape.dense_layers, shape.routes(0), shape.routes(1)) == (48, (0,), False, True)
 
 
 def test_shape_from_config_json():

@@ -204,15 +204,31 @@ def test_context_parallelism_in_the_plan():
     (["trainer.nnodes=3", "trainer.n_gpus_per_node=2", "actor.tensor_model_parallel_size=1",
       "actor.pipeline_model_parallel_size=2", "rollout.n=3", "actor.micro_batch_size=1"],
      "actor.pipeline_model_parallel_size=2", "among 1, 3, 6"),
-    # a vLLM engine over two nodes
-    (["trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=2",
-      "actor.micro_batch_size=8"],
-     "rollout.tensor_parallel_size=2", "trainer.n_gpus_per_node"),
+    # a vLLM engine straddling two nodes (over whole nodes it is allowed: below)
+    (["trainer.n_gpus_per_node=3", "actor.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=2",
+      "rollout.n=3", "actor.micro_batch_size=1"],
+     "rollout.tensor_parallel_size=2", "divides 3"),
 ])
 def test_layouts_that_do_not_fit_the_nodes_name_the_key_and_fix(overrides, key, fix):
     with pytest.raises(ConfigError) as err:
         build_plan(cluster(*overrides))
     assert key in str(err.value) and fix in str(err.value)
+
+
+def test_an_engine_over_whole_nodes_is_placed_with_a_note(tmp_path):
+    """For weights one node cannot hold (DeepSeek-V3 in bf16), an engine may span whole nodes: 2 nodes of 1 GPU. One
+    that would share a node with the next engine is refused (12 of 16 heads' GPUs over nodes of 8)."""
+    plan = format_plan(cluster("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1",
+                               "rollout.tensor_parallel_size=2", "actor.micro_batch_size=8"), gpu_memory_gib=80)
+    assert "TP=2, 1 engines" in plan and "each vLLM engine (2 GPUs) spans 2 whole nodes" in plan
+    config = json.load(open("configs/models/tiny-qwen2-digits/config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 12, "num_key_value_heads": 12,
+                                                      "head_dim": 16}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text(open(f"configs/models/tiny-qwen2-digits/{name}").read())
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=12 .* a multiple of 8 \\(whole nodes"):
+        build_plan(cluster(f"model.path={tmp_path}", "trainer.nnodes=3", "rollout.tensor_parallel_size=12",
+                           "actor.tensor_model_parallel_size=1", "rollout.n=3", "actor.micro_batch_size=1"))
 
 
 def test_hostlist_simple_forms():
