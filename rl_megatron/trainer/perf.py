@@ -7,8 +7,9 @@ so that the figures compare with a verl run's:
 
     2 * N * s + 2 * L * Hq * s^2
 
-N: the weights each token multiplies: per layer the QKV and attention-output projections and the gated MLP (an
-MoE layer: the router and its top-k experts, not all of them), plus 2 * vocab * hidden for the embedding and the
+N: the weights each token multiplies: per layer the attention's projections (QKV and output; latent attention's
+down and up projections) and the gated MLP (an MoE layer: the router, its shared experts and its top-k routed
+experts, not all of them), counted from the family's weight table, plus 2 * vocab * hidden for the embedding and the
 output layer. (The embedding is a lookup, not a multiply; verl counts it, and so do we.) The second term is
 attention's QK^T and AV: 4 * Hq * s^2 per layer over the full square, halved for the causal mask; L layers, Hq =
 heads x head_dim. A backward pass costs twice the forward, so training is 3x. Only the sequences' own tokens count
@@ -21,35 +22,42 @@ included) and each device's peak as its worker reported it (`platform.device_sta
 """
 from __future__ import annotations
 
-from rl_megatron.models.family import family_of
+import math
+
+from rl_megatron.models.family import family_of, head_dim, table_for
 from rl_megatron.platform.device_stats import DeviceStats
 
 TRAINING_PASS_FORWARDS = 3  # the backward pass computes the inputs' gradients and the weights': two forwards' work
 
 
-def _head_dim(hf: dict) -> int:
-    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-
-
 def matmul_weights_per_token(hf: dict) -> int:
-    """N: the weights one token is multiplied by (config.json `hf`), the embedding counted as verl counts it."""
-    hidden, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    q, kv = heads * _head_dim(hf), hf.get("num_key_value_heads", heads) * _head_dim(hf)
-    attention = hidden * (q + 2 * kv) + q * hidden  # QKV, output projection
-    family = family_of(hf)
-    if family.moe is None:
-        mlp = 3 * hidden * hf["intermediate_size"]  # gate, up, down
-    else:
-        router = hidden * family.experts(hf)
-        mlp = router + hf["num_experts_per_tok"] * 3 * hidden * hf[family.moe.width_key]
-    return layers * (attention + mlp) + 2 * hf["vocab_size"] * hidden
+    """N: the weights one token is multiplied by (config.json `hf`), the embedding counted as verl counts it: every
+    matrix of the family's weight table (norms and biases aside), a routing layer's experts top-k times (a token
+    goes through that many)."""
+    table = table_for(hf, hf["vocab_size"])
+    weights = 0
+    for layer in range(table.num_layers):
+        for name, entry in table.layer_entries(layer).items():
+            if len(entry.hf_shapes[0]) < 2:
+                continue
+            size = sum(math.prod(shape) for shape in entry.hf_shapes)
+            weights += size * hf["num_experts_per_tok"] if name.startswith("mlp.experts.") else size
+    return weights + 2 * hf["vocab_size"] * hf["hidden_size"]
+
+
+def attention_width(hf: dict) -> int:
+    """Hq of the attention term: heads x head_dim; with latent attention the mean of the query/key width (nope +
+    rope) and the value width, as QK^T and AV each take half of the term."""
+    heads = hf["num_attention_heads"]
+    if family_of(hf).mla:
+        return heads * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"]) // 2
+    return heads * head_dim(hf)
 
 
 def forward_flops(hf: dict, sequence_lengths: list[int]) -> float:
     """Model FLOPs of one forward pass over sequences of these lengths (module docstring)."""
-    attention_width = hf["num_attention_heads"] * _head_dim(hf)
     tokens, squares = sum(sequence_lengths), sum(s * s for s in sequence_lengths)
-    return 2 * matmul_weights_per_token(hf) * tokens + 2 * hf["num_hidden_layers"] * attention_width * squares
+    return 2 * matmul_weights_per_token(hf) * tokens + 2 * hf["num_hidden_layers"] * attention_width(hf) * squares
 
 
 def mfu(flops: float, seconds: float, peaks: list[float | None]) -> float | None:

@@ -9,13 +9,15 @@ from helpers.ranks import check_engines_hold_the_trainer_weights
 from rl_megatron.workers.spawn import run_distributed
 
 # (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
-# send buckets. Two of the layouts run other dense families: Llama 3.2 (tied, Llama 3.1's rope scaling) and Mistral
-# with a sliding window shorter than the prompts and answers.
+# send buckets. Besides Qwen2: Llama 3.2 (tied, Llama 3.1's rope scaling), Mistral with a sliding window shorter
+# than the prompts and answers, and Qwen2.5's YaRN (its attention factor scales vLLM's rotary embedding).
 # (The process_group channel's exactness: test_moe's engine tests and the reshard benchmark's test.)
 LLAMA3_2 = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 16}}
 GRID = [(1, 1, 1, 1, False, "auto", "qwen2", {}), (2, 1, 1, 2, True, "shared_memory", "llama", LLAMA3_2),
-        (1, 2, 1, 1, True, "auto", "mistral", {"sliding_window": 4}), (2, 2, 1, 2, False, "shared_memory", "qwen2", {}),
+        (1, 2, 1, 1, True, "auto", "mistral", {"sliding_window": 4}),
+        (2, 2, 1, 2, False, "shared_memory", "qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                         "original_max_position_embeddings": 16}}),
         (1, 2, 2, 2, False, "auto", "qwen2", {})]
 
 

@@ -106,3 +106,29 @@ def test_rope_scaling_is_checked_before_anything_is_built_and_recorded_in_checkp
     assert "rope_scaling" not in config_fields(model("qwen2"))
     # YaRN's cos/sin factor m enters as the softmax scale m^2 / sqrt(head_dim) (head_dim 8 / 4 = 2 here).
     assert position_fields(yarn)["softmax_scale"] == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / 2 ** 0.5)
+
+
+def test_latent_attention_fields_and_its_refusals():
+    from rl_megatron.models.mla import mla_fields
+
+    deepseek = {**model("deepseek_v3"), "max_position_embeddings": 64,
+                "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4,
+                                 "mscale": 0.707, "mscale_all_dim": 0.707}}
+    got = mla_fields(deepseek)
+    assert got["q_lora_rank"] == 6 and got["kv_lora_rank"] == 4 and got["kv_channels"] == 2  # the value heads
+    assert got["rope_type"] == "yarn" and got["rotary_scaling_factor"] == 40.0 and got["mscale_all_dim"] == 0.707
+    plain = mla_fields(model("deepseek_v3"))
+    assert plain["rope_type"] == "rope" and plain["mscale_all_dim"] == 0.0  # no YaRN softmax scaling
+    for change, message in (({"rope_interleave": False}, "rope_interleave=false"),
+                            ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+                                               "mscale": 0.5}}, "mscale but no mscale_all_dim"),
+                            ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "type 'linear' with multi-head")):
+        with pytest.raises(ConfigError, match=message):
+            check_model_layout({**deepseek, **change}, ("tp", 1), ("pp", 1), ("ep", 1))
+
+
+def test_glm_reads_its_q_k_norm_switch():
+    glm = FAMILIES["glm4_moe"]
+    assert glm.qk_norm({**model("glm4_moe"), "use_qk_norm": True})
+    assert not glm.qk_norm(model("glm4_moe"))  # GLM-4.5-Air
+    assert glm.qkv_bias({**model("glm4_moe"), "attention_bias": True})

@@ -33,7 +33,7 @@ def test_weights_per_token_of_qwen2_5_7b_are_its_parameter_count():
 def test_weights_per_token_of_an_moe_model_count_the_router_and_the_top_k_experts():
     moe = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
            "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 64, "vocab_size": 18}
+           "moe_intermediate_size": 64, "intermediate_size": 128, "vocab_size": 18}
     # QKV 64 x 192 + output 64 x 64 = 16384; router 64 x 4 = 256; 2 experts of 3 x 64 x 64 = 24576 (not 4).
     assert matmul_weights_per_token(moe) == 2 * (16384 + 256 + 24576) + 2 * 18 * 64 == 84736
     # Mixtral's config names the experts' width intermediate_size (and, from transformers 5, their count
@@ -59,6 +59,22 @@ def test_weights_per_token_match_the_real_models():
     expert = 3 * moe.hidden_size * moe.moe_intermediate_size
     skipped = moe.num_hidden_layers * (moe.num_experts - moe.num_experts_per_tok) * expert
     assert matmul_weights_per_token(moe.to_dict()) == matrix_parameters(moe) - skipped
+
+
+def test_weights_per_token_of_deepseek_v3_count_latent_attention_shared_experts_and_dense_layers():
+    """A tiny DeepSeek-V3 (latent attention, a dense first layer, a shared expert, 4 routed experts top-2): every
+    matrix of the real model but the routed experts a token does not go through."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=18, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                              n_group=1, topk_group=1)
+    skipped = 2 * (4 - 2) * 3 * 64 * 32  # the 2 routing layers' unchosen experts
+    assert matmul_weights_per_token(config.to_dict()) == matrix_parameters(config) - skipped
+    # Attention's width: the mean of the query/key heads' (16 + 8) and the value heads' (16), x 2 heads.
+    assert forward_flops(config.to_dict(), [4]) == 2 * matmul_weights_per_token(config.to_dict()) * 4 + 2 * 3 * 40 * 16
 
 
 def test_forward_flops_add_attention_over_each_sequence_squared():
