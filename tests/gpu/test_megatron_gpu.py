@@ -38,7 +38,7 @@ def log_probs_then_update(cfg, batch):
     metrics = actor.update(batch)
     experts = getattr(layer.mlp, "experts", None)
     return {"uses_transformer_engine": uses_transformer_engine(),
-            "qkv_module": type(layer.self_attention.linear_qkv).__module__,
+            "attention_module": type(layer.self_attention.linear_proj).__module__,
             "experts_class": type(experts).__name__ if experts is not None else None,
             "device": str(next(layer.parameters()).device), "metrics": metrics, **out.tensors()}
 
@@ -63,16 +63,26 @@ def hf_update_reference(model_dir: str, batch, cfg) -> tuple[float, float]:
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 
 
-# qwen2: QKV biases, separate output layer; qwen3: QK-norm, tied embeddings; the MoE families (float32 only: in
-# bfloat16 near-tied router scores may pick other experts than transformers does) with TE's grouped GEMM
-# (TEGroupedMLP, moe.grouped_gemm) when TE is installed.
-@pytest.mark.parametrize("family,tied,dtype", [(family, tied, dtype) for family, tied in (("qwen2", False),
-                                                                                          ("qwen3", True))
-                                               for dtype in ("float32", "bfloat16")]
-                         + [("qwen3_moe", False, "float32"), ("mixtral", False, "float32")])
-def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
-    model_dir = family_model_dir(tmp_path / family, family, tied)
-    moe = family in ("qwen3_moe", "mixtral")
+LLAMA3_1 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16}}
+YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+
+
+# qwen2: QKV biases, separate output layer (and Qwen2.5's YaRN); qwen3: QK-norm, tied embeddings; Llama 3.1's rope
+# scaling; Mistral's sliding window (TE's window_size); the MoE families (float32 only: in bfloat16 near-tied router
+# scores may pick other experts than transformers does) with TE's grouped GEMM (TEGroupedMLP, moe.grouped_gemm)
+# when TE is installed: DeepSeek's latent attention (TE keeps its down projections whole), sigmoid routers with the
+# expert bias, shared experts, dense first layers; GLM-4.5's partial rotary.
+@pytest.mark.parametrize("family,tied,dtype,extra", [(family, tied, dtype, {}) for family, tied in (("qwen2", False),
+                                                                                                  ("qwen3", True))
+                                                     for dtype in ("float32", "bfloat16")]
+                         + [("qwen2", False, "float32", YARN), ("llama", True, "float32", LLAMA3_1),
+                            ("mistral", False, "float32", {"sliding_window": 4})]
+                         + [(family, False, "float32", {}) for family in MOE_FAMILIES])
+def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype, extra):
+    model_dir = family_model_dir(tmp_path / family, family, tied, **extra)
+    moe = family in MOE_FAMILIES
     # 4 prompts x 2 samples per mini-batch: the whole batch of 8, so the update is one optimizer step on it.
     cfg = config(model_dir, 1, 1, **{"model.dtype": dtype, **({"moe.grouped_gemm": TE_INSTALLED} if moe else {})})
     batch = make_batch(18)
@@ -82,12 +92,12 @@ def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype):
     result = run_distributed(log_probs_then_update, 1, args=(cfg, batch))[0]
 
     te = result["uses_transformer_engine"]
-    print(f"layers: {'Transformer Engine' if te else 'Megatron local'} ({result['qkv_module']}), "
+    print(f"layers: {'Transformer Engine' if te else 'Megatron local'} ({result['attention_module']}), "
           f"device {result['device']}, dtype {dtype}")
     assert result["device"].startswith("cuda")
     # TE layers exactly when TE is installed (an installed TE that fails to import fails here, not silently).
     assert te == TE_INSTALLED
-    assert ("transformer_engine" in result["qkv_module"]) == te
+    assert ("transformer_engine" in result["attention_module"]) == te
     if moe:
         assert result["experts_class"] == ("TEGroupedMLP" if te else "SequentialMLP")
 
