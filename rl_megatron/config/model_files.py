@@ -39,8 +39,8 @@ def moe_hf_overrides(cfg: Config, hf: dict) -> dict:
         return {}
     overrides = {}
     if cfg.moe.num_experts is not None:
-        # Qwen's configs say num_experts; transformers >= 5 writes num_local_experts: replace whichever is there.
-        overrides.update({key: cfg.moe.num_experts for key in ("num_experts", "num_local_experts") if key in hf})
+        # The family's own key: Qwen's num_experts, transformers >= 5's num_local_experts, DeepSeek's n_routed_experts.
+        overrides[family.moe.required_fields(hf)[0]] = cfg.moe.num_experts
     if cfg.moe.top_k is not None:
         overrides["num_experts_per_tok"] = cfg.moe.top_k
     return overrides

@@ -52,6 +52,8 @@ def test_each_knob_reaches_megatron():
     hf = model_config(cfg)
     # transformers >= 5 writes num_local_experts: the override replaces the key the folder has, for vLLM too.
     assert moe_hf_overrides(cfg, hf) == {"num_local_experts": 8, "num_experts_per_tok": 3}
+    deepseek = {"model_type": "deepseek_v3", "n_routed_experts": 4}  # DeepSeek's and GLM's key
+    assert moe_hf_overrides(cfg, deepseek) == {"n_routed_experts": 8, "num_experts_per_tok": 3}
     config = transformer_config(hf, tp=1, pp=1, dtype="float32", ep=2, etp=1, moe=cfg.moe)
     assert (config.num_moe_experts, config.moe_router_topk) == (8, 3)
     assert config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff == 0.01
