@@ -9,7 +9,8 @@ engine with parameter and optimizer offload). Each phase holds:
                (weights and KV cache freed), but its CUDA graphs stay: vLLM captures them outside the memory pool its
                sleep frees (`rollout/vllm_engine.py` leaves sleep_mode_offload_cudagraph off). With
                ref.param_offload the reference's weights come in for its own forward pass alone, when only the
-               actor's weights are there (the actor's gradients alone take as much): that sub-phase is smaller.
+               actor's weights are there: less than this phase counts (the actor's fp32 gradients alone take as much
+               as the reference's weights).
   generation   the engine's share (rollout.gpu_memory_utilization x the GPU: weights, KV cache and CUDA graphs); all
                of Megatron's state in host memory, but the reference's weights with ref.param_offload=false.
   weight sync  the actor's weights (its gradients and Adam state in host memory, the critic's state too), the engine's
@@ -124,10 +125,10 @@ def over_memory(pool: Pool, cfg: Config, gib: float, source: str) -> str:
     parts = " + ".join(f"{item.what} {gib_text(item.bytes)}" + (f", {item.detail}" if item.detail else "")
                        for item in top.held)
     where = "" if top.name == ALL_AT_ONCE else f" in {top.name}"
-    others = [f"{phase.name} ~{gib_text(phase.bytes)}" for phase in pool.phases if phase is not top and phase.bytes > limit]
-    also = f"; {' and '.join(others)} too" if others else ""
+    others = [phase for phase in pool.phases if phase is not top and phase.bytes > limit]
+    also = f"; {' and '.join(f'{phase.name} ~{gib_text(phase.bytes)}' for phase in others)} too" if others else ""
     fixes: dict[str, str] = {}  # by the keys a fix names (its text before the reason): the peak's reason first
-    for phase in [top] + [phase for phase in pool.phases if phase is not top and phase.bytes > limit]:
+    for phase in [top, *others]:
         for fix in _phase_fixes(phase, pool, cfg):
             fixes.setdefault(fix.split(" (")[0], fix)
     return (f"the {pool.name} pool needs ~{gib_text(top.bytes)} per GPU{where} ({parts}){also}, more than the GPU's "
