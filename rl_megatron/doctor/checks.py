@@ -146,8 +146,9 @@ def gpu_memory(cfg: Config) -> Result:
     total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     plan = build_plan(cfg, gpu_memory_gib=total / memory.GIB, refuse_over_memory=False)  # a FAIL, not a crash
     worst = max(plan.pools, key=lambda pool: pool.memory_bytes)
-    figure = (f"the {worst.name} pool needs ~{worst.memory_bytes / memory.GIB:.1f} GiB per GPU with activations, "
-              f"of {total / memory.GIB:.1f} GiB")
+    phase = f" in {worst.peak.name}, its peak phase," if len(worst.phases) > 1 else ""
+    figure = (f"the {worst.name} pool needs ~{worst.memory_bytes / memory.GIB:.1f} GiB per GPU{phase} with "
+              f"activations, of {total / memory.GIB:.1f} GiB")
     if plan.warnings:
         return Result("GPU memory", FAIL, figure, "; ".join(plan.warnings))
     return Result("GPU memory", PASS, figure)

@@ -86,8 +86,11 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
       first). Even stages make the first the fullest; an uneven split can make another one so
   forward pass = T * max(A, head with c = 3) (no graph: one layer at a time; the critic's: T * A)
   role = actor: max(update, forward: the old log-probs); critic: max(update, values); reference: forward
-  pool = its roles' weights and training states + the engine's share + the largest role's activations (the passes
-         run one at a time)
+  pool = its roles' weights and training states, the engine's share and the largest role's activations (the passes
+         run one at a time), summed; but with actor.offload (GPU, engine colocated) they take turns and the pool needs
+         its largest phase (`phase_memory.py`): training = the training states + activations + the sleeping engine's
+         CUDA graphs (an allowance), generation = the engine's share, weight sync = the actor's and the engine's
+         weights + resharding.bucket_mb + the graphs (each with the reference's weights if ref.param_offload=false)
   Not counted (a few percent): the flash kernels' log-sum-exp (heads fp32 per token), token ids and masks, the
   pipeline's send and receive buffers, the MoE dispatcher's index tensors, and under context parallelism each
   sample's padding to a multiple of 2 * CP (* TP with sequence parallelism) tokens.
@@ -176,6 +179,11 @@ def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, c
 
 def weight_bytes(parameters: int, dtype: str) -> int:
     return parameters * WEIGHT_BYTES[dtype]
+
+
+def gib_text(n: int) -> str:
+    """Bytes as the plan prints them: GiB, or MiB below a tenth of one."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
 # How a role's attention runs: "fused" (Transformer Engine, GPU), "spans" (CPU, packed rows: torch's flash attention

@@ -16,9 +16,12 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
 Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
 trainer.n_gpus_per_node) holds actor + rollout and the colocated reference / critic; a role with
 placement=separate gets its own nodes after it (engines first, then ref, then critic).
-Memory per GPU (`memory.py`'s formulas): each role's weights (and training state) or engine share, plus the largest
-of the pool's activations; a pool over the GPU's memory is refused where that memory is known (nvidia-smi on the
-launching node, GPU_MEMORY_GIB), naming the keys that lower it, and a warning over the 80 GiB assumed otherwise.
+Memory per GPU (`memory.py`'s formulas): each role's weights (and training state) or engine share, and the largest
+of the pool's activations, held phase by phase (`phase_memory.py`): with actor.offload the engine and Megatron's
+state take turns on the GPU, so the pool needs its largest phase (training, generation or weight sync); without it,
+or in a pool without the engine, the sum. A pool whose peak is over the GPU's memory is refused where that memory is
+known (nvidia-smi on the launching node, GPU_MEMORY_GIB), naming the keys that lower it, and a warning over the 80
+GiB assumed otherwise.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from typing import Optional
 from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
+from rl_megatron.launch.memory import gib_text
+from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
+                                             pool_phases)
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.roles import Role
 
@@ -43,6 +49,7 @@ class RolePlan:
     layout: str  # its parallel sizes, printed
     memory_bytes: int  # per GPU: weights (+ gradients and optimizer state), or the engine's share
     memory_note: str
+    weight_bytes: int  # per GPU: its weights alone (what a weight sync holds of the actor and of the engine)
     activations: Optional[memory.Activations] = None  # a Megatron role's passes (None for the engines)
     activation_note: str = ""
 
@@ -61,6 +68,7 @@ class Pool:
     gpus_key: str
     roles: list[RolePlan] = field(default_factory=list)
     placement_notes: list[str] = field(default_factory=list)
+    phases: list[PhaseMemory] = field(default_factory=list)  # what it holds phase by phase, once its roles are in
 
     @property
     def world(self) -> int:
@@ -72,8 +80,13 @@ class Pool:
         return max((role.activation_bytes for role in self.roles), default=0)
 
     @property
+    def peak(self) -> PhaseMemory:
+        return peak(self.phases)
+
+    @property
     def memory_bytes(self) -> int:
-        return sum(role.memory_bytes for role in self.roles) + self.activation_bytes
+        """Per GPU at its peak phase (the sum of all it holds where nothing takes turns)."""
+        return self.peak.bytes
 
 
 @dataclass
@@ -105,10 +118,6 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return str(n)
-
-
-def _gib(n: int) -> str:
-    return f"{n / memory.GIB:.1f} GiB" if n >= memory.GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def _nodes(first: int, count: int) -> str:
@@ -196,7 +205,8 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     passes = role_passes(name, cfg, layout, on_gpu)
     activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
     budgeted = getattr(cfg, str(name)).max_tokens_per_micro_batch is not None
-    return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note, activations,
+    return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note,
+                    memory.weight_bytes(params.total, dtype), activations,
                     _activation_note(activations, passes, budgeted, cfg.actor.sequence_packing))
 
 
@@ -228,13 +238,13 @@ def _activation_note(activations: memory.Activations, passes: memory.RolePasses,
         n = passes.recompute_num_layers or 1
         recompute += (f" (block: the first {n} layer(s) of each chunk)" if passes.recompute_method == "block"
                       else f" (uniform: groups of {n} layer(s))")
-    forward = f"{'log-probs' if passes.policy_head else 'values'} {_gib(activations.forward)}"
-    passes_text = f"update {_gib(activations.update)}, {forward}" if passes.trains else forward
+    forward = f"{'log-probs' if passes.policy_head else 'values'} {gib_text(activations.forward)}"
+    passes_text = f"update {gib_text(activations.update)}, {forward}" if passes.trains else forward
     split = f" / CP={passes.cp}" if passes.cp > 1 else ""
     padding = " (right-padded: padding not counted)" if budgeted and not packed else ""
     parts = [passes_text, f"{passes.tokens}{split} tokens per micro-batch{padding}", recompute if passes.trains else "",
              "sequence parallel" if passes.sequence_parallel else "",
-             f"logits {_gib(activations.logits)}" if activations.logits else ""]
+             f"logits {gib_text(activations.logits)}" if activations.logits else ""]
     return ", ".join(part for part in parts if part)
 
 
@@ -252,8 +262,8 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
                refuse_over_memory: bool = True) -> ClusterPlan:
     """The placement of every role and its memory per GPU; ConfigError (naming the key and the fix) when a
     layout does not fit the nodes, or (with `refuse_over_memory`, on GPUs whose memory is known) when a pool's
-    estimate exceeds the GPU's memory; over an assumed size it is a warning. `cfg` must come from load_config
-    (validated, defaults resolved)."""
+    estimate at its peak phase exceeds the GPU's memory; over an assumed size it is a warning. `cfg` must come from
+    load_config (validated, defaults resolved)."""
     gib, gib_source, known = _gpu_memory(gpu_memory_gib)
     hf = model_config(cfg)
     total = memory.rank_parameters(hf).total
@@ -271,68 +281,14 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
                 pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
 
     for pool in pools:
+        pool.phases = pool_phases(pool, cfg, on_gpu)
         if on_gpu and pool.memory_bytes > gib * memory.GIB:
-            problem = _over_memory(pool, cfg, gib, gib_source)
+            problem = over_memory(pool, cfg, gib, gib_source)
             if known and refuse_over_memory:
                 raise ConfigError(problem[0].upper() + problem[1:])
             plan.warnings.append(problem + ("" if known else " Set GPU_MEMORY_GIB to your GPUs' memory: a plan over "
                                             "a known size is refused."))
     return plan
-
-
-def _over_memory(pool: Pool, cfg: Config, gib: float, source: str) -> str:
-    """What a pool over the GPU's memory needs, and the keys that lower it (with their values now)."""
-    parts = [f"{role.name} {_gib(role.memory_bytes)}" for role in pool.roles]
-    largest = max(pool.roles, key=lambda role: role.activation_bytes)
-    if largest.activation_bytes:
-        parts.append(f"activations {_gib(largest.activation_bytes)}, the {largest.name}'s "
-                     f"{largest.activations.larger_pass} pass")
-    fixes = []
-    for role in pool.roles:
-        fixes += _memory_fixes(role.name, cfg, separate=pool.name == role.name and role.name is not Role.ACTOR)
-    return (f"the {pool.name} pool needs ~{_gib(pool.memory_bytes)} per GPU ({' + '.join(parts)}), more than the "
-            f"GPU's {gib:g} GiB ({source}). Change: " + "; ".join(fixes) + f"; or add nodes ({pool.nodes_key}).")
-
-
-def _yaml(value) -> str:
-    """A value as the config spells it (null, true, false)."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _memory_fixes(name: Role, cfg: Config, separate: bool) -> list[str]:
-    """The keys that lower a role's memory per GPU, each with its value now and which way to turn it (keys already
-    at their most frugal setting are left out)."""
-    if name is Role.ROLLOUT:
-        return [f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} lower (a smaller KV cache)"]
-    section = getattr(cfg, str(name))
-    budget = section.max_tokens_per_micro_batch
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
-    fixes = [f"{name}.max_tokens_per_micro_batch={budget} lower" if budget else
-             f"{name}.max_tokens_per_micro_batch=null to a token budget (micro-batches are now "
-             f"{name}.micro_batch_size={section.micro_batch_size} samples of up to {longest} tokens)"]
-    if name.trainable:
-        granularity, method, layers = (section.recompute_granularity, section.recompute_method,
-                                       section.recompute_num_layers)
-        if granularity != "full":
-            fixes.append(f"{name}.recompute_granularity={_yaml(granularity)} to full with "
-                         f"{name}.recompute_method=uniform {name}.recompute_num_layers=1 (each layer keeps only its "
-                         "input)")
-        elif method == "block" or (layers or 1) > 1:
-            fixes.append(f"{name}.recompute_method={_yaml(method)} / {name}.recompute_num_layers={_yaml(layers)} to "
-                         "uniform / 1 (every layer recomputed, one at a time)")
-    if name is Role.ACTOR or separate:  # a colocated role runs at the actor's layout
-        fixes.append(f"{name}.tensor_model_parallel_size={section.tensor_model_parallel_size} / "
-                     f"{name}.pipeline_model_parallel_size={section.pipeline_model_parallel_size} higher (smaller "
-                     "shards; PP shrinks the state, not the first stage's activations)")
-    if name is Role.ACTOR:
-        a = cfg.actor
-        packing = "" if a.sequence_packing else " with actor.sequence_packing=true"
-        fixes.append(f"actor.context_parallel_size={a.context_parallel_size} higher{packing} (each sequence split "
-                     "over more GPUs)")
-        if a.sequence_parallel is False and a.tensor_model_parallel_size > 1:
-            fixes.append("actor.sequence_parallel=false to true (activations outside the TP regions split over the "
-                         "TP ranks)")
-    return fixes
 
 
 def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> RolePlan:
@@ -346,16 +302,19 @@ def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, 
     if on_gpu:
         engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
         memory_note = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
-                       f"{_gib(engine_weights)} + KV cache")
+                       f"{gib_text(engine_weights)} + KV cache")
     else:
         engine_bytes = engine_weights + r.kv_cache_bytes
         memory_note = "weights + rollout.kv_cache_bytes"
     if on_gpu and engine_weights >= engine_bytes:
         plan.warnings.append(
-            f"the vLLM engine's weights ({_gib(engine_weights)} per GPU) do not fit its "
+            f"the vLLM engine's weights ({gib_text(engine_weights)} per GPU) do not fit its "
             f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
             "rollout.gpu_memory_utilization or rollout.tensor_parallel_size.")
-    return RolePlan(Role.ROLLOUT, "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note)
+    if on_gpu and cfg.actor.offload and r.placement == "colocated":
+        memory_note += f"; asleep, its CUDA graphs stay (up to {gib_text(SLEEPING_ENGINE_BYTES)} counted)"
+    return RolePlan(Role.ROLLOUT, "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note,
+                    engine_weights)
 
 
 def format_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool = True) -> str:
@@ -383,13 +342,20 @@ def render_plan(plan: ClusterPlan, model_path: str) -> str:
     lines.append(f"Memory per {device} (estimate with activations; CUDA context and fragmentation not "
                  f"included){capacity}:")
     for pool in plan.pools:
-        parts = [f"{role.name} {_gib(role.memory_bytes)} ({role.memory_note})" for role in pool.roles]
+        parts = [f"{role.name} {gib_text(role.memory_bytes)} ({role.memory_note})" for role in pool.roles]
         largest = max(pool.roles, key=lambda role: role.activation_bytes)
         if largest.activation_bytes:
-            parts.append(f"activations {_gib(largest.activation_bytes)} (the {largest.name}'s; one pass at a time)")
-        lines.append(f"  {pool.name} pool: {_gib(pool.memory_bytes)} = " + " + ".join(parts))
+            parts.append(f"activations {gib_text(largest.activation_bytes)} (the {largest.name}'s; one pass at a time)")
+        if len(pool.phases) > 1:  # the parts take turns: the figure is the largest phase's, not their sum
+            lines.append(f"  {pool.name} pool: {gib_text(pool.memory_bytes)} at its peak ({pool.peak.name}), of "
+                         + ", ".join(parts))
+        else:
+            lines.append(f"  {pool.name} pool: {gib_text(pool.memory_bytes)} = " + " + ".join(parts))
+        phases = phase_line(pool, on_gpu)
+        if phases:
+            lines.append(f"    phases       {phases}")
         for role in pool.roles:
             if role.activations:
-                lines.append(f"    activations  {role.name} {_gib(role.activation_bytes)} ({role.activation_note})")
+                lines.append(f"    activations  {role.name} {gib_text(role.activation_bytes)} ({role.activation_note})")
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)

@@ -13,14 +13,16 @@ from rl_megatron.launch import build_plan, format_plan
 from rl_megatron.launch.__main__ import check_environment, describe_node, plan_node, shell_assignments
 from rl_megatron.launch.auth import ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
-from rl_megatron.launch.memory import (ModelShape, RankParameters, RolePasses, activation_bytes, rank_parameters,
-                                       training_state_bytes)
+from rl_megatron.launch.memory import (GIB, ModelShape, RankParameters, RolePasses, activation_bytes,
+                                       rank_parameters, training_state_bytes)
 from rl_megatron.launch.ray_cluster import cluster_shortfall, port_open, wait_for_head
 
 DEMO = "configs/demo_cpu.yaml"
 TINY = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 18,
         "tie_word_embeddings": False}
+TINY_QWEN2 = json.load(open("configs/models/tiny-qwen2-digits/config.json"))
+GRAPHS = int(1.5 * GIB)  # the sleeping engine's CUDA graphs, as the plan allows them
 
 
 def dense_layer(h, heads, kv, head_dim, ffn, qkv_bias, qk_norm):
@@ -77,36 +79,110 @@ def cluster(*extra):
 
 def test_plan_places_roles_and_estimates_memory():
     cfg = cluster("actor.tensor_model_parallel_size=2", "actor.pipeline_model_parallel_size=2",
-                  "actor.use_kl_loss=true", "rollout.gpu_memory_utilization=0.4")
+                  "actor.use_kl_loss=true", "rollout.gpu_memory_utilization=0.4", "actor.offload=false")
     plan = build_plan(cfg, gpu_memory_gib=80)
     assert (plan.nnodes, plan.gpus_per_node, plan.total_gpus) == (2, 8, 16)
     roles = {role.name: role for role in plan.pools[0].roles}
     assert roles["actor"].layout == "TP=2 PP=2 CP=1 EP=1 DP=4" and roles["ref"].layout == roles["actor"].layout
     assert roles["rollout"].layout == "TP=1, 16 engines"
     assert roles["rollout"].memory_bytes == int(0.4 * 80 * 2 ** 30)
-    per_rank = rank_parameters(json.load(open("configs/models/tiny-qwen2-digits/config.json")), tp=2, pp=2)
+    per_rank = rank_parameters(TINY_QWEN2, tp=2, pp=2)
     assert roles["actor"].memory_bytes == int(per_rank.total * (6 + 12 / 4))
     assert roles["ref"].memory_bytes == per_rank.total * 2
-    # The pool: every role's state, the engine's share, and the larger of the actor's and the reference's
-    # activations (one pass at a time).
+    # Without actor.offload the pool holds it all at once: every role's state, the engine's share, and the larger
+    # of the actor's and the reference's activations (one pass at a time).
     assert roles["actor"].activation_bytes > roles["ref"].activation_bytes > 0
     assert plan.pools[0].memory_bytes == sum(role.memory_bytes for role in roles.values()) + \
         roles["actor"].activation_bytes
     text = format_plan(cfg, gpu_memory_gib=80)
     assert "nodes 0-1: actor pool, 2 x 8 = 16 GPUs" in text and "PP stage = 8 GPUs = 1 node(s)" in text
     assert "activations  actor" in text and "activations  ref" in text and "(the actor's; one pass at a time)" in text
+    assert "phases       all at once (actor.offload=false" in text
     assert "WARNING" not in text
-    # The engine takes the whole GPU, so the training state no longer fits beside it: refused, the GPU's size known.
+    # The engine takes the whole GPU, so the training state no longer fits beside it: refused, the GPU's size known,
+    # with offloading as a way out.
     with pytest.raises(ConfigError, match="The actor pool needs .* more than the GPU's 1 GiB .*"
-                                          "rollout.gpu_memory_utilization=1.0 lower"):
-        format_plan(cluster("rollout.gpu_memory_utilization=1.0"), gpu_memory_gib=1)
+                                          "rollout.gpu_memory_utilization=1.0 lower.*actor.offload=false to true"):
+        format_plan(cluster("rollout.gpu_memory_utilization=1.0", "actor.offload=false"), gpu_memory_gib=1)
     # A GPU too small for the engine's own weights (84.9 K bf16 parameters = 170 KB): a warning (the plan is
     # refused too, its state being over such a GPU, unless asked to describe it anyway as the doctor does).
     tiny_gpu = build_plan(cfg, gpu_memory_gib=1e-4, refuse_over_memory=False)
     assert any("the vLLM engine's weights" in warning for warning in tiny_gpu.warnings)
 
 
-TINY_QWEN2 = json.load(open("configs/models/tiny-qwen2-digits/config.json"))
+def test_with_offload_the_pool_needs_its_largest_phase_not_the_sum():
+    """actor.offload (the default): the engine and Megatron's state take turns, by hand at TP=2 x PP=2 with a KL
+    reference and an engine share of 0.4 x 80 GiB. Training: the actor's state + its activations + the sleeping
+    engine's CUDA graphs; generation: the engine's share; weight sync: both models' bf16 weights + 256 MiB of
+    buckets + the graphs. The reference's weights wait in host memory (ref.param_offload) and count nowhere."""
+    overrides = ["actor.tensor_model_parallel_size=2", "actor.pipeline_model_parallel_size=2",
+                 "actor.use_kl_loss=true", "rollout.gpu_memory_utilization=0.4"]
+    pool = build_plan(cluster(*overrides), gpu_memory_gib=80).pools[0]
+    per_rank = rank_parameters(TINY_QWEN2, tp=2, pp=2).total
+    whole = rank_parameters(TINY_QWEN2).total  # one engine per GPU (rollout TP 1): the whole model
+    actor = next(role for role in pool.roles if role.name == "actor")
+    training = int(per_rank * (6 + 12 / 4)) + actor.activation_bytes + GRAPHS
+    generation = int(0.4 * 80 * GIB)
+    sync = per_rank * 2 + whole * 2 + 256 * 2 ** 20 + GRAPHS
+    assert [(phase.name, phase.bytes) for phase in pool.phases] == [
+        ("training", training), ("generation", generation), ("weight sync", sync)]
+    assert pool.memory_bytes == generation and pool.peak.name == "generation"
+    text = format_plan(cluster(*overrides), gpu_memory_gib=80)
+    assert "actor pool: 32.0 GiB at its peak (generation), of actor" in text
+    assert "phases       one at a time (actor.offload): training 1.5 GiB (actor 0.0 + activations 0.0 + CUDA graphs " \
+           "1.5) | generation 32.0 GiB, the peak (rollout 32.0) | weight sync 1.8 GiB (actor weights 0.0 + engine " \
+           "weights 0.0 + buckets 0.2 + CUDA graphs 1.5)" in text
+    # ref.param_offload=false: its weights stay on the GPU in every phase.
+    kept = build_plan(cluster(*overrides, "ref.param_offload=false"), gpu_memory_gib=80).pools[0]
+    assert [phase.bytes for phase in kept.phases] == [training + per_rank * 2, generation + per_rank * 2,
+                                                      sync + per_rank * 2]
+    # The same pool without offloading needs the sum; the phases are no more.
+    summed = build_plan(cluster(*overrides, "actor.offload=false"), gpu_memory_gib=80).pools[0]
+    assert [phase.name for phase in summed.phases] == ["all at once"]
+    assert summed.memory_bytes == int(per_rank * (6 + 12 / 4)) + per_rank * 2 + generation + actor.activation_bytes
+    # On CPU slots nothing moves and the engine never sleeps: the sum too.
+    assert [phase.name for phase in build_plan(cluster(*overrides), on_gpu=False).pools[0].phases] == ["all at once"]
+
+
+def test_the_sleeping_engines_graphs_never_exceed_what_its_share_leaves_beside_its_weights():
+    """vLLM fits its CUDA graphs in its share: on a 1 GiB GPU at 0.5 the allowance is 0.5 GiB less the weights."""
+    pool = build_plan(cluster("actor.tensor_model_parallel_size=2"), gpu_memory_gib=1).pools[0]
+    engine = next(role for role in pool.roles if role.name == "rollout")
+    graphs = next(item for item in pool.phases[0].held if item.what == "CUDA graphs")
+    assert graphs.bytes == int(0.5 * GIB) - engine.weight_bytes
+    assert engine.weight_bytes == rank_parameters(TINY_QWEN2).total * 2  # bf16, one engine per GPU
+
+
+def test_the_weight_sync_can_be_the_peak_and_names_its_keys():
+    """4 GiB buckets beside a small engine share: the sync (both models' weights, the buckets, the graphs) is the
+    largest phase; over a 4 GiB GPU it is refused, naming the sync's keys, not the training's or the engine's."""
+    overrides = ["actor.tensor_model_parallel_size=2", "rollout.gpu_memory_utilization=0.05",
+                 "resharding.bucket_mb=4096"]
+    pool = build_plan(cluster(*overrides), gpu_memory_gib=80).pools[0]
+    weights = rank_parameters(TINY_QWEN2, tp=2).total * 2 + rank_parameters(TINY_QWEN2).total * 2
+    assert pool.peak.name == "weight sync" and pool.memory_bytes == weights + 4 * GIB + GRAPHS
+    assert pool.phases[1].bytes == int(0.05 * 80 * GIB)  # generation: 4 GiB
+    with pytest.raises(ConfigError) as err:
+        build_plan(cluster(*overrides), gpu_memory_gib=4)  # the graphs: at most the 0.2 GiB share
+    message = str(err.value)
+    assert "The actor pool needs ~4.2 GiB per GPU in weight sync (actor weights" in message
+    assert "buckets 4.0 GiB, resharding.bucket_mb + CUDA graphs 0.2 GiB, of the sleeping engine)" in message
+    for key in ("resharding.bucket_mb=4096 lower", "rollout.tensor_parallel_size=1 higher",
+                "actor.tensor_model_parallel_size=2 / actor.pipeline_model_parallel_size=1 higher", "trainer.nnodes"):
+        assert key in message, key
+    assert "max_tokens_per_micro_batch" not in message and "gpu_memory_utilization" not in message
+    # Training over the GPU too (3.2 GiB of activations): the keys of both phases.
+    activations = ["actor.max_tokens_per_micro_batch=1000000", "actor.sequence_parallel=false"]
+    with pytest.raises(ConfigError, match="needs ~4.3 GiB per GPU in weight sync .*; training ~3.5 GiB too, .*"
+                                          "resharding.bucket_mb=4096 lower.*actor.max_tokens_per_micro_batch=1000000 "
+                                          "lower"):
+        build_plan(cluster(*overrides[:1], "rollout.gpu_memory_utilization=0.1", overrides[2], *activations),
+                   gpu_memory_gib=3)
+    # Generation over the GPU: the whole GPU to the engine beside the reference's weights that stay there.
+    with pytest.raises(ConfigError, match="in generation .*rollout.gpu_memory_utilization=1.0 lower.*"
+                                          "ref.param_offload=false to true"):
+        build_plan(cluster("actor.use_kl_loss=true", "ref.param_offload=false", "rollout.gpu_memory_utilization=1.0"),
+                   gpu_memory_gib=80)
 
 
 def test_actor_activations_in_the_plan_by_hand():
@@ -158,13 +234,15 @@ def test_a_plan_over_the_gpus_memory_is_refused_naming_the_keys(monkeypatch):
     with pytest.raises(ConfigError) as err:
         build_plan(cluster(*overrides), gpu_memory_gib=2)
     message = str(err.value)
-    assert "The actor pool needs ~3.4 GiB per GPU" in message and "more than the GPU's 2 GiB (measured)" in message
+    # The training phase is over (the engine asleep, its graphs in what its 0.2 GiB share leaves beside its weights).
+    assert "The actor pool needs ~3.4 GiB per GPU in training" in message
+    assert "more than the GPU's 2 GiB (measured)" in message
     assert "activations 3.2 GiB, the actor's update pass" in message
     for key in ("actor.max_tokens_per_micro_batch=1000000 lower", "actor.recompute_granularity=null to full",
                 "actor.tensor_model_parallel_size=2 / actor.pipeline_model_parallel_size=1 higher",
-                "actor.context_parallel_size=1 higher", "actor.sequence_parallel=false to true",
-                "rollout.gpu_memory_utilization=0.1 lower", "trainer.nnodes"):
+                "actor.context_parallel_size=1 higher", "actor.sequence_parallel=false to true", "trainer.nnodes"):
         assert key in message, key
+    assert "rollout.gpu_memory_utilization" not in message  # the engine's share is not on the GPU in training
     # Full recompute brings it under 2 GiB.
     assert build_plan(cluster(*overrides, "actor.recompute_granularity=full", "actor.recompute_method=uniform",
                                 "actor.recompute_num_layers=1"), gpu_memory_gib=2)
