@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import (AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
+from transformers import (AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3MoeConfig)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
@@ -141,11 +142,67 @@ def build_config(vocabulary: Vocabulary = DIGITS, max_positions: int = 512, moe:
     return Qwen2Config(architectures=["Qwen2ForCausalLM"], **shape)
 
 
+# Each family's tiny model: the demo's width (64, 2 heads of 32) with the family's own features, 4 routed experts
+# (top-2) for MoE families. tests/helpers/parity.py builds them with every weight random;
+# configs/models/tiny-<name>-digits holds the configs of those the demo models do not cover (`--family NAME`).
+#
+# Multi-head latent attention at the sizes vLLM's CPU kernel decodes (kv_lora_rank + qk_rope_head_dim = 512 + 64);
+# one dense layer first and shared experts. DeepSeek-V3: sigmoid scores with the expert bias, 2 groups of which each
+# token may use 1 (2 = top-k / topk_group experts per group, as Megatron scores groups), YaRN whose mscale enters
+# the softmax scale. V2(-Lite): softmax scores, no renormalisation, q_proj without LoRA.
+MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+           head_dim=64,  # what DeepSeek configs write: the rotary dimensions
+           v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+           first_k_dense_replace=1, rms_norm_eps=1e-6)
+FAMILY_FIELDS = {
+    # Qwen3-MoE: weights renormalised (as Qwen's released models), half-width experts. Mixtral always renormalises,
+    # and its experts are as wide as intermediate_size. Qwen2-MoE: not renormalised (its default), a shared expert
+    # of its own width with its gate.
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=96),
+    "deepseek_v3": dict(MLA, q_lora_rank=32, n_shared_experts=1, n_group=2, topk_group=1, topk_method="noaux_tc",
+                        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    "deepseek_v2": dict(MLA, q_lora_rank=None, n_shared_experts=2, n_group=1, topk_group=1, topk_method="greedy",
+                        norm_topk_prob=False, routed_scaling_factor=1.5,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    # GLM-4.5: half of each head rotates, q/k/v biases and per-head q/k norms, sigmoid routing with the expert bias.
+    "glm4_moe": dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-5),
+}
+# Llama 3.1's rope scaling with a short original context, so that it acts within the demo's few positions.
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}}
+# configs/models/tiny-<name>-digits: (model_type, fields beyond FAMILY_FIELDS)
+TINY_FAMILIES = {"llama3": ("llama", LLAMA3_ROPE), "mistral": ("mistral", {"sliding_window": 4}),
+                 "qwen2-moe": ("qwen2_moe", {}), "deepseek-v2": ("deepseek_v2", {}),
+                 "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {})}
+
+
+def family_config(model_type: str, tied: bool = False, layers: int = 2, **extra):
+    """A tiny model of `model_type` over the digits vocabulary (64 positions), with FAMILY_FIELDS and `extra`."""
+    base = dict(vocab_size=len(DIGITS.tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                tie_word_embeddings=tied, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                dtype="float32")
+    return AutoConfig.for_model(model_type, **{**base, **FAMILY_FIELDS.get(model_type, {}), **extra})
+
+
 def write_tiny_model(out_dir: str, with_weights: bool = False, seed: int = 0, vocabulary: Vocabulary = DIGITS,
-                     max_positions: int = 512, moe: bool = False) -> str:
-    """Writes config, generation config and tokenizer (and random weights if asked) to out_dir."""
+                     max_positions: int = 512, moe: bool = False, family: str | None = None) -> str:
+    """Writes config, generation config and tokenizer (and random weights if asked) to out_dir; `family`: one of
+    TINY_FAMILIES instead of the demo's Qwen2 (digits vocabulary)."""
     os.makedirs(out_dir, exist_ok=True)
-    config = build_config(vocabulary, max_positions, moe)
+    if family is not None:
+        model_type, extra = TINY_FAMILIES[family]
+        config = family_config(model_type, architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]], **extra)
+    else:
+        config = build_config(vocabulary, max_positions, moe)
     config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
     # The chat template goes into tokenizer_config.json, where Qwen's released folders have it.
@@ -169,9 +226,13 @@ def main() -> None:
                             help="the tool-calling demo's tokenizer and chat template (Hermes tool calls, the lookup "
                                  "task) instead of digits")
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of the Qwen2")
+    parser.add_argument("--family", choices=sorted(TINY_FAMILIES),
+                        help="another family's tiny model (digits vocabulary), as configs/models/tiny-NAME-digits "
+                             "holds it")
     args = parser.parse_args()
     variant = {"vocabulary": TEXT, "max_positions": 1024} if args.text else {"vocabulary": TOOLS} if args.tools else {}
-    print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed, moe=args.moe, **variant))
+    print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed, moe=args.moe,
+                           family=args.family, **variant))
 
 
 if __name__ == "__main__":

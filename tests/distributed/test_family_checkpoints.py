@@ -15,10 +15,8 @@ from safetensors.torch import load_file
 
 from rl_megatron.convert import main
 from rl_megatron.doctor.cycle import hf_greedy
+from rl_megatron.models.tiny import LLAMA3_ROPE
 from rl_megatron.workers.spawn import run_distributed
-
-LLAMA3_1 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 16}}
 
 
 def hf_tensors(folder) -> dict:
@@ -34,7 +32,7 @@ def hf_tensors(folder) -> dict:
     pytest.param("deepseek_v2", {}, ["--pp", "2"], ["--tp", "2"], marks=pytest.mark.slow),
     pytest.param("glm4_moe", {}, ["--tp", "2", "--ep", "2"], [], marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, ["--ep", "2"], ["--pp", "2"], marks=pytest.mark.slow),
-    pytest.param("llama", LLAMA3_1, ["--tp", "2"], ["--pp", "2"], marks=pytest.mark.slow),
+    pytest.param("llama", LLAMA3_ROPE, ["--tp", "2"], ["--pp", "2"], marks=pytest.mark.slow),
     pytest.param("mistral", {"sliding_window": 4}, ["--pp", "2"], ["--tp", "2"], marks=pytest.mark.slow),
 ])
 def test_round_trip_is_bitwise_and_vllm_loads_the_export(tmp_path, family, extra, saved, loaded):

@@ -8,8 +8,8 @@ import pytest
 from helpers.parity import family_model_dir
 from helpers.runs import train
 
-LLAMA3_1 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 16}}
+from rl_megatron.models.tiny import LLAMA3_ROPE
+
 # MoE families run configs/moe/grpo_tiny_qwen3_moe_cpu.yaml's layout (experts split over the 2 workers), dense ones
 # the demo's (TP=2).
 MOE_RECIPE = "moe/grpo_tiny_qwen3_moe_cpu"
@@ -20,7 +20,7 @@ MOE_RECIPE = "moe/grpo_tiny_qwen3_moe_cpu"
     pytest.param("deepseek_v2", {}, MOE_RECIPE, marks=pytest.mark.slow),
     pytest.param("glm4_moe", {}, MOE_RECIPE, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, MOE_RECIPE, marks=pytest.mark.slow),
-    pytest.param("llama", LLAMA3_1, "demo_cpu", marks=pytest.mark.slow),
+    pytest.param("llama", LLAMA3_ROPE, "demo_cpu", marks=pytest.mark.slow),
     pytest.param("mistral", {"sliding_window": 4}, "demo_cpu", marks=pytest.mark.slow),
 ])
 def test_grpo_steps_on_each_family(tmp_path, family, extra, recipe):

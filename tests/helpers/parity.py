@@ -31,49 +31,15 @@ def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):
     return load_config("configs/demo_cpu.yaml", [f"{k}={v}" for k, v in items.items()])
 
 
-# Multi-head latent attention at the sizes vLLM's CPU kernel decodes (kv_lora_rank + qk_rope_head_dim = 512 + 64);
-# one dense layer first, 4 routed experts (top-2) and shared experts. DeepSeek-V3: sigmoid scores with the expert
-# bias, 2 groups of which each token may use 1 (2 = top-k / topk_group experts per group, as Megatron scores groups),
-# YaRN whose mscale enters the softmax scale. V2(-Lite): softmax scores, no renormalisation, q_proj without LoRA.
-MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-           head_dim=64,  # what DeepSeek configs write: the rotary dimensions
-           v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-           first_k_dense_replace=1, rms_norm_eps=1e-6)
-DEEPSEEK_V3 = dict(MLA, q_lora_rank=32, n_shared_experts=1, n_group=2, topk_group=1, topk_method="noaux_tc",
-                   scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                 "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
-DEEPSEEK_V2 = dict(MLA, q_lora_rank=None, n_shared_experts=2, n_group=1, topk_group=1, topk_method="greedy",
-                   norm_topk_prob=False, routed_scaling_factor=1.5,
-                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                 "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
-# GLM-4.5: half of each head rotates, q/k/v biases and per-head q/k norms, sigmoid routing with the expert bias.
-GLM4_MOE = dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
-                n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-5)
-
-
 def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) -> str:
-    """A tiny HF model of `family` with every parameter random (norm weights and biases too, so that a wrong
-    mapping of any of them shows), and the demo model's tokenizer (its 18 tokens are the model's vocabulary);
-    `extra` sets further config fields."""
+    """A tiny HF model of `family` (`rl_megatron.models.tiny.family_config`) with every parameter random (norm
+    weights and biases too, so that a wrong mapping of any of them shows), and the demo model's tokenizer (its 18
+    tokens are the model's vocabulary); `extra` sets further config fields."""
     import transformers
 
-    from rl_megatron.models.tiny import build_tokenizer
+    from rl_megatron.models.tiny import build_tokenizer, family_config
 
-    config_class = transformers.AutoConfig.for_model
-    # 4 experts, top-2. Qwen3-MoE: weights renormalised (as Qwen's released models), half-width experts;
-    # Mixtral always renormalises, and its experts are as wide as intermediate_size.
-    # Qwen2-MoE: not renormalised (its default), a shared expert of its own width with its gate.
-    moe = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64),
-           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=96),
-           "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}.get(family, {})
-    config = config_class(family, **dict(dict(vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                      num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=64, tie_word_embeddings=tied, pad_token_id=0,
-                                      bos_token_id=1, eos_token_id=2), **{**moe, **extra}))
+    config = family_config(family, tied, layers, **extra)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rl_megatron.models.tiny import TOOLS, write_tiny_model
+from rl_megatron.models.tiny import TINY_FAMILIES, TOOLS, write_tiny_model
 
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
@@ -61,7 +61,8 @@ def test_moe_variant_is_a_qwen3_moe_of_the_same_width(tmp_path):
 
 @pytest.mark.parametrize("file_name", MODEL_FILES)
 @pytest.mark.parametrize("folder, options", [("tiny-qwen2-digits", {}), ("tiny-qwen3-moe-digits", {"moe": True}),
-                                             ("tiny-qwen2-tools", {"vocabulary": TOOLS})])
+                                             ("tiny-qwen2-tools", {"vocabulary": TOOLS}),
+                                             *((f"tiny-{name}-digits", {"family": name}) for name in TINY_FAMILIES)])
 def test_committed_folder_matches_the_generator(tiny_dir, tmp_path, file_name, folder, options):
     generated = write_tiny_model(str(tmp_path), **options) if options else tiny_dir
 
