@@ -29,6 +29,7 @@ def hf_tensors(folder) -> dict:
 # (family, its config fields, the layout the checkpoint is saved at, the layout it is loaded back at)
 @pytest.mark.parametrize("family,extra,saved,loaded", [
     ("deepseek_v3", {}, ["--ep", "2"], ["--tp", "2"]),
+    pytest.param("qwen3_moe", {}, ["--ep", "2"], ["--tp", "2"], marks=pytest.mark.slow),
     pytest.param("deepseek_v2", {}, ["--pp", "2"], ["--tp", "2"], marks=pytest.mark.slow),
     pytest.param("glm4_moe", {}, ["--tp", "2", "--ep", "2"], [], marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, ["--ep", "2"], ["--pp", "2"], marks=pytest.mark.slow),

@@ -61,8 +61,8 @@ def test_train_bench_reports_tokens_per_s_and_mfu():
 
 
 # The shared_memory bucket channel moves the same buckets as process_group (exactness of both:
-# tests/distributed/test_resharding.py).
-@pytest.mark.parametrize("channel", ["auto", "process_group"])
+# tests/distributed/test_resharding.py). Reading in place (auto) is also what the MoE benchmark below runs: `slow`.
+@pytest.mark.parametrize("channel", [pytest.param("auto", marks=pytest.mark.slow), "process_group"])
 def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     """TP=2 x PP=2 -> engines of TP=2, ~31 MB of weights, read in place (auto) or through 1 MiB buckets: a sync
     that gathered whole models (or whole layers) would blow the bound of one bucket plus the largest tensor

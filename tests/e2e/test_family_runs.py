@@ -2,8 +2,8 @@
 the trainer, its vLLM engines (the weights resharded into them every step) and the scorer. The engines sample with
 the trainer's own log-probs (`mismatch/*`), which holds only when both compute the same model.
 
-In CI: DeepSeek-V3 (latent attention, sigmoid routing with the expert bias, shared experts, a dense first layer);
-the other families' runs are `slow` (RL_MEGATRON_SLOW=1)."""
+All `slow` (RL_MEGATRON_SLOW=1): in CI, tests/e2e/test_moe_train.py runs the tiny DeepSeek-V3 (latent attention,
+sigmoid routing with the expert bias, shared experts, a dense first layer) with the MoE knobs."""
 import pytest
 from helpers.parity import family_model_dir
 from helpers.runs import train
@@ -16,7 +16,7 @@ MOE_RECIPE = "moe/grpo_tiny_qwen3_moe_cpu"
 
 
 @pytest.mark.parametrize("family,extra,recipe", [
-    ("deepseek_v3", {}, MOE_RECIPE),  # with the expert bias trained (moe.router_bias_update_rate)
+    pytest.param("deepseek_v3", {}, MOE_RECIPE, marks=pytest.mark.slow),  # the expert bias trained
     pytest.param("deepseek_v2", {}, MOE_RECIPE, marks=pytest.mark.slow),
     pytest.param("glm4_moe", {}, MOE_RECIPE, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, MOE_RECIPE, marks=pytest.mark.slow),

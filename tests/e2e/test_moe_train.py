@@ -1,30 +1,37 @@
-"""MoE GRPO end to end on the CPU: configs/moe/grpo_tiny_qwen3_moe_cpu.yaml (a tiny Qwen3-MoE, experts split over
-the 2 workers at EP=2) with MoE knobs given as key=value overrides, as a sweep gives them."""
+"""MoE GRPO end to end on the CPU: configs/moe/grpo_tiny_qwen3_moe_cpu.yaml's layout (experts split over the 2
+workers at EP=2) with MoE knobs given as key=value overrides, as a sweep gives them, on the tiny DeepSeek-V3
+(configs/models/tiny-deepseek-v3-digits: latent attention, a dense first layer, a shared expert, sigmoid routing
+with the expert bias). (Each family's few GRPO steps: tests/e2e/test_family_runs.py.)"""
 import glob
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers.runs import train
 
-ROUTER_METRICS = {"moe/layer0/load_min", "moe/layer1/load_max", "moe/layer1/load_std", "moe/load_std",
-                  "moe/dropped_tokens", "moe/load_balancing_loss", "moe/z_loss", "moe/layer0/z_loss"}
+ROUTER_METRICS = {"moe/layer1/load_min", "moe/layer1/load_max", "moe/layer1/load_std", "moe/load_std",
+                  "moe/dropped_tokens", "moe/load_balancing_loss", "moe/z_loss", "moe/layer1/z_loss",
+                  "moe/expert_bias_min", "moe/expert_bias_max", "moe/layer1/expert_bias_max"}
 
 
 def test_moe_grpo_run_logs_router_metrics(tmp_path):
     """Two steps with 8 experts instead of the model folder's 4 (the engines build the same overridden model: the
-    weight sync would fail otherwise, and vLLM samples with exactly the trainer's log-probs) and both router losses
-    on; every step logs the router metrics to metrics.jsonl and tensorboard."""
-    _, rows, run_dir = train(tmp_path, "trainer.total_steps=2", "moe.num_experts=8", "moe.aux_loss_coeff=0.01",
-                             "moe.z_loss_coeff=0.001", config="moe/grpo_tiny_qwen3_moe_cpu")
+    weight sync would fail otherwise, and vLLM samples with exactly the trainer's log-probs), both router losses on
+    and the expert bias trained; every step logs the router metrics of the routing layer (the first is dense) to
+    metrics.jsonl and tensorboard."""
+    _, rows, run_dir = train(tmp_path, "trainer.total_steps=2", "model.path=configs/models/tiny-deepseek-v3-digits",
+                             "moe.num_experts=8", "moe.aux_loss_coeff=0.01", "moe.z_loss_coeff=0.001",
+                             "moe.router_bias_update_rate=0.01", config="moe/grpo_tiny_qwen3_moe_cpu")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        assert ROUTER_METRICS <= set(row)
+        assert ROUTER_METRICS <= set(row) and not any(key.startswith("moe/layer0/") for key in row)
         assert row["actor/grad_norm"] > 0 and row["mismatch/max_abs_logprob_diff"] < 1e-5
-        # The model-wide figures are those of its 2 layers: the least and most loaded expert of any layer.
-        assert row["moe/load_min"] == min(row[f"moe/layer{i}/load_min"] for i in (0, 1))
-        assert row["moe/load_max"] == max(row[f"moe/layer{i}/load_max"] for i in (0, 1))
+        assert row["moe/load_min"] == row["moe/layer1/load_min"] and row["moe/load_max"] == row["moe/layer1/load_max"]
         assert row["moe/dropped_tokens"] == 0
         assert row["moe/load_balancing_loss"] > 0 and row["moe/z_loss"] > 0
+    # The bias starts at zero (random weights) and moves towards even loads by the rate per optimizer step (2 a
+    # step here). The engines route with the synced one.
+    assert 0 < rows[0]["moe/expert_bias_max"] <= 2 * 0.01 + 1e-6
+    assert rows[1]["moe/expert_bias_max"] <= 4 * 0.01 + 1e-6
     events = EventAccumulator(glob.glob(f"{run_dir}/events.out.tfevents.*")[0])
     events.Reload()
     assert ROUTER_METRICS <= set(events.Tags()["scalars"])

@@ -5,7 +5,9 @@ import pytest
 from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines
 
 
-@pytest.mark.parametrize("placement,engine_tp", [("colocated", 1), ("colocated", 2), ("separate", 1)])
+# Colocated engines of TP=1 are the demo's: its every step checks them (tests/e2e/test_train_cli.py's mismatch).
+@pytest.mark.parametrize("placement,engine_tp", [pytest.param("colocated", 1, marks=pytest.mark.slow),
+                                                 ("colocated", 2), ("separate", 1)])
 def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, placement, engine_tp):
     """The actor at TP=2 in two workers. Colocated, engine TP=1: one engine per worker; engine TP=2: one engine
     sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
