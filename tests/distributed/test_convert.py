@@ -187,6 +187,8 @@ def test_the_trainer_starts_from_a_converted_checkpoint(converted, tmp_path):
     assert all(torch.equal(state[name], original[name]) for name in original)
 
 
+# vLLM loading an exported folder in CI: DeepSeek-V3's, tests/distributed/test_family_checkpoints.py.
+@pytest.mark.slow
 def test_exported_folder_loads_in_vllm(converted, tmp_path):
     """The to-hf folder as a vLLM user loads it (its own safetensors, not the trainer's sync): vLLM's greedy
     answers equal transformers' on the original model."""

@@ -53,6 +53,8 @@ def _engine_phase_switch(cfg):
         engine.close()
 
 
+# The demo calls them between phases at every step (its mismatch shows they change nothing): `slow`.
+@pytest.mark.slow
 def test_engine_sleep_and_wake_up_are_accepted_and_change_nothing_on_cpu(tiny_model_dir):
     """On CPU vLLM has no sleep mode: the trainer still calls them between phases, and bad arguments still fail."""
     [(before, after, unchanged, errors, asleep)] = run_distributed(_engine_phase_switch, world_size=1,

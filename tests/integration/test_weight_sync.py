@@ -5,9 +5,11 @@ import pytest
 from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines
 
 
-# Colocated engines of TP=1 are the demo's: its every step checks them (tests/e2e/test_train_cli.py's mismatch).
+# Colocated engines of TP=1 are the demo's, a separate engine the asynchronous runs': their every step checks them
+# (tests/e2e/test_train_cli.py's mismatch, test_async.py's log-probs of the tokens sampled with the current weights).
 @pytest.mark.parametrize("placement,engine_tp", [pytest.param("colocated", 1, marks=pytest.mark.slow),
-                                                 ("colocated", 2), ("separate", 1)])
+                                                 ("colocated", 2),
+                                                 pytest.param("separate", 1, marks=pytest.mark.slow)])
 def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, placement, engine_tp):
     """The actor at TP=2 in two workers. Colocated, engine TP=1: one engine per worker; engine TP=2: one engine
     sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
