@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rl_megatron import platform
+from rl_megatron.models.family import head_dim
 from rl_megatron.platform.device_stats import nominal_bf16_flops
 
 # Qwen2.5-0.5B's shape: the default model on GPU.
@@ -40,7 +41,7 @@ def default_model() -> dict:
 
 
 def _attention_width(hf: dict) -> int:
-    return hf["num_attention_heads"] * (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return hf["num_attention_heads"] * head_dim(hf)
 
 
 def layer_gemms(hf: dict) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
 from rl_megatron.errors import CheckpointError
-from rl_megatron.models.family import family_fields
+from rl_megatron.models.family import family_fields, head_dim
 from rl_megatron.models.rotary import partial_rotary_factor, rope_scaling, rope_theta
 
 METADATA_FILE = "rl_megatron_checkpoint.json"
@@ -46,7 +46,7 @@ def config_fields(hf_config: dict) -> dict:
         "intermediate_size": hf_config.get("intermediate_size"),
         "num_attention_heads": heads,
         "num_key_value_heads": hf_config.get("num_key_value_heads") or heads,
-        "head_dim": hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        "head_dim": head_dim(hf_config),
         "vocab_size": hf_config["vocab_size"],
         "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "rms_norm_eps": hf_config.get("rms_norm_eps", 1e-6),

@@ -101,7 +101,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from rl_megatron.models.family import family_of, moe_experts, table_for
+from rl_megatron.models.family import family_of, head_dim, moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.models.weight_tables import padded_vocab_size
 
@@ -236,7 +236,7 @@ class ModelShape:
         moe, routes = family.moe, family.moe.sparse_layers(hf) if experts else []
         return cls(hidden=hf["hidden_size"], ffn=hf.get("intermediate_size", 0), heads=heads,
                    kv_heads=hf.get("num_key_value_heads") or heads,
-                   head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, layers=hf["num_hidden_layers"],
+                   head_dim=head_dim(hf), layers=hf["num_hidden_layers"],
                    vocab=hf["vocab_size"], qk_norm=family.qk_norm(hf), experts=experts,
                    top_k=hf["num_experts_per_tok"] if experts else 0,
                    expert_ffn=hf[moe.width_key] if experts else 0,

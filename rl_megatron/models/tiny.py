@@ -178,6 +178,8 @@ FAMILY_FIELDS = {
 # Llama 3.1's rope scaling with a short original context, so that it acts within the demo's few positions.
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 16}}
+# Qwen2.5's long-context YaRN (as its model cards write it), with the demo-sized original context of LLAMA3_ROPE.
+QWEN2_5_YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
 # configs/models/tiny-<name>-digits: (model_type, fields beyond FAMILY_FIELDS)
 TINY_FAMILIES = {"llama3": ("llama", LLAMA3_ROPE), "mistral": ("mistral", {"sliding_window": 4}),
                  "qwen2-moe": ("qwen2_moe", {}), "deepseek-v2": ("deepseek_v2", {}),

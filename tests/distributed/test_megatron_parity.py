@@ -8,19 +8,18 @@ from safetensors.torch import load_file
 
 from helpers.parity import config, family_model_dir, hf_reference, make_batch
 from helpers.ranks import log_probs_and_export, update_and_export
-from rl_megatron.models.tiny import LLAMA3_ROPE
+from rl_megatron.models.tiny import LLAMA3_ROPE, QWEN2_5_YARN
 from rl_megatron.workers.spawn import run_distributed
 
 
 # Rope scaling with a short original context, so that most rotary dimensions are rescaled within 12 positions:
 # Llama 3.1's, and YaRN (Qwen2.5's long-context setting) with its attention factor.
-YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
 
 
 # Interleaving (vpp=2) needs a layer per model chunk: 2 stages x 2 chunks. Mistral's window of 4 positions is
 # shorter than the sequences.
 @pytest.mark.parametrize("family,tp,pp,vpp,tied,extra", [
-    ("qwen2", 2, 1, 1, False, {}), ("qwen2", 1, 2, 1, False, YARN), ("llama", 2, 1, 1, True, LLAMA3_ROPE),
+    ("qwen2", 2, 1, 1, False, {}), ("qwen2", 1, 2, 1, False, QWEN2_5_YARN), ("llama", 2, 1, 1, True, LLAMA3_ROPE),
     ("qwen2", 1, 2, 2, False, {}), ("qwen3", 1, 2, 2, True, {}),
     ("mistral", 2, 1, 1, False, {"sliding_window": 4})])
 def test_log_probs_and_export_match_transformers(tmp_path, family, tp, pp, vpp, tied, extra):

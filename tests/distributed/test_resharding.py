@@ -1,11 +1,12 @@
 """The resharding module end to end on gloo: Megatron shards at every layout of the grid -> real vLLM engines
-(TP 1 and 2), of the dense families. The engines' weights equal the trainer's HF export bit for bit, and they generate what
-`transformers` generates with those weights."""
+(TP 1 and 2), of the dense families. The engines' weights equal the trainer's HF export bit for bit, and they
+generate what `transformers` generates with those weights."""
 import pytest
 import torch
 
 from helpers.parity import config, family_model_dir
 from helpers.ranks import check_engines_hold_the_trainer_weights
+from rl_megatron.models.tiny import QWEN2_5_YARN
 from rl_megatron.workers.spawn import run_distributed
 
 # (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
@@ -16,8 +17,7 @@ LLAMA3_2 = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_fa
                              "original_max_position_embeddings": 16}}
 GRID = [(2, 1, 1, 2, True, "shared_memory", "llama", LLAMA3_2),
         (1, 2, 1, 1, True, "auto", "mistral", {"sliding_window": 4}),
-        (2, 2, 1, 2, False, "shared_memory", "qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0,
-                                                                         "original_max_position_embeddings": 16}}),
+        (2, 2, 1, 2, False, "shared_memory", "qwen2", QWEN2_5_YARN),
         (1, 2, 2, 2, False, "auto", "qwen2", {})]
 
 

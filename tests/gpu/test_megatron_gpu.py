@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.parity import config, family_model_dir, hf_model, hf_reference, hf_token_log_probs, make_batch
-from rl_megatron.models.tiny import LLAMA3_ROPE
+from rl_megatron.models.tiny import LLAMA3_ROPE, QWEN2_5_YARN
 from rl_megatron.workers.spawn import run_distributed
 
 pytestmark = [pytest.mark.gpu,
@@ -64,7 +64,6 @@ def hf_update_reference(model_dir: str, batch, cfg) -> tuple[float, float]:
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 
 
-YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 
 
@@ -76,7 +75,7 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3
 @pytest.mark.parametrize("family,tied,dtype,extra", [(family, tied, dtype, {}) for family, tied in (("qwen2", False),
                                                                                                   ("qwen3", True))
                                                      for dtype in ("float32", "bfloat16")]
-                         + [("qwen2", False, "float32", YARN), ("llama", True, "float32", LLAMA3_ROPE),
+                         + [("qwen2", False, "float32", QWEN2_5_YARN), ("llama", True, "float32", LLAMA3_ROPE),
                             ("mistral", False, "float32", {"sliding_window": 4})]
                          + [(family, False, "float32", {}) for family in MOE_FAMILIES])
 def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype, extra):
