@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+import psutil
+
 from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
 
@@ -45,24 +47,25 @@ def _train(cfg) -> int:
     from rl_megatron.workers.cluster import ClusterError
     from rl_megatron.workers.failures import WorkerDied
 
-    start = time.time()
     try:
         # Found once data and checkpoints are read, or Ray starts (a ConfigError goes to main's runner).
-        return run_command(lambda: _report(cfg, train(cfg), start), CheckpointError, ClusterError, message=one_line)
+        return run_command(lambda: _report(cfg, train(cfg)), CheckpointError, ClusterError, message=one_line)
     except WorkerDied as err:  # not the input's fault: a distinct exit code, and what running again does
         print(f"error: {err}\n{resume_hint(cfg)}", file=sys.stderr)
         return WORKER_DIED
 
 
-def _report(cfg, summary: dict, start: float) -> int:
-    window = summary["reward_window"]
-    print(f"\nDone: {summary['steps']} steps in {time.time() - start:.0f} s. Mean reward "
-          f"{summary['reward_first']:.3f} (first {window} steps) -> {summary['reward_last']:.3f} (last {window} steps).")
+def _report(cfg, summary) -> int:
+    window, training_s = summary.reward_window, time.time() - summary.training_started
+    # Start-up counts from this process's start: imports, reading the input, Ray, the workers, the first sync.
+    startup_s = summary.training_started - psutil.Process().create_time()
+    print(f"\nDone: {summary.steps} steps in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean reward "
+          f"{summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} steps).")
     target = cfg.trainer.target_reward
     if target is not None:
-        verdict = "reached" if summary["reward_last"] >= target else "NOT reached"
+        verdict = "reached" if summary.reward_last >= target else "NOT reached"
         print(f"Target mean reward {target} {verdict}.")
-    print(f"Metrics: {summary['run_dir']}/metrics.jsonl; tensorboard --logdir {cfg.trainer.log_dir}")
+    print(f"Metrics: {summary.run_dir}/metrics.jsonl; tensorboard --logdir {cfg.trainer.log_dir}")
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -10,6 +11,17 @@ from rl_megatron.algorithms import masked_mean, rollout_mismatch_metrics
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run reports at its end (the console's summary)."""
+    steps: int  # RL steps the run's reward history holds (a resumed run's earlier ones included)
+    reward_first: float  # mean reward of the first REWARD_WINDOW steps
+    reward_last: float  # and of the last
+    reward_window: int  # steps in those windows (fewer in a short run)
+    run_dir: str
+    training_started: float  # time.time() when the workers were ready: what came before is start-up
 
 
 class Timer:

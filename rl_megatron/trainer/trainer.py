@@ -40,7 +40,8 @@ from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
-from rl_megatron.trainer.metrics import REWARD_WINDOW, Timer, reached_target, step_metrics, window_mean
+from rl_megatron.trainer.metrics import (REWARD_WINDOW, RunSummary, Timer, reached_target, step_metrics,
+                                         window_mean)
 from rl_megatron.trainer.dynamic_sampling import GroupFilter
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
@@ -51,7 +52,7 @@ from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config) -> RunSummary:
     """Run `cfg.trainer.total_steps` RL steps (or until the target reward); returns a summary."""
     return Trainer(cfg).fit()
 
@@ -93,11 +94,12 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------------------------
 
-    def fit(self) -> dict:
+    def fit(self) -> RunSummary:
         cfg, total = self.cfg.trainer, self.cfg.trainer.total_steps
         print(format_plan(self.cfg, on_gpu=platform.has_cuda()), flush=True)
         with ExitStack() as stack:
             self._start_workers(stack)
+            self.training_started = time.time()
             if self.start_step == 0:
                 self.maybe_validate(0)
             done = self.start_step >= total or reached_target(self.reward_history, cfg.target_reward)
@@ -355,7 +357,7 @@ class Trainer:
                               f"(known: {', '.join(sorted(REGISTRY))}). Set reward.custom_fn=pkg.module:fn, or "
                               "register one with @rl_megatron.rewards.register in a module listed in trainer.imports.")
 
-    def _summary(self, done: bool) -> dict:
+    def _summary(self, done: bool) -> RunSummary:
         steps = len(self.reward_history)
         if self.start_step and self.start_step == steps:
             tqdm.write(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
@@ -364,5 +366,5 @@ class Trainer:
             tqdm.write(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
                        "checkpoint.")
         first = self.reward_history[:REWARD_WINDOW]
-        return {"steps": steps, "reward_first": sum(first) / len(first), "reward_last": window_mean(self.reward_history),
-                "reward_window": len(first), "run_dir": self.run_dir}
+        return RunSummary(steps, sum(first) / len(first), window_mean(self.reward_history), len(first), self.run_dir,
+                          self.training_started)

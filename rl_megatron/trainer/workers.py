@@ -10,6 +10,7 @@ from rl_megatron.rollout.vllm_engine import ENGINE_ENV
 from rl_megatron.workers.hybrid_worker import HybridWorker
 from rl_megatron.workers.rollout_worker import RolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
+from rl_megatron.workers.worker_logs import logs_dir
 
 
 def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[Role, WorkerGroup]:
@@ -17,15 +18,16 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     pools = worker_pools(cfg)
     threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
     env = worker_env(threads, local_cluster=cfg.ray.address is None)
+    logs = logs_dir(cfg.trainer.run_dir)
     groups: dict[Role, WorkerGroup] = {}
     for pool in pools:
         roles = pool.roles
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
         name = "+".join(map(str, roles))  # e.g. "actor+rollout+ref": what a dead worker's report calls its group
         if roles == (Role.ROLLOUT,):
-            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, env=env, name=name)
+            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, logs, env=env, name=name)
         else:
-            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, env=env,
+            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, logs, env=env,
                                 name=name)
         groups.update(dict.fromkeys(roles, stack.enter_context(group)))
     if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:

@@ -1,12 +1,18 @@
 """Joining a Ray cluster, or starting a private local one; what the cluster offers, for error messages."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from rl_megatron.config.schema import Config
 from rl_megatron.launch.ray_cluster import port_open
 from rl_megatron.workers.reaper import start_reaper
+
+
+# Workers write their output to the run's log files (`workers/worker_logs.py`), not the console; Ray's own INFO
+# lines ("Started a local Ray instance") are not for the user either.
+QUIET = {"log_to_driver": False, "logging_level": logging.WARNING}
 
 
 class ClusterError(RuntimeError):
@@ -28,9 +34,9 @@ def start_ray(cfg: Config) -> int:
             if cfg.ray.address is None:
                 # address="local": always a new instance, never a cluster someone else started on this machine.
                 ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1")
+                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1", **QUIET)
             else:
-                ray.init(address=head_address(cfg.ray.address, cfg.ray.connect_timeout_s))
+                ray.init(address=head_address(cfg.ray.address, cfg.ray.connect_timeout_s), **QUIET)
         except ClusterError:
             raise
         except Exception as err:

@@ -8,9 +8,11 @@ from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.roles import Role
 from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.worker_group import dispatch
+from rl_megatron.workers.worker_logs import redirect_output, worker_log_path
 
 
 class EngineHost:
@@ -19,7 +21,9 @@ class EngineHost:
     cfg: Config
     hf_config: dict
 
-    def _init_engine_host(self) -> None:
+    def _init_engine_host(self, role: Role, logs: str) -> None:
+        """`role`: the first role of the worker's pool, which names its log file in the folder `logs`."""
+        redirect_output(worker_log_path(logs, role, self.rank))
         configure_engine_process()  # before Megatron or vLLM is imported in this worker
         self.engine = None
         # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).

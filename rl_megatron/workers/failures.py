@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 import ray
 
-LOG_LINES = 12  # of each of the worker's stdout and stderr files
+LOG_LINES = 12  # of the worker's log
 GIB = 1 << 30
 # In Ray's OOM message: "Memory on the node (IP: 10.0.0.5, ID: 1f6d...) was 22.1GB used / 23.5GB limit (0.94)".
 RAY_MEMORY_FIGURES = re.compile(r"Memory on the node \(IP: (?P<ip>[^,]+),[^)]*\) was (?P<used>[^(]+)")
@@ -79,6 +79,30 @@ def log_tail(path: str, lines: int = LOG_LINES) -> list[str]:
     return text[-lines:]
 
 
+def log_report(where: WorkerPlacement, this_node: str) -> list[str]:
+    """The worker's log files: their last lines when they are on `this_node` (the controller's), else where they are."""
+    lines = []
+    for path in where.log_files:
+        if where.node_id != this_node:
+            lines.append(f"Its log: {path} on {where.node_ip}.")
+        elif tail := log_tail(path):
+            lines += [f"Last lines of its log {path}:"] + ["    " + line for line in tail]
+        else:
+            lines.append(f"Its log {path} is empty.")
+    return lines
+
+
+def describe_raise(group: str, world_size: int, placement: list[WorkerPlacement], pid: int | None,
+                   this_node: str) -> str | None:
+    """Where an exception raised in a worker (`pid`, from Ray's RayTaskError) came from, and the end of that
+    worker's log; None when no worker of the group has that pid."""
+    where = next((w for w in placement if w.pid == pid), None)
+    if where is None:
+        return None
+    return "\n".join([f"Raised in the {group} worker rank {where.rank} of {world_size} (node {where.pool_node} = "
+                      f"{where.node_ip}, pid {pid})."] + log_report(where, this_node))
+
+
 def describe_death(group: str, rank: int, world_size: int, where: WorkerPlacement | None, ray_message: str,
                    this_node: str, oom_kills_before: int | None) -> str:
     """The report of one dead worker: who, where, why, and the end of its logs (read here when it ran on
@@ -87,11 +111,4 @@ def describe_death(group: str, rank: int, world_size: int, where: WorkerPlacemen
     node = f"node {where.pool_node} = {where.node_ip}, pid {where.pid}" if where else "before it reported its node"
     lines = [f"The {group} worker rank {rank} of {world_size} ({node}) died: "
              f"{cause_of_death(ray_message, local, oom_kills_before)}"]
-    for path in where.log_files if where else ():
-        if not local:
-            lines.append(f"Its log: {path} on {where.node_ip}.")
-        elif tail := log_tail(path):
-            lines += [f"Last lines of its log {path}:"] + ["    " + line for line in tail]
-        else:
-            lines.append(f"Its log {path} is empty.")
-    return "\n".join(lines)
+    return "\n".join(lines + (log_report(where, this_node) if where else []))

@@ -41,12 +41,12 @@ def optimizer_steps(cfg: Config, mini_batch_prompts: int, epochs: int) -> int:
 
 class HybridWorker(EngineHost):
     def __init__(self, rank: int, world_size: int, cfg: Config, hf_config: dict, roles: tuple[Role, ...],
-                 layout: dict, threads: int):
+                 layout: dict, threads: int, logs: str):
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
         self.models = {}  # Role -> MegatronModel
         self.resharder = self.sender = None
-        self._init_engine_host()
+        self._init_engine_host(roles[0], logs)
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
         import_user_modules(cfg.trainer.imports)

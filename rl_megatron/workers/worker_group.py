@@ -21,13 +21,14 @@ import logging
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_megatron.batch import RowTensors
 from rl_megatron.workers.cluster import ClusterError, describe_cluster, device_resource, groups_that_fit
-from rl_megatron.workers.failures import WorkerDied, WorkerPlacement, describe_death, oom_kills, where_am_i
+from rl_megatron.workers.failures import (WorkerDied, WorkerPlacement, describe_death, describe_raise, oom_kills,
+                                          where_am_i)
 from rl_megatron.workers.phases import Phase
 
 logger = logging.getLogger(__name__)
@@ -170,11 +171,21 @@ class WorkerGroup:
         for whatever the error.)"""
         try:
             return ray.get(refs)
-        except RayError:
+        except RayError as err:
             dead = self._dead_worker(refs if isinstance(refs, list) else [refs])
             if dead is None:
+                self._note_origin(err)
                 raise
             raise WorkerDied(dead) from None
+
+    def _note_origin(self, err: RayError) -> None:
+        """An exception a worker raised (Ray's RayTaskError, an instance of the original exception's class too)
+        gets a note naming the worker and quoting the end of its log, shown under the traceback."""
+        if isinstance(err, RayTaskError) and self.placement:
+            where = describe_raise(self.name, self.pool.world_size, self.placement, err.pid,
+                                   ray.get_runtime_context().get_node_id())
+            if where is not None:
+                err.add_note(where)
 
     def _dead_worker(self, calls: list, wait_s: float = 5.0) -> str | None:
         """The report of the first worker (by rank) found dead, or None if all answer or are busy. The peers' failed
@@ -213,9 +224,10 @@ class WorkerGroup:
         refs = [getattr(self.workers[rank], name).remote(*args, **kwargs) for rank in ranks]
         try:
             results = await asyncio.gather(*refs)
-        except RayError:
+        except RayError as err:
             dead = self._dead_worker(refs)
             if dead is None:
+                self._note_origin(err)
                 raise
             raise WorkerDied(dead) from None
         return next(out for rank, out in zip(ranks, results) if self.meshes[rank][axis][2])

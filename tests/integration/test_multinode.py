@@ -78,8 +78,8 @@ def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_no
     assert all(node_of[rank] == pool_nodes[rank // SLOTS_PER_NODE] for rank in node_of)
     assert set(pool_nodes) == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
-    assert summary["steps"] == 3
-    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+    assert summary.steps == 3
+    with open(os.path.join(summary.run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["actor/grad_norm"] > 0 for row in rows)

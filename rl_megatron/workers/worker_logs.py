@@ -1,0 +1,34 @@
+"""Every worker's whole output (Python, C++ and the libraries' own prints) goes to its own file in the run
+directory, `<run_dir>/logs/worker_<role>_<rank>.log`, instead of the console: the console keeps what a user can act
+on (see `workers/cluster.py`, which stops Ray from forwarding worker output), and a failed worker's report quotes
+the end of its file (`workers/failures.py`)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from rl_megatron.roles import Role
+
+
+def logs_dir(run_dir: str) -> str:
+    """Where a run's workers write their logs, as an absolute path (a worker's working folder may differ)."""
+    return os.path.join(os.path.abspath(run_dir), "logs")
+
+
+def worker_log_path(logs: str, role: Role, rank: int) -> str:
+    """The log file of rank `rank` of the pool whose first role is `role` (e.g. actor for actor+rollout+ref)."""
+    return os.path.join(logs, f"worker_{role}_{rank}.log")
+
+
+def redirect_output(path: str) -> None:
+    """From now on this process's stdout and stderr (file descriptors 1 and 2, so output written by C++ or by child
+    processes too) append to `path`, a line at a time. A restarted or resumed run appends to the same file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
