@@ -59,6 +59,12 @@ def _report(cfg, summary) -> int:
     window, training_s = summary.reward_window, time.time() - summary.training_started
     # Start-up counts from this process's start: imports, reading the input, Ray, the workers, the first sync.
     startup_s = summary.training_started - psutil.Process().create_time()
+    if cfg.trainer.val_only:
+        validation = summary.validation
+        print(f"\nValidated {len(validation.generations)} samples in {training_s:.0f} s, after {startup_s:.0f} s of "
+              "start-up: " + ", ".join(f"{name}={value:.3f}" for name, value in validation.metrics.items()))
+        print(f"Every sample with its score: {summary.validation_path}")
+        return 0
     print(f"\nDone: {summary.steps} steps in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean reward "
           f"{summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} steps).")
     target = cfg.trainer.target_reward

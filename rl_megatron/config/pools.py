@@ -49,6 +49,7 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
     engine_pool = WorkerPool(Role.ROLLOUT, (Role.ROLLOUT,), r.nnodes, r.n_gpus_per_node, {})
     separate = [engine_pool] if engines_apart else []
     for name, role, wanted in ((Role.REF, cfg.ref, uses_reference(cfg)), (Role.CRITIC, cfg.critic, cfg.critic.enable)):
+        wanted = wanted and not cfg.trainer.val_only  # validation generates and scores only
         if wanted and role.placement == "colocated":
             actor_roles.append(name)
         elif wanted:

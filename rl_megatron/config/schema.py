@@ -34,6 +34,7 @@ class TrainerConfig:
     balance_batch: bool = True  # order each step's samples so that the actor's data-parallel ranks get equal token counts in every mini-batch (the mini-batches keep their samples)
     val_every: int = checked(0, NOT_NEGATIVE, OFF_AT_ZERO)  # validate on the validation split every this many steps, and after the last (0: never)
     val_before_train: bool = False  # validate once before the first step (the starting point of the curves)
+    val_only: bool = False  # validate once and exit, no training: the weights of the run's latest checkpoint (trainer.resume), else model.checkpoint, else model.path; no optimizer state, reference or critic is built
     val_generations_to_log: int = checked(4, NOT_NEGATIVE, OFF_AT_ZERO)  # validation samples shown as a text table in tensorboard
     # save a checkpoint every this many steps; 0: only at the end and when stopped (SIGTERM/SIGINT); -1: never
     save_every: int = checked(0, at_least(-1), "use N > 0 (every N steps), 0 (at the end and when stopped) or -1 (never)")

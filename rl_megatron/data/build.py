@@ -13,9 +13,9 @@ SPLITS = ("train", "val")
 def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train",
                         tools: list[dict] | None = None) -> PromptLoader:
     """The loader of `split`: "train" serves endless shuffled batches of data.train_batch_size prompts from
-    data.train_files (or the built-in data.task when no files are set); "val" serves data.val_files in file order,
-    data.val_batch_size prompts at a time (all of them by default). `data_cfg` may be as written (one path for a
-    file list, no task); its files are checked as they are read. `tools`: function schemas the chat template shows
+    data.train_files (or the built-in data.task when no files are set); "val" serves data.val_files (or the task's
+    prompts) in file order, data.val_batch_size prompts at a time (all of them by default). `data_cfg` may be as
+    written (one path for a file list, no task); its files are checked as they are read. `tools`: function schemas the chat template shows
     the model (multi-turn tool use). Raises ConfigError naming the key to fix."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use one of {', '.join(SPLITS)}")
@@ -26,8 +26,9 @@ def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train",
         source = f"{files_key}=[{', '.join(paths)}]"
         rows = read_prompt_rows(paths, files_key)
         fingerprint = files_fingerprint(paths)
-    elif split == "train":
-        source = f"data.task={data_cfg.task}"
+    elif data_cfg.task is not None:
+        # A built-in toy task has no held-out problems: it validates on its training prompts, in order.
+        source = f"data.task={data_cfg.task}" + ("" if split == "train" else " (its training prompts)")
         rows = TASKS[data_cfg.task]()
         fingerprint = f"task:{data_cfg.task}"
     else:

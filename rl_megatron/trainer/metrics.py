@@ -9,6 +9,7 @@ import torch
 
 from rl_megatron.algorithms import masked_mean, rollout_mismatch_metrics
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
+from rl_megatron.trainer.validation import Validation, validation_file
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
 
@@ -22,6 +23,12 @@ class RunSummary:
     reward_window: int  # steps in those windows (fewer in a short run)
     run_dir: str
     training_started: float  # time.time() when the workers were ready: what came before is start-up
+    validation: Validation | None  # the last validation's, if any
+
+    @property
+    def validation_path(self) -> str:
+        """Where the last validation wrote its samples."""
+        return validation_file(self.run_dir, self.validation.step)
 
 
 class Timer:

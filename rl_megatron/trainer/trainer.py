@@ -47,7 +47,7 @@ from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
 from rl_megatron.trainer.rewards import Rewards
 from rl_megatron.trainer.stopping import StopSignals
-from rl_megatron.trainer.validation import validate
+from rl_megatron.trainer.validation import Validation, validate, validation_file
 from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
 
@@ -72,17 +72,19 @@ class Trainer:
                                            end_of_sequence_ids(cfg.model.path, self.hf_config))
         tools = self.agent_loop.context.tools.schemas() if self.agent_loop and self.agent_loop.context.tools else None
         self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, tools=tools)
-        validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train or cfg.trainer.val_only
         self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val", tools=tools)
                            if validating else None)
         self._check_scorers()
         self.run_dir = cfg.trainer.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
+        if not cfg.trainer.val_only:  # a validation of a run's checkpoint leaves the run's own config
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_history: list[float] = []
+        self.last_validation: Validation | None = None
         self.group_filter = GroupFilter.of(cfg)  # dynamic sampling, when on
         self.timer = Timer()
         if cfg.model.checkpoint is not None:
@@ -100,6 +102,10 @@ class Trainer:
         with ExitStack() as stack:
             self._start_workers(stack)
             self.training_started = time.time()
+            if cfg.val_only:
+                tqdm.write(f"Validation only (trainer.val_only): the weights of {self.weights_source()}")
+                self.run_validation(self.start_step)
+                return self._summary(done=True)
             if self.start_step == 0:
                 self.maybe_validate(0)
             done = self.start_step >= total or reached_target(self.reward_history, cfg.target_reward)
@@ -276,13 +282,30 @@ class Trainer:
         due = (step == 0 and self.cfg.trainer.val_before_train) or (every and step > 0 and (step % every == 0 or last))
         if self.val_loader is None or not due:
             return {}
-        with self.timer("validate"):
-            metrics, table = self.rollouts.on_engines(
-                lambda: validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step))
-        self.tracker.log(metrics, step)
-        self.tracker.log_text("val/generations", table, step)
-        tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+        self.run_validation(step)
         return {"timing_s/validate": self.timer.seconds["validate"]}
+
+    def run_validation(self, step: int) -> None:
+        """Validate the current policy: its val/* metrics and a table of samples logged at `step`, every sample
+        with its score written to <run_dir>/validation/step_<step>.jsonl."""
+        with self.timer("validate"):
+            result = self.rollouts.on_engines(
+                lambda: validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step))
+        self.tracker.log(result.metrics, step)
+        self.tracker.log_text("val/generations", result.table(self.cfg.trainer.val_generations_to_log), step)
+        result.write_jsonl(validation_file(self.run_dir, step))
+        self.last_validation = result
+        tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
+
+    def weights_source(self) -> str:
+        """Where the policy's weights come from (the checkpoint resumed, model.checkpoint, model.path)."""
+        model = self.cfg.model
+        if self.resume:
+            return f"the checkpoint {self.resume[0]} (step {self.start_step})"
+        if model.checkpoint is not None:
+            return f"model.checkpoint={model.checkpoint}"
+        return f"model.path={model.path}" + (" (randomly initialised: model.random_init=true)" if model.random_init
+                                             else "")
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
@@ -299,6 +322,8 @@ class Trainer:
         resume_dir = self.resume[0]
         rng_restored = all(done for group in self.model_groups for done in group.load_checkpoint(resume_dir))
         self.rollouts.restore(load_rollouts_ahead(resume_dir))
+        if self.cfg.trainer.val_only:
+            return
         tqdm.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
             "" if rng_restored else "; the workers' RNG states were saved under another parallel layout (or in the "
             "earlier pickled format, which is not loaded) and start afresh (sampling seeds depend only on "
@@ -340,7 +365,9 @@ class Trainer:
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
         # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume
         # (a first start, trainer.resume=off, or one killed before its first checkpoint) starts them afresh.
-        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=self.start_step if self.resume else -1))
+        # A validation-only run adds to the run's records.
+        purge_after = None if cfg.trainer.val_only else self.start_step if self.resume else -1
+        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=purge_after))
         self.scorer = stack.enter_context(RewardScorer(cfg.reward, cfg.trainer.imports))
         if self.resume:
             self.load_checkpoint()
@@ -359,12 +386,17 @@ class Trainer:
 
     def _summary(self, done: bool) -> RunSummary:
         steps = len(self.reward_history)
-        if self.start_step and self.start_step == steps:
+        if self.cfg.trainer.val_only:
+            pass
+        elif self.start_step and self.start_step == steps:
             tqdm.write(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
                        "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
         elif self.stop.received and not done:
             tqdm.write(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
                        "checkpoint.")
         first = self.reward_history[:REWARD_WINDOW]
-        return RunSummary(steps, sum(first) / len(first), window_mean(self.reward_history), len(first), self.run_dir,
-                          self.training_started)
+        # A validation-only run of weights that never trained has no rewards.
+        first_mean, last_mean = ((sum(first) / len(first), window_mean(self.reward_history)) if first
+                                 else (float("nan"), float("nan")))
+        return RunSummary(steps, first_mean, last_mean, len(first), self.run_dir, self.training_started,
+                          self.last_validation)

@@ -1,8 +1,12 @@
 """Validation: generate on the held-out prompts, score, and summarise per data source."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,24 +19,59 @@ from rl_megatron.rollout.engines import Sampling
 CORRECT = 1.0 - 1e-6  # a sample counts as solved at the scorer's full score (partial credit, e.g. format, does not)
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One validation sample, as the JSONL of a validation records it."""
+    data_source: str
+    prompt: str
+    response: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Validation:
+    step: int  # the policy's step (its updates so far)
+    metrics: dict[str, float]  # val/<data_source>/reward_mean (and pass@n)
+    generations: list[Generation]  # every sample, prompt-major
+
+    def table(self, rows: int) -> str:
+        """The first `rows` samples as a markdown table (tensorboard's text panel)."""
+        first = self.generations[:rows]
+        return generations_table([g.prompt for g in first], [g.response for g in first], [g.score for g in first],
+                                 rows)
+
+    def write_jsonl(self, path: str) -> None:
+        """Every sample with its score, a JSON object per line (verl's validation dump)."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(dataclasses.asdict(g)) + "\n" for g in self.generations)
+
+
+def validation_file(run_dir: str, step: int) -> str:
+    """Where the validation at `step` writes every sample."""
+    return os.path.join(run_dir, "validation", f"step_{step}.jsonl")
+
+
 def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_loader: PromptLoader,
-             scorer: RewardScorer, tokenizer, cfg: Config, step: int) -> tuple[dict[str, float], str]:
+             scorer: RewardScorer, tokenizer, cfg: Config, step: int) -> Validation:
     """One pass over the validation prompts through `rollout` (the run's rollout function): rollout.val_n answers
-    each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and a table of
-    the first samples."""
+    each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and every
+    sample."""
     n = cfg.rollout.val_n
-    sources, scores, texts = [], [], []
+    sources, scores, generations = [], [], []
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
     for batch_index, prompts in enumerate(val_loader.in_order()):
         sampling = Sampling(n, 0.0 if n == 1 else cfg.rollout.temperature, f"validation {batch_index}", step)
         samples = rollout(prompts, sampling)
         sources += [p.data_source for p in prompts]
-        scores.append(scorer.submit_samples(samples, tokenizer).result().scores)
-        texts += [(tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
-                   tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
-    scores = torch.cat(scores)
-    rows = cfg.trainer.val_generations_to_log
-    table = generations_table([p for p, _ in texts], [r for _, r in texts], scores.tolist(), rows)
-    return validation_metrics(sources, scores, n), table
+        batch_scores = scorer.submit_samples(samples, tokenizer).result().scores
+        scores.append(batch_scores)
+        generations += [Generation(prompts[i // n].data_source, decode(s.prompt_ids), decode(s.response_ids), score)
+                        for i, (s, score) in enumerate(zip(samples, batch_scores.tolist()))]
+    return Validation(step, validation_metrics(sources, torch.cat(scores), n), generations)
 
 
 def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) -> dict[str, float]:

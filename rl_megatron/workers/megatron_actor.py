@@ -287,7 +287,8 @@ class MegatronActor(MegatronModel):
         section = cfg.actor if trainable else cfg.ref
         batching = Batching(section.micro_batch_size, section.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
         role = Role.ACTOR if trainable else Role.REF
-        super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if trainable else None,
+        train_here = trainable and not cfg.trainer.val_only  # no optimizer state for a validation-only run
+        super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if train_here else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
                          initial=initial, activations=ActivationSettings.of_role(cfg, role),
                          stages=StageLayers.of_role(cfg, role))

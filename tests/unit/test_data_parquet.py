@@ -112,7 +112,12 @@ def test_files_are_read_in_order_and_validation_is_unshuffled(tmp_path, chat_tok
     loader = build_prompt_loader(replace(cfg, val_batch_size=5), chat_tokenizer, seed=3, split="val")
     assert [len(loader.next_batch()) for _ in range(3)] == [5, 5, 5]
     with pytest.raises(ConfigError, match="data.val_files is empty"):
-        build_prompt_loader(data_config(), chat_tokenizer, seed=0, split="val")
+        build_prompt_loader(data_config(train_files=[first]), chat_tokenizer, seed=0, split="val")
+    # A built-in task validates on its own prompts, in order.
+    task = build_prompt_loader(data_config(task="arithmetic"), chat_tokenizer, seed=0, split="val").next_batch()
+    assert [p.ids for p in task] == [p.ids for p in build_prompt_loader(
+        data_config(task="arithmetic"), chat_tokenizer, seed=1, split="val").next_batch()]
+    assert len(task) == 55
 
 
 def test_training_order_is_seeded_and_resumes_exactly_over_the_same_files(tmp_path, chat_tokenizer):
