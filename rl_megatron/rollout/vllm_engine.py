@@ -192,6 +192,10 @@ class VLLMEngine:
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
+        # vLLM collects garbage several times while it starts. What lives now (torch, Megatron, the trainer's models)
+        # lives for the whole run: frozen, the collections skip it (about 1 s less per engine on CPU). vLLM freezes
+        # its own start-up objects the same way afterwards.
+        gc.freeze()
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
             self.llm = LLM(
                 model=model_path,

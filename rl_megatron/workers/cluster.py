@@ -33,8 +33,12 @@ def start_ray(cfg: Config) -> int:
         try:
             if cfg.ray.address is None:
                 # address="local": always a new instance, never a cluster someone else started on this machine.
+                # Ray would start idle workers for tasks at once; the run's workers (actors with their own
+                # environment) never use them, and starting them costs seconds of CPU during the run's start-up.
                 ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1", **QUIET)
+                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1",
+                         _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+                         **QUIET)
             else:
                 ray.init(address=head_address(cfg.ray.address, cfg.ray.connect_timeout_s), **QUIET)
         except ClusterError:
