@@ -33,3 +33,8 @@ class Role(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
+
+def roles_name(roles: tuple[Role, ...]) -> str:
+    """E.g. "actor+rollout+ref": what reports and file names call the workers hosting `roles`."""
+    return "+".join(map(str, roles))

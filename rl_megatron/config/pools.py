@@ -25,10 +25,15 @@ class WorkerPool:
     layout: dict  # tp, pp (and for the actor's pool vpp, cp, ep, etp)
 
     @property
+    def world_size(self) -> int:
+        """Its workers: one per device."""
+        return self.nnodes * self.gpus_per_node
+
+    @property
     def data_parallel_size(self) -> int:
         """What the model parallel sizes leave of the pool's devices (its Megatron roles' data parallelism)."""
         layout = self.layout
-        return self.nnodes * self.gpus_per_node // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
+        return self.world_size // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
 
     @property
     def nodes_key(self) -> str:

@@ -17,10 +17,11 @@ from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
 from rl_megatron.config.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
 from rl_megatron.config.model_files import end_of_sequence_ids, model_config
-from rl_megatron.config.pools import uses_reference
+from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
+from rl_megatron.roles import roles_name
 from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
@@ -35,6 +36,7 @@ def preflight(cfg: Config) -> None:
     _check_algorithm(cfg)
     _check_reward(cfg)
     _check_asynchronous(cfg)
+    _check_profiling(cfg)
     # The user's code imports (each raises a ConfigError naming its key and what is missing).
     import_user_modules(cfg.trainer.imports)
     load_callable(cfg.rollout.function, "rollout.function")
@@ -120,6 +122,25 @@ def _check_asynchronous(cfg: Config) -> None:
         raise ConfigError("rollout.multi_turn.turn_synchronous=true decodes every trajectory's turn as one round, "
                           "but rollout.partial_rollout=true interrupts and continues requests one by one; set one of "
                           "them to false.")
+
+
+def _check_profiling(cfg: Config) -> None:
+    """The steps to profile are steps of the run, and some worker group has each rank that records them."""
+    t = cfg.trainer
+    if not t.profile_steps:
+        return
+    outside = [step for step in t.profile_steps if not 1 <= step <= t.total_steps]
+    if outside:
+        raise ConfigError(f"trainer.profile_steps={t.profile_steps}: {outside} not steps of this run, which counts "
+                          f"them from 1 to trainer.total_steps={t.total_steps}; choose steps in that range.")
+    pools = worker_pools(cfg)
+    largest = max(pool.world_size for pool in pools)
+    missing = [rank for rank in t.profile_ranks if not 0 <= rank < largest]
+    if missing or not t.profile_ranks:
+        why = f"{missing} is in no worker group" if missing else "no rank records trainer.profile_steps"
+        sizes = ", ".join(f"{roles_name(pool.roles)}: {pool.world_size}" for pool in pools)
+        raise ConfigError(f"trainer.profile_ranks={t.profile_ranks}: {why} (workers per group: {sizes}). Choose "
+                          f"ranks from 0 to {largest - 1}, e.g. trainer.profile_ranks=[0].")
 
 
 def _check_algorithm(cfg: Config) -> None:

@@ -42,12 +42,19 @@ class TrainerConfig:
     resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
     rollout_staleness: int = checked(0, NOT_NEGATIVE)  # policy versions the rollout may lag the trainer: 0 synchronous; 1 one-step-off (the engines generate batch k+1 while the trainer trains on batch k); N up to N versions (needs rollout.placement=separate)
+    profile_steps: list[int] = field(default_factory=list)  # steps recorded with torch.profiler, one Chrome trace per worker and phase (generate, log_prob, update, sync) under <run_dir>/profile/step_<step>/; each between 1 and total_steps
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks, within each worker group, that record trainer.profile_steps (a rank a group lacks records nothing there)
     imports: list[str] = field(default_factory=list)  # your modules (dotted names or .py paths) imported first in the controller, the workers and the scorer processes, e.g. for @rl_megatron.rewards.register
 
     @property
     def run_dir(self) -> str:
         """Where the run's outputs go: <log_dir>/<experiment_name>."""
         return os.path.join(self.log_dir, self.experiment_name)
+
+    @property
+    def profile_dir(self) -> str:
+        """Where the traces of trainer.profile_steps go: <run_dir>/profile."""
+        return os.path.join(self.run_dir, "profile")
 
 
 @dataclass

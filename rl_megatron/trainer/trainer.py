@@ -44,6 +44,7 @@ from rl_megatron.trainer.metrics import (REWARD_WINDOW, RunSummary, Timer, reach
                                          window_mean)
 from rl_megatron.trainer.dynamic_sampling import GroupFilter
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
+from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
 from rl_megatron.trainer.rewards import Rewards
 from rl_megatron.trainer.stopping import StopSignals
@@ -140,7 +141,8 @@ class Trainer:
             # Scored while Megatron computes (with dynamic sampling, while generating: the filter reads the scores).
             scoring = None if rollout.rewards is not None else self.scorer.submit_samples(samples, self.tokenizer)
             batch = TrainBatch.from_samples(samples, self.pad_id)
-            entropy = self.forward_passes(batch)
+            with self.profiles.phase(step, "log_prob"):
+                entropy = self.forward_passes(batch)
             if self.cfg.trainer.rollout_staleness:
                 metrics |= current_version_mismatch(samples, batch, self.policy_version)
             with timer("reward"):  # what scoring adds to the step after the forward passes
@@ -251,16 +253,18 @@ class Trainer:
 
     def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """The critic's update, then (after its warm-up) the actor's, and the new weights into the engines."""
-        metrics = {}
-        if self.critic is not None:
-            with self.timer("update_critic"):
-                metrics |= self.critic.update_critic(batch.select("values", "returns"))[0]
-        if step > self.cfg.critic.warmup_steps:  # the actor waits for the critic's warm-up
-            with self.timer("update_actor"):
-                metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
-                                                          "importance_weights"))[0]
+        metrics, updating_actor = {}, step > self.cfg.critic.warmup_steps  # the actor waits for the critic's warm-up
+        with self.profiles.phase(step, "update"):
+            if self.critic is not None:
+                with self.timer("update_critic"):
+                    metrics |= self.critic.update_critic(batch.select("values", "returns"))[0]
+            if updating_actor:
+                with self.timer("update_actor"):
+                    metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
+                                                              "importance_weights"))[0]
+        if updating_actor:
             self.policy_version += 1
-            with self.rollouts.syncing(self.timer), self.timer("sync_weights"):
+            with self.rollouts.syncing(self.timer), self.timer("sync_weights"), self.profiles.phase(step, "sync"):
                 sync_weights(self.actor, self.engine_group)
                 self.engines.weight_version = self.policy_version
         return metrics
@@ -359,8 +363,10 @@ class Trainer:
             self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
                                                     self.engines.count, self.hf_config["vocab_size"],
                                                     cfg.rollout.multi_turn.turn_synchronous, self.engines.pausing())
-        self.rollouts = (Ahead(self.generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout)
-                         if staleness else InStep(self.generate))
+        self.profiles = StepProfiles(cfg.trainer.profile_steps, groups)
+        generate = self.profiles.around("generate", self.generate)  # a profiled step's batch, whenever generated
+        self.rollouts = (Ahead(generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout)
+                         if staleness else InStep(generate))
         stack.callback(self.rollouts.close)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
         # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume

@@ -5,7 +5,7 @@ import os
 from contextlib import ExitStack
 
 from rl_megatron.config import Config, worker_pools
-from rl_megatron.roles import Role
+from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.vllm_engine import ENGINE_ENV
 from rl_megatron.workers.hybrid_worker import HybridWorker
 from rl_megatron.workers.rollout_worker import RolloutWorker
@@ -23,7 +23,7 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     for pool in pools:
         roles = pool.roles
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
-        name = "+".join(map(str, roles))  # e.g. "actor+rollout+ref": what a dead worker's report calls its group
+        name = roles_name(roles)  # what a dead worker's report calls its group
         if roles == (Role.ROLLOUT,):
             group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, logs, env=env, name=name)
         else:

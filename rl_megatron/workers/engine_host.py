@@ -1,16 +1,19 @@
 """The rollout-engine side of a worker: a vLLM engine (or its TP shard) and what the controller asks of it. Hosted
 by the actor's workers (`HybridWorker`, rollout.placement=colocated) or by workers of its own (`RolloutWorker`,
-rollout.placement=separate)."""
+rollout.placement=separate). As the base of both worker classes it also holds what every worker does alike:
+recording the steps the controller profiles (`workers/profiling.py`)."""
 from __future__ import annotations
 
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
+from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.completions import Completion, TurnRequest
 from rl_megatron.roles import Role
 from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
+from rl_megatron.workers.profiling import StepProfiler
 from rl_megatron.workers.worker_group import dispatch
 from rl_megatron.workers.worker_logs import redirect_output, worker_log_path
 
@@ -20,11 +23,15 @@ class EngineHost:
     world_size: int
     cfg: Config
     hf_config: dict
+    roles: tuple[Role, ...]
 
     def _init_engine_host(self, role: Role, logs: str) -> None:
         """`role`: the first role of the worker's pool, which names its log file in the folder `logs`."""
         redirect_output(worker_log_path(logs, role, self.rank))
         configure_engine_process()  # before Megatron or vLLM is imported in this worker
+        trainer = self.cfg.trainer
+        self.profiler = StepProfiler(trainer.profile_dir, f"{roles_name(self.roles)}_rank{self.rank}",
+                                     records=self.rank in trainer.profile_ranks)
         self.engine = None
         # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).
         self.engine_tp = self.cfg.rollout.tensor_parallel_size
@@ -60,6 +67,14 @@ class EngineHost:
     def interrupt(self) -> list[tuple[str, Completion]]:
         """`VLLMEngine.interrupt`, on one engine's shards (partial rollouts, before a weight update)."""
         return self.engine.interrupt()
+
+    def start_profile(self, step: int, phase: str) -> None:
+        """Record `phase` of `step` from now (on trainer.profile_ranks; the others return at once)."""
+        self.profiler.start(step, phase)
+
+    def stop_profile(self, step: int, phase: str) -> str | None:
+        """The path of the trace of `phase` of `step`, written now; None on a rank that does not record it."""
+        return self.profiler.stop(step, phase)
 
     @dispatch(axis=None)
     def engine_mismatches(self, hf_state: dict) -> list[str]:

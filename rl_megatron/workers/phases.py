@@ -38,6 +38,11 @@ class Phase:
     def state(self) -> tuple[str, ...]:
         return ("params",) if self.kind == "forward" else STATE
 
+    @property
+    def label(self) -> str:
+        """Its name in a profiler's trace and nsys's timeline, e.g. "generate", "forward ref", "train actor"."""
+        return self.kind if self.role is None else f"{self.kind} {self.role}"
+
 
 GENERATE = Phase("generate")
 SYNC = Phase("sync")

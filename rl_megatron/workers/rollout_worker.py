@@ -10,6 +10,7 @@ from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
 from rl_megatron.roles import Role
 from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
+from rl_megatron.roles import Role
 from rl_megatron.workers.distributed import init_distributed, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.worker_group import dispatch
@@ -18,6 +19,7 @@ from rl_megatron.workers.worker_group import dispatch
 class RolloutWorker(EngineHost):
     def __init__(self, rank: int, world_size: int, cfg: Config, hf_config: dict, threads: int, logs: str):
         self.rank, self.world_size, self.cfg, self.hf_config = rank, world_size, cfg, hf_config
+        self.roles = (Role.ROLLOUT,)
         self.weight_group = None
         self._init_engine_host(Role.ROLLOUT, logs)
         torch.set_num_threads(threads)  # before vLLM starts (see HybridWorker)

@@ -1,7 +1,8 @@
 """Ray worker groups: one actor per device, placed node by node (see ResourcePool), and one dispatch mechanism.
 
 A worker method declares how the controller's batch reaches the ranks and how results come back, and the phase
-it needs (see `workers/phases.py`; the worker's `enter(phase)` / `leave(phase)` run around the call):
+it needs (see `workers/phases.py`; the worker's `enter(phase)` / `leave(phase)` run around the call, in a range
+named by the phase for profilers, `workers/profiling.py`):
 
     @dispatch(axis="dp", phase=forward(Role.ACTOR))  # split the positional arguments (a TrainBatch, a list) by
     def log_probs(self, batch)                       # data-parallel rank, TP/PP peers get the same slice, keyword
@@ -30,6 +31,7 @@ from rl_megatron.workers.cluster import ClusterError, describe_cluster, device_r
 from rl_megatron.workers.failures import (WorkerDied, WorkerPlacement, describe_death, describe_raise, oom_kills,
                                           where_am_i)
 from rl_megatron.workers.phases import Phase
+from rl_megatron.workers.profiling import phase_range
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,10 @@ def dispatch(axis: str | None, phase: Phase | None = None) -> Callable:
         else:
             @functools.wraps(method)
             def dispatched(worker, *args, **kwargs):
-                worker.enter(phase)
-                result = method(worker, *args, **kwargs)
-                worker.leave(phase)
+                with phase_range(phase):  # the moves into and out of the phase count as its time
+                    worker.enter(phase)
+                    result = method(worker, *args, **kwargs)
+                    worker.leave(phase)
                 return result
         dispatched.dispatch_axis = axis
         return dispatched
