@@ -34,7 +34,6 @@ class Role(str, enum.Enum):
         return self.value
 
 
-
 def roles_name(roles: tuple[Role, ...]) -> str:
     """E.g. "actor+rollout+ref": what reports and file names call the workers hosting `roles`."""
     return "+".join(map(str, roles))

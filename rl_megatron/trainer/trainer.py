@@ -33,7 +33,6 @@ from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
-from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer, Scored
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
@@ -46,9 +45,9 @@ from rl_megatron.trainer.dynamic_sampling import GroupFilter
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
-from rl_megatron.trainer.rewards import Rewards
+from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
-from rl_megatron.trainer.validation import Validation, validate, validation_file
+from rl_megatron.trainer.validation import Validation, validate, validation_file, weights_source
 from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
 
@@ -76,7 +75,7 @@ class Trainer:
         validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train or cfg.trainer.val_only
         self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val", tools=tools)
                            if validating else None)
-        self._check_scorers()
+        check_scorers(cfg.reward, [loader for loader in (self.loader, self.val_loader) if loader is not None])
         self.run_dir = cfg.trainer.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         if not cfg.trainer.val_only:  # a validation of a run's checkpoint leaves the run's own config
@@ -104,7 +103,8 @@ class Trainer:
             self._start_workers(stack)
             self.training_started = time.time()
             if cfg.val_only:
-                tqdm.write(f"Validation only (trainer.val_only): the weights of {self.weights_source()}")
+                tqdm.write("Validation only (trainer.val_only): the weights of "
+                           + weights_source(self.cfg.model, self.resume and self.resume[0], self.start_step))
                 self.run_validation(self.start_step)
                 return self._summary(done=True)
             if self.start_step == 0:
@@ -301,16 +301,6 @@ class Trainer:
         self.last_validation = result
         tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
 
-    def weights_source(self) -> str:
-        """Where the policy's weights come from (the checkpoint resumed, model.checkpoint, model.path)."""
-        model = self.cfg.model
-        if self.resume:
-            return f"the checkpoint {self.resume[0]} (step {self.start_step})"
-        if model.checkpoint is not None:
-            return f"model.checkpoint={model.checkpoint}"
-        return f"model.path={model.path}" + (" (randomly initialised: model.random_init=true)" if model.random_init
-                                             else "")
-
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
         partial = start_save(self.checkpoint_root, step)
@@ -378,17 +368,6 @@ class Trainer:
         if self.resume:
             self.load_checkpoint()
         sync_weights(self.actor, self.engine_group)
-
-    def _check_scorers(self) -> None:
-        """Every row's data source needs a scorer: find out now, not at its first batch."""
-        if self.cfg.reward.custom_fn is not None:
-            return
-        loaders = [loader for loader in (self.loader, self.val_loader) if loader is not None]
-        unknown = {row["data_source"] for loader in loaders for row in loader.rows} - set(REGISTRY)
-        if unknown:
-            raise ConfigError(f"The data's data_source {', '.join(map(repr, sorted(unknown)))} has no reward function "
-                              f"(known: {', '.join(sorted(REGISTRY))}). Set reward.custom_fn=pkg.module:fn, or "
-                              "register one with @rl_megatron.rewards.register in a module listed in trainer.imports.")
 
     def _summary(self, done: bool) -> RunSummary:
         steps = len(self.reward_history)

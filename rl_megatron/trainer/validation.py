@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_megatron.config import Config
+from rl_megatron.config.schema import ModelConfig
 from rl_megatron.data.loader import PromptLoader
 from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.batch import Prompt, Sample
@@ -45,6 +46,17 @@ class Validation:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.writelines(json.dumps(dataclasses.asdict(g)) + "\n" for g in self.generations)
+
+
+def weights_source(model: ModelConfig, resume_dir: str | None, step: int) -> str:
+    """Where a validation-only run's policy weights come from: the checkpoint it resumes, else model.checkpoint, else
+    model.path."""
+    if resume_dir:
+        return f"the checkpoint {resume_dir} (step {step})"
+    if model.checkpoint is not None:
+        return f"model.checkpoint={model.checkpoint}"
+    return f"model.path={model.path}" + (" (randomly initialised: model.random_init=true)" if model.random_init
+                                         else "")
 
 
 def validation_file(run_dir: str, step: int) -> str:

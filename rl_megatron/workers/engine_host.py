@@ -10,7 +10,6 @@ from rl_megatron.config.schema import Config
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.completions import Completion, TurnRequest
-from rl_megatron.roles import Role
 from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.profiling import StepProfiler
@@ -25,9 +24,9 @@ class EngineHost:
     hf_config: dict
     roles: tuple[Role, ...]
 
-    def _init_engine_host(self, role: Role, logs: str) -> None:
-        """`role`: the first role of the worker's pool, which names its log file in the folder `logs`."""
-        redirect_output(worker_log_path(logs, role, self.rank))
+    def _init_engine_host(self, logs: str) -> None:
+        """`logs`: the folder of the run's worker logs (the file is named by the worker's first role)."""
+        redirect_output(worker_log_path(logs, self.roles[0], self.rank))
         configure_engine_process()  # before Megatron or vLLM is imported in this worker
         trainer = self.cfg.trainer
         self.profiler = StepProfiler(trainer.profile_dir, f"{roles_name(self.roles)}_rank{self.rank}",

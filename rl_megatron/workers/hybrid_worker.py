@@ -46,7 +46,7 @@ class HybridWorker(EngineHost):
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
         self.models = {}  # Role -> MegatronModel
         self.resharder = self.sender = None
-        self._init_engine_host(roles[0], logs)
+        self._init_engine_host(logs)
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
         import_user_modules(cfg.trainer.imports)

@@ -8,7 +8,6 @@ import torch
 from rl_megatron.config.schema import Config
 from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
-from rl_megatron.roles import Role
 from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
 from rl_megatron.roles import Role
 from rl_megatron.workers.distributed import init_distributed, rendezvous_address
@@ -21,7 +20,7 @@ class RolloutWorker(EngineHost):
         self.rank, self.world_size, self.cfg, self.hf_config = rank, world_size, cfg, hf_config
         self.roles = (Role.ROLLOUT,)
         self.weight_group = None
-        self._init_engine_host(Role.ROLLOUT, logs)
+        self._init_engine_host(logs)
         torch.set_num_threads(threads)  # before vLLM starts (see HybridWorker)
         import_user_modules(cfg.trainer.imports)
 
