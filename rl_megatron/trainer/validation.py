@@ -12,14 +12,15 @@ from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.rollout.engines import Sampling
 
+GENERATION_COLUMNS = ["prompt", "response", "score"]  # the table of validation samples the loggers show
 CORRECT = 1.0 - 1e-6  # a sample counts as solved at the scorer's full score (partial credit, e.g. format, does not)
 
 
 def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_loader: PromptLoader,
-             scorer: RewardScorer, tokenizer, cfg: Config, step: int) -> tuple[dict[str, float], str]:
+             scorer: RewardScorer, tokenizer, cfg: Config, step: int) -> tuple[dict[str, float], list[list]]:
     """One pass over the validation prompts through `rollout` (the run's rollout function): rollout.val_n answers
-    each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and a table of
-    the first samples."""
+    each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and the rows of
+    a table of the first samples (GENERATION_COLUMNS)."""
     n = cfg.rollout.val_n
     sources, scores, texts = [], [], []
     for batch_index, prompts in enumerate(val_loader.in_order()):
@@ -30,9 +31,9 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
         texts += [(tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
                    tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
     scores = torch.cat(scores)
-    rows = cfg.trainer.val_generations_to_log
-    table = generations_table([p for p, _ in texts], [r for _, r in texts], scores.tolist(), rows)
-    return validation_metrics(sources, scores, n), table
+    rows = generation_rows([p for p, _ in texts], [r for _, r in texts], scores.tolist(),
+                           cfg.trainer.val_generations_to_log)
+    return validation_metrics(sources, scores, n), rows
 
 
 def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) -> dict[str, float]:
@@ -51,11 +52,6 @@ def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) ->
     return metrics
 
 
-def generations_table(prompts: list[str], responses: list[str], scores: list[float], rows: int) -> str:
-    """The first `rows` samples as a markdown table (tensorboard's text panel renders it)."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", "<br>")
-
-    lines = ["| prompt | response | score |", "|---|---|---|"]
-    lines += [f"| {cell(p)} | {cell(r)} | {s:.3f} |" for p, r, s in list(zip(prompts, responses, scores))[:rows]]
-    return "\n".join(lines)
+def generation_rows(prompts: list[str], responses: list[str], scores: list[float], rows: int) -> list[list]:
+    """The first `rows` samples as rows of a table of GENERATION_COLUMNS."""
+    return [list(sample) for sample in zip(prompts, responses, scores)][:rows]
