@@ -35,6 +35,10 @@ setup(
         # this torch (requirements-gpu.txt says how).
         "gpu": ["torch==2.13.0", "vllm==0.32.0"],
         "test": ["pytest>=8"],
+        # The optional loggers of trainer.logger (the config check names the extra when one is missing); MLflow's
+        # local store is SQLite through SQLAlchemy and alembic, which mlflow-skinny does not bring.
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=3", "sqlalchemy", "alembic"],
     },
     entry_points={
         "console_scripts": [

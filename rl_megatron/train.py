@@ -64,15 +64,24 @@ def _report(cfg, summary) -> int:
         print(f"\nValidated {len(validation.generations)} samples in {training_s:.0f} s, after {startup_s:.0f} s of "
               "start-up: " + ", ".join(f"{name}={value:.3f}" for name, value in validation.metrics.items()))
         print(f"Every sample with its score: {summary.validation_path}")
-        return 0
-    print(f"\nDone: {summary.steps} steps in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean reward "
-          f"{summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} steps).")
-    target = cfg.trainer.target_reward
-    if target is not None:
-        verdict = "reached" if summary.reward_last >= target else "NOT reached"
-        print(f"Target mean reward {target} {verdict}.")
-    print(f"Metrics: {summary.run_dir}/metrics.jsonl; tensorboard --logdir {cfg.trainer.log_dir}")
+    else:
+        print(f"\nDone: {summary.steps} steps in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean "
+              f"reward {summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} "
+              "steps).")
+        target = cfg.trainer.target_reward
+        if target is not None:
+            verdict = "reached" if summary.reward_last >= target else "NOT reached"
+            print(f"Target mean reward {target} {verdict}.")
+    print(f"Metrics: {where_metrics_are(cfg, summary.run_dir)}")
     return 0
+
+
+def where_metrics_are(cfg, run_dir: str) -> str:
+    """Where the loggers of trainer.logger put the run's metrics, and how to look at them."""
+    places = {"jsonl": f"{run_dir}/metrics.jsonl", "tensorboard": f"tensorboard --logdir {cfg.trainer.log_dir}",
+              "wandb": f"wandb (project {cfg.trainer.project_name}, run {cfg.trainer.experiment_name})",
+              "mlflow": f"mlflow (experiment {cfg.trainer.project_name}, run {cfg.trainer.experiment_name})"}
+    return "; ".join(places[name] for name in dict.fromkeys(cfg.trainer.logger) if name in places) or "not recorded"
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rl_megatron.config.schema import Config
-from rl_megatron.config.load import load, to_yaml
+from rl_megatron.config.load import load, to_dict, to_yaml
 from rl_megatron.config.model_files import model_config, moe_hf_overrides, read_hf_config
 from rl_megatron.config.pools import WorkerPool, uses_reference, worker_pools
 from rl_megatron.config.preflight import preflight
@@ -24,8 +24,8 @@ from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.models.checks import check_model_layout
 
 __all__ = ["Config", "ConfigError", "WorkerPool", "check_model_layout", "load", "load_config", "model_config",
-           "moe_hf_overrides", "one_line", "preflight", "read_hf_config", "resolve", "to_yaml", "uses_reference",
-           "worker_pools"]
+           "moe_hf_overrides", "one_line", "preflight", "read_hf_config", "resolve", "to_dict", "to_yaml",
+           "uses_reference", "worker_pools"]
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:

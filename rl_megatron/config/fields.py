@@ -1,8 +1,9 @@
 """The rules a single config value must follow, declared next to its key in schema.py, and the one check of them.
 
 A number's range is a `Bound` in its field's metadata (`checked(default, at_least(1))`); a name's choices are its
-`Literal` type (OmegaConf refuses other values as they are merged, and `check_fields` again for configs built in
-code). Either way the message is the same, names the key and says what to use.
+`Literal` type, and a list's rule applies to each item (`list[Literal[...]]`). OmegaConf refuses other values as
+they are merged, and `check_fields` again for configs built in code. Either way the message is the same, names the
+key and says what to use.
 """
 from __future__ import annotations
 
@@ -78,6 +79,11 @@ def choices_of(annotation: Any) -> tuple | None:
     return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
 
 
+def list_item_type(annotation: Any) -> Any:
+    """The type of a `list[...]` key's items; None for other types."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+
+
 def choice_error(key: str, value: Any, choices: tuple, hint: str = "") -> ConfigError:
     return ConfigError(f"{key}='{value}' is unknown: use one of {', '.join(map(str, choices))}"
                        f"{'; ' + hint if hint else ''}.")
@@ -85,20 +91,26 @@ def choice_error(key: str, value: Any, choices: tuple, hint: str = "") -> Config
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """What one key of the schema allows: the choices of a Literal type, a numeric `Bound`, and the hint."""
+    """What one key of the schema allows: the choices of a Literal type, a numeric `Bound`, and the hint; `each`:
+    the key is a list, and the rule is its items' (`list[Literal[...]]`)."""
 
     key: str
     choices: tuple | None
     bound: Bound | None
     hint: str
+    each: bool = False
 
     def check(self, value: Any) -> None:
         if value is None:  # an optional key left unset: its default is worked out elsewhere
             return
-        if self.choices is not None and value not in self.choices:
-            raise choice_error(self.key, value, self.choices, self.hint)
-        if self.bound is not None and not self.bound.admits(value):
-            raise ConfigError(f"{self.key}={value} must {self.bound.words()}{'; ' + self.hint if self.hint else ''}.")
+        if self.each and not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{self.key}={value!r} must be a list, e.g. {self.key}=[{value}].")
+        hint = f"; {self.hint}" if self.hint else ""
+        for item in value if self.each else [value]:
+            if self.choices is not None and item not in self.choices:
+                raise choice_error(self.key, item, self.choices, self.hint)
+            if self.bound is not None and not self.bound.admits(item):
+                raise ConfigError(f"{self.key}={item} must {self.bound.words()}{hint}.")
 
 
 def schema_rules(cls: type, prefix: str = "") -> dict[str, Rule]:
@@ -110,9 +122,10 @@ def schema_rules(cls: type, prefix: str = "") -> dict[str, Rule]:
         if dataclasses.is_dataclass(annotation):
             rules.update(schema_rules(annotation, key + "."))
             continue
-        choices, bound = choices_of(annotation), f.metadata.get("bound")
+        item_type = list_item_type(annotation)
+        choices, bound = choices_of(annotation if item_type is None else item_type), f.metadata.get("bound")
         if choices is not None or bound is not None:
-            rules[key] = Rule(key, choices, bound, f.metadata.get("hint", ""))
+            rules[key] = Rule(key, choices, bound, f.metadata.get("hint", ""), each=item_type is not None)
     return rules
 
 

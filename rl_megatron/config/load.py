@@ -10,7 +10,6 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rl_megatron.config.fields import choice_error
 from rl_megatron.config.schema import RULES, Config
 from rl_megatron.errors import ConfigError, one_line
 
@@ -112,12 +111,13 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
     for key, value, where in settings:  # one key at a time, so that a bad value is reported with its key
         try:
             OmegaConf.update(merged, key, value, merge=False)
+            continue
         except OmegaConfBaseException as err:
-            if value is not None and key in RULES and RULES[key].choices is not None:  # the message of every choice
-                raise choice_error(key, value, RULES[key].choices, RULES[key].hint) from None
-            raise ConfigError(f"Config key '{key}' (in {where}) has a bad value {value!r}: "
-                              f"{_omegaconf_reason(err)}. See its type in "
-                              "rl_megatron/config/schema.py.") from None
+            reason = _omegaconf_reason(err)
+        if key in RULES and RULES[key].choices is not None:  # the message of every choice (or list of choices)
+            RULES[key].check(value)
+        raise ConfigError(f"Config key '{key}' (in {where}) has a bad value {value!r}: {reason}. See its type in "
+                          "rl_megatron/config/schema.py.")
     try:
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
@@ -132,3 +132,8 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    """`cfg` as nested plain dicts (e.g. the run's config for wandb and MLflow)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

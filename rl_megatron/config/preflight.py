@@ -2,9 +2,10 @@
 
 The trainer (through `load_config`), `python -m rl_megatron.launch prepare [--dry-run]` and configs built in code
 all go through `preflight`. Each value has been checked against its rule in schema.py by `resolve`; here come the
-checks of keys together, and each package checks its own part: the data files (`rl_megatron.data.section`), the
-user's code (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the
-layouts (`rl_megatron.models.checks`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with
+checks of keys together, and each package checks its own part: the loggers' optional libraries
+(`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code (`rl_megatron.plugins`:
+trainer.imports, rollout.function, reward.custom_fn), the model against the layouts (`rl_megatron.models.checks`),
+and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with
 the first prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
 the files' headers).
 """
@@ -26,6 +27,7 @@ from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.custom import load_custom_fn
+from rl_megatron.tracking import check_loggers_installed
 
 
 def preflight(cfg: Config) -> None:
@@ -57,9 +59,10 @@ def preflight(cfg: Config) -> None:
 
 
 def _check_trainer(cfg: Config) -> None:
-    """Validation, resuming and the initial weights."""
+    """The loggers, validation, resuming and the initial weights."""
     t, model = cfg.trainer, cfg.model
     check_creatable_folder(t.run_dir, "trainer.log_dir")
+    check_loggers_installed(t.logger)
     if t.checkpoint_dir is not None:
         check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
     if (t.val_every or t.val_before_train) and not cfg.data.val_files:

@@ -16,6 +16,7 @@ from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, c
 from rl_megatron.data import TASKS
 from rl_megatron.resharding.channels import CHANNELS
 from rl_megatron.rewards import MATCH_MODES
+from rl_megatron.tracking import DEFAULT_LOGGERS, LOGGERS
 
 Placement = Literal["colocated", "separate"]
 OFF_AT_ZERO = "0 turns it off"
@@ -24,18 +25,20 @@ OFF_AT_ZERO = "0 turns it off"
 @dataclass
 class TrainerConfig:
     experiment_name: str = "default"  # run name; outputs go to <log_dir>/<experiment_name>/
-    log_dir: str = "runs"  # parent folder of run directories (tensorboard, metrics.jsonl)
+    project_name: str = "rl_megatron"  # the wandb project / MLflow experiment the run belongs to
+    log_dir: str = "runs"  # parent folder of run directories (tensorboard, metrics.jsonl) and of the local MLflow store (mlflow.db)
+    logger: list[Literal[LOGGERS]] = field(default_factory=lambda: list(DEFAULT_LOGGERS))  # where the run's records go (verl's names): console (progress on the terminal), tensorboard, jsonl (metrics.jsonl), wandb (pip install -e .[wandb]), mlflow (pip install -e .[mlflow])
     total_steps: int = checked(100, POSITIVE)  # number of RL steps (generate -> score -> update -> sync)
     seed: int = 0  # seeds model init, data order and sampling
     target_reward: Optional[float] = None  # stop early once the mean reward of the last 5 steps reaches this
     nnodes: int = checked(1, POSITIVE)  # nodes in the Ray cluster
     n_gpus_per_node: int = checked(2, POSITIVE)  # devices per node given to the actor (CPU slots when there is no GPU)
-    progress_bar: bool = True  # show a tqdm progress bar on the console
+    progress_bar: bool = True  # with console in trainer.logger: a tqdm progress bar (true) or one line per step (false)
     balance_batch: bool = True  # order each step's samples so that the actor's data-parallel ranks get equal token counts in every mini-batch (the mini-batches keep their samples)
     val_every: int = checked(0, NOT_NEGATIVE, OFF_AT_ZERO)  # validate on the validation split every this many steps, and after the last (0: never)
     val_before_train: bool = False  # validate once before the first step (the starting point of the curves)
     val_only: bool = False  # validate once and exit, no training: the weights of the run's latest checkpoint (trainer.resume), else model.checkpoint, else model.path; no optimizer state, reference or critic is built
-    val_generations_to_log: int = checked(4, NOT_NEGATIVE, OFF_AT_ZERO)  # validation samples shown as a text table in tensorboard
+    val_generations_to_log: int = checked(4, NOT_NEGATIVE, OFF_AT_ZERO)  # validation samples logged as a table (tensorboard text panel, wandb Table, MLflow JSON artifact)
     # save a checkpoint every this many steps; 0: only at the end and when stopped (SIGTERM/SIGINT); -1: never
     save_every: int = checked(0, at_least(-1), "use N > 0 (every N steps), 0 (at the end and when stopped) or -1 (never)")
     keep_last: int = checked(2, NOT_NEGATIVE, OFF_AT_ZERO)  # keep the newest this many checkpoints, delete older ones (0 keeps all)

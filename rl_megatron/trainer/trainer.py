@@ -17,7 +17,6 @@ import time
 from contextlib import ExitStack
 
 import torch
-from tqdm import tqdm
 
 from rl_megatron import platform
 from rl_megatron.agents import AgentRunner, build_agent_loop
@@ -27,7 +26,7 @@ from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
-from rl_megatron.config import Config, ConfigError, model_config, to_yaml, worker_pools
+from rl_megatron.config import Config, ConfigError, model_config, to_dict, to_yaml, worker_pools
 from rl_megatron.config.model_files import end_of_sequence_ids
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
@@ -47,7 +46,7 @@ from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
 from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
-from rl_megatron.trainer.validation import Validation, validate, validation_file, weights_source
+from rl_megatron.trainer.validation import GENERATION_COLUMNS, Validation, validate, validation_file, weights_source
 from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
 
@@ -103,22 +102,21 @@ class Trainer:
             self._start_workers(stack)
             self.training_started = time.time()
             if cfg.val_only:
-                tqdm.write("Validation only (trainer.val_only): the weights of "
-                           + weights_source(self.cfg.model, self.resume and self.resume[0], self.start_step))
+                self.tracker.write("Validation only (trainer.val_only): the weights of "
+                                   + weights_source(self.cfg.model, self.resume and self.resume[0], self.start_step))
                 self.run_validation(self.start_step)
                 return self._summary(done=True)
             if self.start_step == 0:
                 self.maybe_validate(0)
             done = self.start_step >= total or reached_target(self.reward_history, cfg.target_reward)
-            bar = tqdm(range(self.start_step + 1, total + 1), desc=self.cfg.algorithm.adv_estimator.upper(),
-                       unit="step", initial=self.start_step, total=total, disable=not cfg.progress_bar or done)
-            for step in ([] if done else bar):
+            if not done:
+                self.tracker.start_progress(self.start_step)
+            for step in ([] if done else range(self.start_step + 1, total + 1)):
                 metrics = self.train_step(step)
                 done = step == total or reached_target(self.reward_history, cfg.target_reward)
                 metrics |= self.maybe_validate(step, last=done)
                 self.tracker.log(metrics, step)  # before the checkpoint: a run resumed from it has logged this step
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", avg5=f"{window_mean(self.reward_history):.3f}",
-                                step_s=f"{metrics['timing_s/step']:.2f}")
+                self.tracker.show_step(step, metrics, window_mean(self.reward_history))
                 if (cfg.save_every > 0 and step % cfg.save_every == 0) or (
                         cfg.save_every >= 0 and (done or self.stop.received)):
                     self.save_checkpoint(step)
@@ -174,10 +172,11 @@ class Trainer:
             generate_round, lambda samples: self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(),
                                                          samples))
         if filled.metrics["filter/reached_cap"]:
-            tqdm.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "
-                       f"{self.cfg.data.train_batch_size} groups in algorithm.filter_groups.max_num_gen_batches="
-                       f"{self.group_filter.max_rounds} rounds; training on them with "
-                       f"{filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
+            self.tracker.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "
+                               f"{self.cfg.data.train_batch_size} groups in "
+                               f"algorithm.filter_groups.max_num_gen_batches={self.group_filter.max_rounds} rounds; "
+                               "training on them with "
+                               f"{filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
         return Rollout(step, filled.samples, filled.rewards, filled.metrics)
 
     def rewards(self, scored: Scored, samples: list[Sample]) -> Rewards:
@@ -296,10 +295,11 @@ class Trainer:
             result = self.rollouts.on_engines(
                 lambda: validate(self.rollout, self.val_loader, self.scorer, self.tokenizer, self.cfg, step))
         self.tracker.log(result.metrics, step)
-        self.tracker.log_text("val/generations", result.table(self.cfg.trainer.val_generations_to_log), step)
+        self.tracker.log_table("val/generations", GENERATION_COLUMNS,
+                               result.table_rows(self.cfg.trainer.val_generations_to_log), step)
         result.write_jsonl(validation_file(self.run_dir, step))
         self.last_validation = result
-        tqdm.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
+        self.tracker.write(f"step {step} validation: " + ", ".join(f"{k}={v:.3f}" for k, v in result.metrics.items()))
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
@@ -310,7 +310,7 @@ class Trainer:
         state = {"data_loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value,
                  "reward_history": self.reward_history}
         folder = finish_save(self.checkpoint_root, step, state, to_yaml(self.cfg), self.cfg.trainer.keep_last)
-        tqdm.write(f"step {step}: checkpoint saved to {folder} in {time.perf_counter() - start:.1f} s")
+        self.tracker.write(f"step {step}: checkpoint saved to {folder} in {time.perf_counter() - start:.1f} s")
 
     def load_checkpoint(self) -> None:
         resume_dir = self.resume[0]
@@ -318,7 +318,7 @@ class Trainer:
         self.rollouts.restore(load_rollouts_ahead(resume_dir))
         if self.cfg.trainer.val_only:
             return
-        tqdm.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
+        self.tracker.write(f"Resumed from {resume_dir} (step {self.start_step})" + (
             "" if rng_restored else "; the workers' RNG states were saved under another parallel layout (or in the "
             "earlier pickled format, which is not loaded) and start afresh (sampling seeds depend only on "
             "trainer.seed and the step, so rollouts are unaffected)"))
@@ -363,7 +363,7 @@ class Trainer:
         # (a first start, trainer.resume=off, or one killed before its first checkpoint) starts them afresh.
         # A validation-only run adds to the run's records.
         purge_after = None if cfg.trainer.val_only else self.start_step if self.resume else -1
-        self.tracker = stack.enter_context(Tracker(self.run_dir, purge_after=purge_after))
+        self.tracker = stack.enter_context(Tracker(cfg, to_dict(cfg), purge_after=purge_after))
         self.scorer = stack.enter_context(RewardScorer(cfg.reward, cfg.trainer.imports))
         if self.resume:
             self.load_checkpoint()
@@ -374,11 +374,11 @@ class Trainer:
         if self.cfg.trainer.val_only:
             pass
         elif self.start_step and self.start_step == steps:
-            tqdm.write(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
-                       "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
+            print(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
+                  "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
         elif self.stop.received and not done:
-            tqdm.write(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
-                       "checkpoint.")
+            print(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
+                  "checkpoint.")
         first = self.reward_history[:REWARD_WINDOW]
         # A validation-only run of weights that never trained has no rewards.
         first_mean, last_mean = ((sum(first) / len(first), window_mean(self.reward_history)) if first

@@ -17,6 +17,7 @@ from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.rollout.engines import Sampling
 
+GENERATION_COLUMNS = ["prompt", "response", "score"]  # the table of validation samples the loggers show
 CORRECT = 1.0 - 1e-6  # a sample counts as solved at the scorer's full score (partial credit, e.g. format, does not)
 
 
@@ -35,11 +36,9 @@ class Validation:
     metrics: dict[str, float]  # val/<data_source>/reward_mean (and pass@n)
     generations: list[Generation]  # every sample, prompt-major
 
-    def table(self, rows: int) -> str:
-        """The first `rows` samples as a markdown table (tensorboard's text panel)."""
-        first = self.generations[:rows]
-        return generations_table([g.prompt for g in first], [g.response for g in first], [g.score for g in first],
-                                 rows)
+    def table_rows(self, rows: int) -> list[list]:
+        """The first `rows` samples as rows of a table of GENERATION_COLUMNS (what the loggers show)."""
+        return [[g.prompt, g.response, g.score] for g in self.generations[:rows]]
 
     def write_jsonl(self, path: str) -> None:
         """Every sample with its score, a JSON object per line (verl's validation dump)."""
@@ -100,13 +99,3 @@ def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) ->
         if n > 1:
             metrics[f"val/{source}/pass@{n}"] = (mine >= CORRECT).any(dim=1).float().mean().item()
     return metrics
-
-
-def generations_table(prompts: list[str], responses: list[str], scores: list[float], rows: int) -> str:
-    """The first `rows` samples as a markdown table (tensorboard's text panel renders it)."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", "<br>")
-
-    lines = ["| prompt | response | score |", "|---|---|---|"]
-    lines += [f"| {cell(p)} | {cell(r)} | {s:.3f} |" for p, r, s in list(zip(prompts, responses, scores))[:rows]]
-    return "\n".join(lines)

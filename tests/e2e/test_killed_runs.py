@@ -57,7 +57,8 @@ def test_a_killed_controller_and_a_dead_worker(tmp_path):
     report = stderr[stderr.index("error: "):]
     assert "error: The actor+rollout worker rank" in report and f"pid {victim.pid}) died: its process was killed" \
         in report and "node 0 = " in report, report
-    assert f"-{victim.pid}.err" in report  # its log, named (with its last lines when it wrote any)
+    # Its log in the run's folder, named, with its last lines (every worker writes some while it starts).
+    assert re.search(r"Last lines of its log \S+/demo_cpu/logs/worker_actor_[01]\.log:\n    \S", report), report
     assert "The last checkpoint is step 3" in report and "the same command resumes from it" in report, report
     assert "Traceback" not in report and "Unhandled error" not in report, report
     # Started afresh: step 1 of the killed run is gone. (The same command then resumes from step 3's checkpoint,
