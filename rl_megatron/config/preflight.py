@@ -65,11 +65,13 @@ def _check_trainer(cfg: Config) -> None:
     check_loggers_installed(t.logger)
     if t.checkpoint_dir is not None:
         check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
-    if (t.val_every or t.val_before_train) and not cfg.data.val_files:
-        raise ConfigError(f"trainer.val_every={t.val_every} / trainer.val_before_train={t.val_before_train} validate "
-                          "on data.val_files, which is empty: set data.val_files (parquet files, e.g. from "
-                          "`python -m rl_megatron.data.prepare`), or trainer.val_every=0 and "
-                          "trainer.val_before_train=false.")
+    # A built-in data.task validates on its own prompts; data.train_files need data.val_files beside them.
+    if (t.val_every or t.val_before_train or t.val_only) and cfg.data.train_files and not cfg.data.val_files:
+        asked = "trainer.val_only=true" if t.val_only else (f"trainer.val_every={t.val_every} / "
+                                                            f"trainer.val_before_train={t.val_before_train}")
+        raise ConfigError(f"{asked} validate on data.val_files, which is empty: set data.val_files (parquet files, "
+                          "e.g. from `python -m rl_megatron.data.prepare`)" + (
+                              "." if t.val_only else ", or trainer.val_every=0 and trainer.val_before_train=false."))
     if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
         raise ConfigError(f"trainer.resume={t.resume!r} is neither auto, off, nor an existing checkpoint folder "
                           "(e.g. runs/<experiment>/checkpoints/global_step_40).")

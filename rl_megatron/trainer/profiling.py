@@ -11,6 +11,7 @@ settings: chosen steps on chosen ranks (trainer.profile_ranks), one trace per wo
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -35,6 +36,7 @@ class StepProfiles:
 
     def __init__(self, steps: list[int], groups: dict[Role, WorkerGroup]):
         self.steps = set(steps)
+        self.announced: set[int] = set()  # the steps whose traces the console has named
         # Each group once per phase, however many of the phase's roles it hosts.
         self.phase_groups = {phase: list({id(groups[role]): groups[role] for role in roles if role in groups}.values())
                              for phase, roles in PHASE_ROLES.items()}
@@ -50,8 +52,9 @@ class StepProfiles:
         self._on_workers(groups, "start_profile", step, phase)
         yield
         traces = [path for path in self._on_workers(groups, "stop_profile", step, phase) if path is not None]
-        if traces:
-            tqdm.write(f"step {step}: {phase} profiled in {', '.join(traces)}")
+        if traces and step not in self.announced:  # one line a step: the phases' traces share its folder
+            self.announced.add(step)
+            tqdm.write(f"step {step}: profiled; a Chrome trace per phase and rank in {os.path.dirname(traces[0])}")
 
     def around(self, phase: str, produce: Callable[[int], Result]) -> Callable[[int], Result]:
         """`produce(step)`, each call recorded as `phase` of a profiled `step`."""

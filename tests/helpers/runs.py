@@ -19,10 +19,12 @@ def train_command(tmp_path, *overrides, config="demo_cpu") -> list[str]:
             f"trainer.log_dir={tmp_path}", "trainer.progress_bar=false", *overrides]
 
 
-def train(tmp_path, *overrides, timeout=600, config="demo_cpu"):
-    """Run it with its outputs under `tmp_path`; it must succeed. Returns (stdout, metrics.jsonl rows, run folder)."""
+def train(tmp_path, *overrides, timeout=600, config="demo_cpu", env=None):
+    """Run it with its outputs under `tmp_path` (`env`: variables added to the environment); it must succeed.
+    Returns (stdout, metrics.jsonl rows, run folder)."""
     cmd = train_command(tmp_path, *overrides, config=config)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = os.path.join(tmp_path, os.path.basename(config))  # configs name their run after the file
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
