@@ -49,6 +49,7 @@ from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import GENERATION_COLUMNS, Validation, validate, validation_file, weights_source
 from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
+from rl_megatron.workers.run_logs import controller_log, logs_dir
 
 
 def train(cfg: Config) -> RunSummary:
@@ -338,6 +339,7 @@ class Trainer:
         """The worker groups, the scorer processes and the run's log, closed by `stack`; resumed, and the engines
         given the policy's weights (they start from dummy ones)."""
         cfg = self.cfg
+        stack.enter_context(controller_log(logs_dir(self.run_dir)))
         groups = build_workers(cfg, self.hf_config, start_ray(cfg), stack)
         self.actor, self.engine_group = groups[Role.ACTOR], groups[Role.ROLLOUT]
         self.ref, self.critic = groups.get(Role.REF), groups.get(Role.CRITIC)

@@ -1,7 +1,9 @@
 """Starting the worker groups of a run: one per pool of `config.worker_pools`, each role mapped to its group."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from contextlib import ExitStack
 
 from rl_megatron.config import Config, worker_pools
@@ -10,7 +12,9 @@ from rl_megatron.rollout.vllm_engine import ENGINE_ENV
 from rl_megatron.workers.hybrid_worker import HybridWorker
 from rl_megatron.workers.rollout_worker import RolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
-from rl_megatron.workers.worker_logs import logs_dir
+from rl_megatron.workers.run_logs import logs_dir
+
+logger = logging.getLogger(__name__)
 
 
 def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[Role, WorkerGroup]:
@@ -22,6 +26,7 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     groups: dict[Role, WorkerGroup] = {}
     for pool in pools:
         roles = pool.roles
+        started = time.perf_counter()
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
         name = roles_name(roles)  # what a dead worker's report calls its group
         if roles == (Role.ROLLOUT,):
@@ -30,6 +35,8 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
             group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, logs, env=env,
                                 name=name)
         groups.update(dict.fromkeys(roles, stack.enter_context(group)))
+        logger.info("start-up: %s workers ready in %.1f s (process, Megatron, vLLM engine)", name,
+                    time.perf_counter() - started)
     if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:
         connect_engines(groups[Role.ACTOR], groups[Role.ROLLOUT])
     return groups

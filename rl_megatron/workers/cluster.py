@@ -10,9 +10,10 @@ from rl_megatron.launch.ray_cluster import port_open
 from rl_megatron.workers.reaper import start_reaper
 
 
-# Workers write their output to the run's log files (`workers/worker_logs.py`), not the console; Ray's own INFO
+# Workers write their output to the run's log files (`workers/run_logs.py`), not the console; Ray's own INFO
 # lines ("Started a local Ray instance") are not for the user either.
 QUIET = {"log_to_driver": False, "logging_level": logging.WARNING}
+logger = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -29,6 +30,7 @@ def start_ray(cfg: Config) -> int:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         start_reaper()
+    started = time.perf_counter()
     if not ray.is_initialized():
         try:
             if cfg.ray.address is None:
@@ -46,6 +48,8 @@ def start_ray(cfg: Config) -> int:
         except Exception as err:
             raise ClusterError(f"Ray failed to start ({type(err).__name__}: {err}). Check ray.address, that no "
                                "stale Ray runs (`ray stop`) and that /dev/shm has room.") from None
+    logger.info("start-up: Ray %s in %.1f s", "joined" if cfg.ray.address else "started",
+                time.perf_counter() - started)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.ray.address is None and cpus < devices:

@@ -14,7 +14,7 @@ from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.profiling import StepProfiler
 from rl_megatron.workers.worker_group import dispatch
-from rl_megatron.workers.worker_logs import redirect_output, worker_log_path
+from rl_megatron.workers.run_logs import redirect_output, worker_log_path
 
 
 class EngineHost:
