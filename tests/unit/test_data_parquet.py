@@ -231,3 +231,8 @@ def test_config_keys_are_checked_when_the_config_loads(tmp_path):
         load_config(DEMO_CONFIG, [f"data.train_files=[{path}]"])  # the demo's data.task: arithmetic
     with pytest.raises(ConfigError, match="data.val_batch_size=0"):
         load_config(DEMO_CONFIG, ["data.val_batch_size=0"])
+    # Validating needs data.val_files beside data.train_files (a built-in task validates on its own prompts).
+    for asked in ("trainer.val_only=true", "trainer.val_every=2"):
+        with pytest.raises(ConfigError, match=rf"{asked} .*validate on data.val_files, which is empty"):
+            load_config(DEMO_CONFIG, ["data.task=null", f"data.train_files=[{path}]", asked])
+    assert load_config(DEMO_CONFIG, ["trainer.val_only=true"]).trainer.val_only

@@ -1,7 +1,9 @@
 """Validation summaries: rewards and pass@n per data source, and the table of samples the loggers show."""
+import json
+
 import torch
 
-from rl_megatron.trainer.validation import generation_rows, validation_metrics
+from rl_megatron.trainer.validation import Generation, Validation, validation_metrics
 
 
 def test_reward_mean_and_pass_at_n_per_data_source():
@@ -17,5 +19,12 @@ def test_greedy_validation_has_no_pass_at_k():
     assert validation_metrics(["a", "a"], torch.tensor([1.0, 0.0]), n=1) == {"val/a/reward_mean": 0.5}
 
 
-def test_the_table_keeps_the_first_samples():
-    assert generation_rows(["a", "b"], ["x\ny", "z"], [1.0, 0.25], rows=1) == [["a", "x\ny", 1.0]]
+def test_the_table_keeps_the_first_samples_and_the_jsonl_every_sample(tmp_path):
+    validation = Validation(3, {"val/s/reward_mean": 0.625}, [Generation("s", "a", "x\ny", 1.0),
+                                                               Generation("s", "b", "z", 0.25)])
+    assert validation.table_rows(1) == [["a", "x\ny", 1.0]]
+    path = tmp_path / "validation" / "step_3.jsonl"
+    validation.write_jsonl(str(path))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"data_source": "s", "prompt": "a", "response": "x\ny", "score": 1.0},
+        {"data_source": "s", "prompt": "b", "response": "z", "score": 0.25}]
