@@ -35,6 +35,8 @@ setup(
         # this torch (requirements-gpu.txt says how).
         "gpu": ["torch==2.13.0", "vllm==0.32.0"],
         "test": ["pytest>=8"],
+        # RAY_DEBUG=1: the workers stop in debugpy, and VS Code's extension finds them through Ray's dashboard.
+        "debug": ["debugpy>=1.8.0", "ray[default]==2.60.0"],
     },
     entry_points={
         "console_scripts": [

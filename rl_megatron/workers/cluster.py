@@ -6,6 +6,7 @@ import time
 
 from rl_megatron.config.schema import Config
 from rl_megatron.launch.ray_cluster import port_open
+from rl_megatron.workers.debugging import attach_hint, ray_debugger, setup_problem
 from rl_megatron.workers.reaper import start_reaper
 
 
@@ -14,9 +15,13 @@ class ClusterError(RuntimeError):
 
 
 def start_ray(cfg: Config) -> int:
-    """Join `ray.address`, or start a local Ray; returns the CPUs the cluster offers."""
+    """Join `ray.address`, or start a local Ray; returns the CPUs the cluster offers. With RAY_DEBUG set, says how
+    to attach to a worker paused at a breakpoint (a local Ray then starts its dashboard, for VS Code)."""
     import ray
 
+    problem = setup_problem(starts_dashboard=cfg.ray.address is None)
+    if problem:
+        raise ClusterError(problem)
     if cfg.ray.address is None:
         # A local, private Ray: no usage stats, no auth token written to the home folder; its processes end with
         # this one, however it ends.
@@ -27,8 +32,10 @@ def start_ray(cfg: Config) -> int:
         try:
             if cfg.ray.address is None:
                 # address="local": always a new instance, never a cluster someone else started on this machine.
-                ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1")
+                # The dashboard only for RAY_DEBUG=1: VS Code's debugger extension lists paused workers through it.
+                ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                         include_dashboard=ray_debugger() == "1", object_store_memory=cfg.ray.object_store_memory,
+                         _node_ip_address="127.0.0.1")
             else:
                 ray.init(address=head_address(cfg.ray.address, cfg.ray.connect_timeout_s))
         except ClusterError:
@@ -36,6 +43,8 @@ def start_ray(cfg: Config) -> int:
         except Exception as err:
             raise ClusterError(f"Ray failed to start ({type(err).__name__}: {err}). Check ray.address, that no "
                                "stale Ray runs (`ray stop`) and that /dev/shm has room.") from None
+    if ray_debugger():
+        print(attach_hint(ray._private.worker.get_dashboard_url(), ray.get_runtime_context().gcs_address), flush=True)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.ray.address is None and cpus < devices:
