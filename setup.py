@@ -39,6 +39,8 @@ setup(
         # local store is SQLite through SQLAlchemy and alembic, which mlflow-skinny does not bring.
         "wandb": ["wandb>=0.19"],
         "mlflow": ["mlflow-skinny>=3", "sqlalchemy", "alembic"],
+        # RAY_DEBUG=1: the workers stop in debugpy, and VS Code's extension finds them through Ray's dashboard.
+        "debug": ["debugpy>=1.8.0", "ray[default]==2.60.0"],
     },
     entry_points={
         "console_scripts": [

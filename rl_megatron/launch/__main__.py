@@ -22,6 +22,7 @@ from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
 from rl_megatron.launch.auth import RayAuth, ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
+from rl_megatron.workers.debugging import setup_problem
 
 DEFAULT_RAY_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -89,6 +90,9 @@ def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLau
     plan = build_plan(cfg, node.gpu_memory_gib, on_gpu)
     keys = " + ".join(f"{pool.nodes_key}={pool.nnodes}" for pool in plan.pools)
     check_environment(node, plan.nnodes, plan.gpus_per_node, keys)
+    debugger_problem = setup_problem(starts_dashboard=node.node_rank == 0)  # RAY_DEBUG: node 0 starts the dashboard
+    if debugger_problem:
+        raise LaunchError(debugger_problem)
     port = _env_int("RAY_PORT", DEFAULT_RAY_PORT)
     head_host = node.head_address or "127.0.0.1"
     common = [f"--num-gpus={node.gpus or 0}", "--disable-usage-stats"]

@@ -24,6 +24,7 @@ from rl_megatron import platform
 from rl_megatron.models.weight_tables import hf_view, local_view
 from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.specs import Held, hf_shapes, hf_target
+from rl_megatron.workers.debugging import collective_timeout
 
 SENDER = 0  # the actor's rank 0 is rank 0 of the weight group; engine worker r is rank 1 + r
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -66,12 +67,13 @@ def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 def weight_group(host: str, port: int, rank: int, size: int):
     """This process's member of the weight group (rank 0 hosts its store at host:port)."""
-    store = dist.TCPStore(host, port, size, rank == SENDER, timeout=TIMEOUT)
+    timeout = collective_timeout(TIMEOUT)  # a day with Ray's debugger on: a member may be paused at a breakpoint
+    store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
     if platform.has_cuda():
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = TIMEOUT  # as gloo's: a first sync of a large model may wait on a slow gather
+        options._timeout = timeout  # as gloo's: a first sync of a large model may wait on a slow gather
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def leave_weight_group(group) -> None:

@@ -24,6 +24,7 @@ from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
 from rl_megatron.resharding.specs import rederive_after_sync
+from rl_megatron.workers.debugging import collective_timeout
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
 ENGINE_ENV = {
@@ -192,6 +193,10 @@ class VLLMEngine:
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
+        # vLLM's own groups among an engine's TP shards: a day with Ray's debugger on (a shard may be paused at a
+        # breakpoint), vLLM's default (None) otherwise.
+        timeout = collective_timeout(None)
+        group_timeout_s = None if timeout is None else int(timeout.total_seconds())
         # vLLM collects garbage several times while it starts. What lives now (torch, Megatron, the trainer's models)
         # lives for the whole run: frozen, the collections skip it (about 1 s less per engine on CPU). vLLM freezes
         # its own start-up objects the same way afterwards.
@@ -218,6 +223,8 @@ class VLLMEngine:
                 enable_prefix_caching=True,
                 # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
                 enable_sleep_mode=self.sleeps,
+                distributed_timeout_seconds=group_timeout_s,
+                cpu_distributed_timeout_seconds=group_timeout_s,
                 **settings,
             )
 

@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from rl_megatron.config import Config, worker_pools
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.vllm_engine import ENGINE_ENV
+from rl_megatron.workers.debugging import debugger_env
 from rl_megatron.workers.hybrid_worker import HybridWorker
 from rl_megatron.workers.rollout_worker import RolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
@@ -61,8 +62,9 @@ def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
 
 def worker_env(threads: int, local_cluster: bool) -> dict:
     """What the driver decides for every worker. Nothing here depends on a device: each worker sets what its own
-    device needs (`configure_engine_process`), since the driver may have no GPU while the workers do."""
-    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads)}
+    device needs (`configure_engine_process`), since the driver may have no GPU while the workers do. Ray's
+    debugger variables go along: a cluster's nodes may have been started without them."""
+    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads), **debugger_env()}
     if local_cluster:  # everything on this machine: keep gloo on the loopback interface
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     return env

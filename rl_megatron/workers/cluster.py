@@ -7,6 +7,7 @@ import time
 
 from rl_megatron.config.schema import Config
 from rl_megatron.launch.ray_cluster import port_open
+from rl_megatron.workers.debugging import attach_hint, ray_debugger, setup_problem
 from rl_megatron.workers.reaper import start_reaper
 
 
@@ -21,9 +22,13 @@ class ClusterError(RuntimeError):
 
 
 def start_ray(cfg: Config) -> int:
-    """Join `ray.address`, or start a local Ray; returns the CPUs the cluster offers."""
+    """Join `ray.address`, or start a local Ray; returns the CPUs the cluster offers. With RAY_DEBUG set, says how
+    to attach to a worker paused at a breakpoint (a local Ray then starts its dashboard, for VS Code)."""
     import ray
 
+    problem = setup_problem(starts_dashboard=cfg.ray.address is None)
+    if problem:
+        raise ClusterError(problem)
     if cfg.ray.address is None:
         # A local, private Ray: no usage stats, no auth token written to the home folder; its processes end with
         # this one, however it ends.
@@ -36,9 +41,11 @@ def start_ray(cfg: Config) -> int:
             if cfg.ray.address is None:
                 # address="local": always a new instance, never a cluster someone else started on this machine.
                 # Ray would start idle workers for tasks at once; the run's workers (actors with their own
-                # environment) never use them, and starting them costs seconds of CPU during the run's start-up.
-                ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         object_store_memory=cfg.ray.object_store_memory, _node_ip_address="127.0.0.1",
+                # environment) never use them, and starting them costs seconds of CPU during the run's start-up. The
+                # dashboard only for RAY_DEBUG=1: VS Code's debugger extension lists paused workers through it.
+                ray.init(address="local", num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                         include_dashboard=ray_debugger() == "1", object_store_memory=cfg.ray.object_store_memory,
+                         _node_ip_address="127.0.0.1",
                          _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
                          **QUIET)
             else:
@@ -50,6 +57,8 @@ def start_ray(cfg: Config) -> int:
                                "stale Ray runs (`ray stop`) and that /dev/shm has room.") from None
     logger.info("start-up: Ray %s in %.1f s", "joined" if cfg.ray.address else "started",
                 time.perf_counter() - started)
+    if ray_debugger():
+        print(attach_hint(ray._private.worker.get_dashboard_url(), ray.get_runtime_context().gcs_address), flush=True)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.ray.address is None and cpus < devices:

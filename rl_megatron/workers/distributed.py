@@ -1,6 +1,7 @@
 """Process-group setup shared by every process that holds Megatron shards (Ray workers, test processes)."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -8,6 +9,9 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron import platform
+from rl_megatron.workers.debugging import collective_timeout
+
+MEGATRON_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # Megatron's own default for the groups it makes
 
 
 def free_port() -> int:
@@ -44,7 +48,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                      etp: int | None = None) -> None:
     """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state (`vpp` model chunks per pipeline
     stage, sequences split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp` ranks, by
-    default TP) + Megatron's RNG seeds."""
+    default TP) + Megatron's RNG seeds. With Ray's debugger on, the groups' collectives wait a day (a peer may be
+    paused at a breakpoint)."""
     from megatron.core import parallel_state, tensor_parallel
 
     platform.setup()
@@ -52,12 +57,15 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank()))
     if platform.has_cuda():
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size)
+    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size,
+                            timeout=collective_timeout(None))
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                              context_parallel_size=cp, expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
+                                             expert_tensor_parallel_size=etp,
+                                             distributed_timeout_minutes=collective_timeout(MEGATRON_GROUP_TIMEOUT)
+                                             // datetime.timedelta(minutes=1))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

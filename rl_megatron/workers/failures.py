@@ -28,13 +28,14 @@ class WorkerPlacement:
     node_ip: str
     pid: int
     log_files: tuple[str, ...]  # what Ray redirected the worker's stdout and stderr to (paths on its node)
+    ray_debug: str  # RAY_DEBUG as the worker sees it ("" when unset): whether Ray's debugger reached it
 
 
-def where_am_i(worker) -> tuple[str, str, int, tuple[str, ...]]:
-    """Run inside a worker (through Ray's `__ray_call__`): its Ray node id, address, pid and log files."""
+def where_am_i(worker) -> tuple[str, str, int, tuple[str, ...], str]:
+    """Run inside a worker (through Ray's `__ray_call__`): its Ray node id, address, pid, log files and RAY_DEBUG."""
     logs = tuple(dict.fromkeys(os.path.realpath(f"/proc/self/fd/{fd}") for fd in (1, 2)))
     return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(),
-            tuple(path for path in logs if os.path.isfile(path)))
+            tuple(path for path in logs if os.path.isfile(path)), os.environ.get("RAY_DEBUG", ""))
 
 
 def oom_kills() -> int | None:

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_megatron.batch import RowTensors
 from rl_megatron.workers.cluster import ClusterError, describe_cluster, device_resource, groups_that_fit
+from rl_megatron.workers.debugging import controller_wait_s
 from rl_megatron.workers.failures import (WorkerDied, WorkerPlacement, describe_death, describe_raise, oom_kills,
                                           where_am_i)
 from rl_megatron.workers.phases import Phase
@@ -253,14 +254,16 @@ class WorkerGroup:
         self.shutdown(after_error=exc_type is not None)
 
     def shutdown(self, after_error: bool = False) -> None:
-        """Let the workers release what outlives a process (shared memory), stop them, free their devices. After an
-        error, live workers may be stuck in a collective with a dead peer: they get 10 s, not 120, and what their
-        `close` raises is not reported over the error."""
+        """Let the workers release what outlives a process (shared memory), stop them, free their devices: within
+        120 s (without limit while Ray's debugger is on: a `close` waits behind a method paused at a breakpoint).
+        After an error, live workers may be stuck in a collective with a failed peer: they get 10 s, also with the
+        debugger on (its collectives would wait a day), and what their `close` raises is not reported over the
+        error."""
         closing = [worker.close.remote() for worker in self.workers]
         if after_error:
             ray.wait(closing, num_returns=len(closing), timeout=10)
         else:
-            ray.get(closing, timeout=120)
+            ray.get(closing, timeout=controller_wait_s(120))
         for worker in self.workers:
             ray.kill(worker)
         self.pool.release()

@@ -28,7 +28,7 @@ def test_the_report_names_rank_node_and_log_and_tails_it_without_ray_markers(tmp
     err, out = tmp_path / "worker-1.err", tmp_path / "worker-1.out"
     err.write_text(":job_id:01000000\n:actor_name:HybridWorker\n" + "".join(f"line {i}\n" for i in range(20)))
     out.write_text(":job_id:01000000\n")
-    where = WorkerPlacement(1, 0, "node-a", "10.0.0.5", 4242, (str(out), str(err)))
+    where = WorkerPlacement(1, 0, "node-a", "10.0.0.5", 4242, (str(out), str(err)), ray_debug="")
     report = describe_death("actor+rollout", 1, 2, where, RAY_OOM, this_node="node-a", oom_kills_before=None)
     lines = report.splitlines()
     assert lines[0].startswith("The actor+rollout worker rank 1 of 2 (node 0 = 10.0.0.5, pid 4242) died: Ray's memory")
