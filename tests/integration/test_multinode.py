@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from helpers.ray_debug import assert_ray_debug_reached_workers
+
 NODES, SLOTS_PER_NODE = 2, 2
 
 
@@ -48,7 +50,10 @@ def test_pool_larger_than_cluster_fails_naming_what_is_missing(two_node_cluster,
     assert ray.available_resources().get("CPU", 0) == NODES * SLOTS_PER_NODE
 
 
-def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_node_cluster, tmp_path, caplog):
+def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_node_cluster, tmp_path, caplog,
+                                                                          monkeypatch):
+    """Also: RAY_DEBUG, set for the controller only (the nodes were started without it), reaches every node's
+    workers."""
     import ray
     from megatron.core.parallel_state import RankGenerator
 
@@ -64,7 +69,9 @@ def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_no
         # 4 engines of 2 prompts x 4 samples; 2 data-parallel ranks of 8 samples per mini-batch
         "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=8"])
     caplog.set_level(logging.INFO, logger="rl_megatron.workers.worker_group")
+    monkeypatch.setenv("RAY_DEBUG", "legacy")  # Ray's own pdb: nothing to install, and no breakpoint is hit here
     summary = train(cfg)
+    assert_ray_debug_reached_workers(caplog.records, "legacy")
 
     [placement] = [record.placement for record in caplog.records if hasattr(record, "placement")]
     node_of = {where.rank: where.node_id for where in placement}
