@@ -15,8 +15,8 @@ def build_prompt_loader(data_cfg, tokenizer, seed: int, split: str = "train",
     """The loader of `split`: "train" serves endless shuffled batches of data.train_batch_size prompts from
     data.train_files (or the built-in data.task when no files are set); "val" serves data.val_files (or the task's
     prompts) in file order, data.val_batch_size prompts at a time (all of them by default). `data_cfg` may be as
-    written (one path for a file list, no task); its files are checked as they are read. `tools`: function schemas the chat template shows
-    the model (multi-turn tool use). Raises ConfigError naming the key to fix."""
+    written (one path for a file list, no task); its files are checked as they are read. `tools`: function schemas
+    the chat template shows the model (multi-turn tool use). Raises ConfigError naming the key to fix."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use one of {', '.join(SPLITS)}")
     data_cfg = resolve_data_section(data_cfg)

@@ -17,7 +17,8 @@ OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 # What the console may show: the plan, the progress lines, validation, checkpoint and profiling lines, the summary.
 CONSOLE_LINE = re.compile(r"(data \((train|val)\): |Cluster plan: |Model: |Memory per device|  |step \d+/\d+: reward=|"
                           r"step \d+ validation: |step \d+: checkpoint saved to |step \d+: profiled; |Done: |Target |"
-                          r"Metrics: |Validation only \(trainer.val_only\): |Validated |Every sample with its score: |$)")
+                          r"Metrics: |Validation only \(trainer.val_only\): |Validated |"
+                          r"Every sample with its score: |$)")
 
 
 @pytest.fixture(scope="module")
