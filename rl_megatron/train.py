@@ -9,6 +9,7 @@ import psutil
 
 from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
+from rl_megatron.platform.startup import defer_garbage_collection
 
 EPILOG = """\
 examples:
@@ -36,6 +37,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    defer_garbage_collection()  # until the workers are up (the trainer calls startup_done)
     # A config error is reported before the trainer (Ray, Megatron, vLLM) is even imported.
     return run_command(lambda: _train(load_config(args.config, args.overrides)), ConfigError, message=one_line)
 

@@ -172,8 +172,14 @@ class VLLMEngine:
         end-of-sequence ids (`end_of_sequence_ids`: the engine has no tokenizer to take them from)."""
         configure_engine_process()
         from vllm import LLM  # after the environment is set: vLLM reads some of it at import
+        from vllm.platforms import current_platform
 
         if not platform.has_cuda():
+            # vLLM compiles a few small helpers (the rank of each sampled token among the logprobs, masks) with
+            # inductor on their first use: a C++ build of about 2 s in each engine's first generation. Traced
+            # eagerly (read when their modules load, during the engine's start) they compute the same integers as
+            # fast on CPU.
+            current_platform.simple_compile_backend = "eager"
             keep_cpu_weights_in_place()
             if cfg.tensor_parallel_size > 1:
                 remove_stale_cpu_shm()

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 import torch
 
 from rl_megatron import platform
+from rl_megatron.platform.startup import startup_done
 from rl_megatron.agents import AgentRunner, build_agent_loop
 from rl_megatron.algorithms import (AdvantageInputs, apply_kl_penalty, compute_advantages, kl_controller,
                                     outcome_token_rewards, rollout_correction_weights)
@@ -101,6 +102,7 @@ class Trainer:
         print(format_plan(self.cfg, on_gpu=platform.has_cuda()), flush=True)
         with ExitStack() as stack:
             self._start_workers(stack)
+            startup_done()
             self.training_started = time.time()
             if cfg.val_only:
                 self.tracker.write("Validation only (trainer.val_only): the weights of "

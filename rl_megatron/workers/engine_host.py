@@ -7,6 +7,7 @@ from __future__ import annotations
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
+from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.completions import Completion, TurnRequest
@@ -26,6 +27,7 @@ class EngineHost:
 
     def _init_engine_host(self, logs: str) -> None:
         """`logs`: the folder of the run's worker logs (the file is named by the worker's first role)."""
+        defer_garbage_collection()  # until `init` is done (startup_done)
         redirect_output(worker_log_path(logs, self.roles[0], self.rank))
         configure_engine_process()  # before Megatron or vLLM is imported in this worker
         trainer = self.cfg.trainer

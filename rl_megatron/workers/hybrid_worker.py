@@ -22,6 +22,7 @@ from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.schema import Config
 from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
+from rl_megatron.platform.startup import startup_done
 from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import Resharder, vllm_targets
 from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
@@ -92,6 +93,7 @@ class HybridWorker(EngineHost):
                                        verify=cfg.resharding.verify)
         self.phases = PhaseMachine(offloaded=tuple(self.offloaders), engine=self.engine is not None,
                                    engine_sleeps=self.engine is not None and self.engine.sleeps)
+        startup_done()
 
     def enter(self, phase: Phase) -> None:
         for move in self.phases.enter(phase):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rl_megatron.config.schema import Config
+from rl_megatron.platform.startup import startup_done
 from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
 from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
@@ -32,6 +33,7 @@ class RolloutWorker(EngineHost):
         init_distributed(self.rank, self.world_size, master_addr, master_port, tp=1, pp=1, seed=self.cfg.trainer.seed)
         self._start_engine()
         self.targets = vllm_targets(self.engine.model())
+        startup_done()
 
     def mesh(self) -> dict:
         return {"rollout": self._rollout_axis()}
