@@ -165,23 +165,27 @@ def test_help_shows_examples(command, capsys):
     assert f"python -m rl_megatron.convert {command}" in capsys.readouterr().out
 
 
-def _trainer_policy_weights(cfg) -> dict:
+def _trainer_policy_weights(cfg) -> tuple[dict, bool]:
+    """The policy's weights, and whether it built an optimizer."""
     from rl_megatron.config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
 
-    return MegatronActor(cfg, read_hf_config(cfg.model.path)).hf_state_dict()
+    actor = MegatronActor(cfg, read_hf_config(cfg.model.path))
+    return actor.hf_state_dict(), actor.optimizer is not None
 
 
 def test_the_trainer_starts_from_a_converted_checkpoint(converted, tmp_path):
     """model.checkpoint: the policy's shards come from the Megatron checkpoint (here at another layout than it was
-    saved in); model.path, stripped of its weights, gives only the config and tokenizer."""
+    saved in); model.path, stripped of its weights, gives only the config and tokenizer. Here for a validation-only
+    run (trainer.val_only), whose policy builds no optimizer state."""
     from rl_megatron.config import load_config
 
     hf_dir, ckpt = converted
     no_weights = shutil.copytree(hf_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors*"))
     cfg = load_config("configs/demo_cpu.yaml", [f"model.path={no_weights}", "model.random_init=false",
-                                                f"model.checkpoint={ckpt}"])
-    state = run_distributed(_trainer_policy_weights, 2, tp=2, args=(cfg,))[0]
+                                                f"model.checkpoint={ckpt}", "trainer.val_only=true"])
+    state, has_optimizer = run_distributed(_trainer_policy_weights, 2, tp=2, args=(cfg,))[0]
+    assert not has_optimizer
     original = hf_tensors(hf_dir)
     assert state.keys() == original.keys()
     assert all(torch.equal(state[name], original[name]) for name in original)

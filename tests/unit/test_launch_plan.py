@@ -444,3 +444,7 @@ def test_worker_pools_are_the_plans_pools_with_each_roles_layout(tiny_model_dir)
     assert [pool.first_node for pool in plan.pools] == [0, 2, 3]
     # Colocated (the default): the engines and the colocated roles live in the actor's workers.
     assert worker_pools(cluster("actor.use_kl_loss=true"))[0].roles == ("actor", "rollout", "ref")
+    # A validation-only run generates and scores: no reference or critic, wherever they would be placed.
+    assert [p.roles for p in worker_pools(cluster("actor.use_kl_loss=true", "algorithm.adv_estimator=gae",
+                                                  "trainer.val_only=true"))] == [
+        ("actor", "rollout")]
