@@ -15,9 +15,14 @@ EPILOG = """\
 examples:
   python -m rl_megatron.train --config configs/demo_cpu.yaml
   python -m rl_megatron.train --config configs/demo_cpu.yaml trainer.total_steps=5 actor.optim.lr=1e-3
+  python -m rl_megatron.train --config configs/demo_cpu.yaml 'trainer.logger=[console,tensorboard,wandb]'
+  python -m rl_megatron.train --config configs/demo_cpu.yaml trainer.profile_steps=[3] trainer.total_steps=4
+  python -m rl_megatron.train --config configs/demo_cpu.yaml trainer.val_only=true   # validate the last checkpoint
+  RAY_DEBUG=legacy python -m rl_megatron.train --config ...   # breakpoint() in a worker; attach with `ray debug`
 
 Every key of rl_megatron/config/schema.py can be overridden as section.key=value.
-Outputs go to <trainer.log_dir>/<trainer.experiment_name>/ (tensorboard events, metrics.jsonl, config.yaml).
+Outputs go to <trainer.log_dir>/<trainer.experiment_name>/: config.yaml, metrics.jsonl and tensorboard events (as
+trainer.logger says), logs/ (each worker's output, the controller's records), validation/, checkpoints/, profile/.
 Exit codes: 0 done, 2 bad input (config, data, model, checkpoint, cluster), 3 a worker process died (the same
 command resumes from the last checkpoint).
 """
