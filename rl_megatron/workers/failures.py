@@ -11,6 +11,8 @@ import ray
 
 LOG_LINES = 12  # of the worker's log
 GIB = 1 << 30
+# The first line of a RayTaskError: "ray::HybridWorker.update() (pid=25091, ip=10.0.0.5, actor_id=...)".
+RAY_TASK_PID = re.compile(r"\(pid=(?P<pid>\d+), ip=")
 # In Ray's OOM message: "Memory on the node (IP: 10.0.0.5, ID: 1f6d...) was 22.1GB used / 23.5GB limit (0.94)".
 RAY_MEMORY_FIGURES = re.compile(r"Memory on the node \(IP: (?P<ip>[^,]+),[^)]*\) was (?P<used>[^(]+)")
 
@@ -93,10 +95,13 @@ def log_report(where: WorkerPlacement, this_node: str) -> list[str]:
     return lines
 
 
-def describe_raise(group: str, world_size: int, placement: list[WorkerPlacement], pid: int | None,
+def describe_raise(group: str, world_size: int, placement: list[WorkerPlacement], ray_message: str,
                    this_node: str) -> str | None:
-    """Where an exception raised in a worker (`pid`, from Ray's RayTaskError) came from, and the end of that
+    """Where an exception raised in a worker came from (the pid in Ray's RayTaskError message: the instance the
+    controller gets is also of the original exception's class, without Ray's own attributes), and the end of that
     worker's log; None when no worker of the group has that pid."""
+    found = RAY_TASK_PID.search(ray_message)
+    pid = int(found["pid"]) if found else None
     where = next((w for w in placement if w.pid == pid), None)
     if where is None:
         return None

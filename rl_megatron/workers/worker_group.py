@@ -186,7 +186,7 @@ class WorkerGroup:
         """An exception a worker raised (Ray's RayTaskError, an instance of the original exception's class too)
         gets a note naming the worker and quoting the end of its log, shown under the traceback."""
         if isinstance(err, RayTaskError) and self.placement:
-            where = describe_raise(self.name, self.pool.world_size, self.placement, err.pid,
+            where = describe_raise(self.name, self.pool.world_size, self.placement, str(err),
                                    ray.get_runtime_context().get_node_id())
             if where is not None:
                 err.add_note(where)
