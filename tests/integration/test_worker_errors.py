@@ -56,5 +56,5 @@ def test_an_exception_raised_in_a_worker_names_the_worker_and_quotes_its_log(pro
             group.get(group.call_async("fail"))
         pid = group.placement[1].pid
     [note] = raised.value.__notes__
-    assert note.startswith(f"Raised in the failing worker rank 1 of 2 (node 0 = ") and f"pid {pid})." in note, note
+    assert note.startswith("Raised in the failing worker rank 1 of 2 (node 0 = ") and f"pid {pid})." in note, note
     assert re.search(r"Last lines of its log \S+:\n(    .*\n)*    rank 1 is about to fail", note), note
