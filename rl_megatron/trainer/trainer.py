@@ -374,13 +374,11 @@ class Trainer:
         sync_weights(self.actor, self.engine_group)
 
     def _summary(self, done: bool) -> RunSummary:
-        steps = len(self.reward_history)
-        if self.cfg.trainer.val_only:
-            pass
-        elif self.start_step and self.start_step == steps:
+        steps, trained = len(self.reward_history), not self.cfg.trainer.val_only
+        if trained and self.start_step and self.start_step == steps:
             print(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
                   "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
-        elif self.stop.received and not done:
+        elif trained and self.stop.received and not done:
             print(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
                   "checkpoint.")
         first = self.reward_history[:REWARD_WINDOW]
