@@ -14,6 +14,7 @@ import time
 import pytest
 
 from helpers.ray_debug import assert_ray_debug_reached_workers
+from helpers.ray_workers import set_up_only_worker
 
 PAUSED_S = 2.0  # a paused method must not have returned within this
 ATTACH_TIMEOUT_S = 15.0  # for the breakpoint to be registered, and for each exchange with a debugger
@@ -23,22 +24,7 @@ def paused_worker_class() -> type:
     """A worker for WorkerGroup whose `pause_then_return` stops at breakpoint(). Made in a function so that Ray
     ships the class by value: the workers cannot import this test module."""
 
-    class Paused:
-        def __init__(self, rank: int, world_size: int):
-            pass
-
-        def rendezvous(self):
-            return "127.0.0.1", 0
-
-        def init(self, master_addr: str, master_port: int) -> None:
-            pass
-
-        def mesh(self) -> dict:
-            return {}
-
-        def close(self) -> None:
-            pass
-
+    class Paused(set_up_only_worker()):
         def pause_then_return(self, value):
             breakpoint()
             return value

@@ -5,27 +5,14 @@ import re
 
 import pytest
 
+from helpers.ray_workers import set_up_only_worker
+
 
 def failing_worker_class() -> type:
     """A worker for WorkerGroup whose rank 1 raises in `fail`, after printing a line. Made in a function so that Ray
     ships the class by value: the workers cannot import this test module."""
 
-    class Failing:
-        def __init__(self, rank: int, world_size: int):
-            self.rank = rank
-
-        def rendezvous(self):
-            return "127.0.0.1", 0
-
-        def init(self, master_addr: str, master_port: int) -> None:
-            pass
-
-        def mesh(self) -> dict:
-            return {}
-
-        def close(self) -> None:
-            pass
-
+    class Failing(set_up_only_worker()):
         def fail(self) -> int:
             if self.rank == 1:
                 print("rank 1 is about to fail", flush=True)
