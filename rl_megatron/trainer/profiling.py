@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from tqdm import tqdm
-
 from rl_megatron.roles import Role
+from rl_megatron.tracking.console import write
 from rl_megatron.workers.worker_group import WorkerGroup
 
 PHASE_ROLES: dict[str, tuple[Role, ...]] = {
@@ -54,7 +53,7 @@ class StepProfiles:
         traces = [path for path in self._on_workers(groups, "stop_profile", step, phase) if path is not None]
         if traces and step not in self.announced:  # one line a step: the phases' traces share its folder
             self.announced.add(step)
-            tqdm.write(f"step {step}: profiled; a Chrome trace per phase and rank in {os.path.dirname(traces[0])}")
+            write(f"step {step}: profiled; a Chrome trace per phase and rank in {os.path.dirname(traces[0])}")
 
     def around(self, phase: str, produce: Callable[[int], Result]) -> Callable[[int], Result]:
         """`produce(step)`, each call recorded as `phase` of a profiled `step`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from tqdm import tqdm
+from rl_megatron.tracking.console import write
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -19,8 +19,8 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = self.received or signal.Signals(signum).name
-        tqdm.write(f"{signal.Signals(signum).name} received: finishing this step, saving a checkpoint, then stopping "
-                   "(Ctrl-C again aborts without saving).")
+        write(f"{signal.Signals(signum).name} received: finishing this step, saving a checkpoint, then stopping "
+              "(Ctrl-C again aborts without saving).")
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
