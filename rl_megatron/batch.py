@@ -97,6 +97,14 @@ class Sample:
                    dict(prompt.extra_info), **fields)
 
 
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on the compute `device` without the host waiting: on a GPU the copy is queued from pinned
+    memory (a copy from pageable memory makes the host wait for the GPU's queue)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def pad_token_id(tokenizer) -> int:
     """The token that pads sequences: the tokenizer's pad token, else its end-of-sequence token. Decided here only;
     every padded tensor carries it (`TrainBatch.pad_id`). Padding never joins a loss (the mask is 0 there) and
@@ -138,7 +146,12 @@ class RowTensors:
         return parts[0]._with({k: torch.cat([p.tensors()[k] for p in parts]) for k in parts[0].tensors()})
 
     def to(self: Rows, device) -> Rows:
+        """These rows on `device`, the host waiting for the copy (the way back from a GPU)."""
         return self._with({k: v.to(device) for k, v in self.tensors().items()})
+
+    def to_device(self: Rows, device: torch.device) -> Rows:
+        """These host rows on the compute `device`, without the host waiting (`to_device`)."""
+        return self._with({k: to_device(v, device) for k, v in self.tensors().items()})
 
     def truncated(self: Rows, length: int) -> Rows:
         """The first `length` positions of every per-token ([B, S]) tensor."""

@@ -18,6 +18,7 @@ examples:
   python -m rl_megatron.train --config configs/demo_cpu.yaml 'trainer.logger=[console,tensorboard,wandb]'
   python -m rl_megatron.train --config configs/demo_cpu.yaml trainer.profile_steps=[3] trainer.total_steps=4
   python -m rl_megatron.train --config configs/demo_cpu.yaml trainer.val_only=true   # validate the last checkpoint
+  python -m rl_megatron.train --config CONFIG trainer.deterministic=true   # bitwise-reproducible GPU training (slower)
   RAY_DEBUG=legacy python -m rl_megatron.train --config ...   # breakpoint() in a worker; attach with `ray debug`
 
 Every key of rl_megatron/config/schema.py can be overridden as section.key=value.

@@ -25,8 +25,8 @@ from rl_megatron.algorithms.kl import (
     kl_controller,
     kl_divergence,
 )
-from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats, aggregate_loss, policy_loss,
-                                          value_loss)
+from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats, aggregate_loss,
+                                          megatron_loss_factor, policy_loss, value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
 from rl_megatron.algorithms.policy_losses import (POLICY_LOSSES, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss,
@@ -57,6 +57,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "megatron_loss_factor",
     "needs_critic",
     "outcome_token_rewards",
     "overlong_penalty",

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from rl_megatron.algorithms.masked import masked_sum
+from rl_megatron.batch import to_device
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -38,11 +39,24 @@ class LossStats:
     losses: dict[str, Tensor | float] = field(default_factory=dict)
 
     def add(self, other: "LossStats") -> None:
-        """Add `other`'s figures to these (as Python floats)."""
-        self.tokens = float(self.tokens) + float(other.tokens)
+        """Add `other`'s figures to these in float64, where they are: on the device, read back once per update
+        rather than once per micro-batch (a host sync each)."""
+        self.tokens = _float64(self.tokens) + _float64(other.tokens)
         for mine, theirs in ((self.token_sums, other.token_sums), (self.losses, other.losses)):
             for key, value in theirs.items():
-                mine[key] = float(mine.get(key, 0.0)) + float(value)
+                mine[key] = _float64(mine.get(key, 0.0)) + _float64(value)
+
+    def figures(self, device: torch.device) -> tuple[list[str], list[str], Tensor]:
+        """(token-sum keys, loss keys, every figure in one float64 tensor on `device`: tokens, the token sums, the
+        losses, in that order), ready for one reduction and one read-back."""
+        sum_keys, loss_keys = sorted(self.token_sums), sorted(self.losses)
+        values = [self.tokens, *(self.token_sums[k] for k in sum_keys), *(self.losses[k] for k in loss_keys)]
+        return sum_keys, loss_keys, torch.stack([to_device(torch.as_tensor(v, dtype=torch.float64), device)
+                                                  for v in values])
+
+
+def _float64(value: Tensor | float) -> Tensor | float:
+    return value.double() if isinstance(value, Tensor) else value
 
 
 def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, scale: LossScale) -> Tensor:
@@ -159,3 +173,12 @@ def value_loss(
         "vpred": masked_sum(values, response_mask).detach(),
     })
     return aggregate_loss(per_token, response_mask, agg_mode, scale), stats
+
+
+def megatron_loss_factor(micro_batches: int, data_parallel: int, context_parallel: int) -> float:
+    """What each micro-batch's loss (its share of the mini-batch loss) is multiplied by before Megatron's schedule, so
+    that the gradient every rank holds after DDP is that of the mini-batch loss. Megatron 0.16.1's schedule multiplies
+    the loss by CP / micro_batches and DDP averages the gradients over the DP x CP ranks, both made for CP ranks whose
+    losses each cover their own tokens; here every CP rank computes the whole loss, on rows gathered from the CP group
+    by an all-gather whose backward sums the CP ranks' gradients: CP times the gradient, which the factor divides."""
+    return micro_batches * data_parallel / context_parallel

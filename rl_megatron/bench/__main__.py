@@ -30,6 +30,7 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -37,11 +38,14 @@ import tempfile
 import torch
 
 from rl_megatron import platform
-from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
+from rl_megatron.bench.host_syncs import count_syncs
+from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, peak_extra_memory, timed
+from rl_megatron.bench.peer import TransformersPeer
 from rl_megatron.models.tiny import build_tokenizer
 
 BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn",
            "async")
+PEER_BENCHES = {"transformers": ("train", "log_probs"), "vllm": ("generate", "multi_turn")}  # --peer: who runs it
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
@@ -83,7 +87,7 @@ def bench_model_config(hidden: int, layers: int, vocab: int, heads: int | None =
     return config
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rl_megatron.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHES)
@@ -105,6 +109,11 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
                              "recompute updates per mode (the median)")
+    parser.add_argument("--peer", choices=tuple(PEER_BENCHES),
+                        help="run a peer on the same work after the project and report ratio_to_peer (the project's "
+                             "tokens/s over the peer's). transformers (train, log_probs): Hugging Face transformers, "
+                             "in the same process; vllm (generate, multi_turn): vllm.LLM.generate alone, in a process "
+                             "of its own (rl_megatron/bench/vllm_peer.py)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="the actor's parameter dtype, not reshard's (default bfloat16 on GPU, float32 on CPU)")
     reshard = parser.add_argument_group("reshard")
@@ -120,11 +129,14 @@ def main(argv=None) -> None:
     reshard.add_argument("--engines", type=int, default=1,
                          help="engine processes with --placement separate (engine TP: --engine-tp, default 1)")
     args = parser.parse_args(argv)
-    if args.name == "async":  # real training runs of the demo's model, each in a subprocess: no bench model
-        from rl_megatron.bench import async_rl
+    if args.peer is not None and args.name not in PEER_BENCHES[args.peer]:
+        parser.error(f"--peer {args.peer} runs with {' and '.join(PEER_BENCHES[args.peer])} only")
+    return args
 
-        report(async_rl.run(args), args.json)
-        return
+
+def prepare(args) -> str:
+    """Fill in the benchmark's defaults of what `args` leaves out, set the thread count, and write the benchmark's
+    model (random weights are made when it loads); returns its folder."""
     defaults = bench_defaults(args.name)
     widths = {key: defaults.pop(key) for key in WIDTH_KEYS if key in defaults}
     tied = defaults.pop("tied", False)
@@ -149,29 +161,42 @@ def main(argv=None) -> None:
     # The benchmarks feed random token ids; the config's pre-flight check wants a tokenizer (the demo's fits any
     # vocabulary of at least its 18 tokens).
     build_tokenizer().save_pretrained(model_dir)
+    return model_dir
+
+
+def run_bench(args, model_dir: str) -> dict:
+    """The benchmark `args.name` on the model `prepare` wrote: its figures."""
     if args.name == "reshard":
         from rl_megatron.bench import reshard
 
-        result = reshard.run(args, model_dir)
-    elif args.name == "train":
+        return reshard.run(args, model_dir)
+    if args.name == "train":
         from rl_megatron.bench import train
 
-        result = train.run(args, model_dir)
-    elif args.name == "variable_length":
+        return train.run(args, model_dir)
+    if args.name == "variable_length":
         from rl_megatron.bench import variable_length
 
-        result = variable_length.run(args, model_dir)
-    elif args.name == "recompute":
+        return variable_length.run(args, model_dir)
+    if args.name == "recompute":
         from rl_megatron.bench import recompute
 
-        result = recompute.run(args, model_dir)
-    elif args.name == "multi_turn":
+        return recompute.run(args, model_dir)
+    if args.name == "multi_turn":
         from rl_megatron.bench import multi_turn
 
-        result = multi_turn.run(args, model_dir)
-    else:
-        result = run(args, model_dir)
-    report(result, args.json)
+        return multi_turn.run(args, model_dir)
+    return run(args, model_dir)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.name == "async":  # real training runs of the demo's model, each in a subprocess: no bench model
+        from rl_megatron.bench import async_rl
+
+        report(async_rl.run(args), args.json)
+        return
+    report(run_bench(args, prepare(args)), args.json)
 
 
 def report(result: dict, as_json: bool) -> None:
@@ -184,6 +209,16 @@ def report(result: dict, as_json: bool) -> None:
         mfu = (f"{result['mfu']:.3f} of {result['nominal_peak_flops']:.4g}" if result["mfu"] is not None else
                f"unknown (no nominal {result['dtype']} peak for {result['device']})")
         print(f"  {result['tokens_per_s']:.4g} tokens/s, MFU {mfu}")
+    if "ratio_to_peer" in result:
+        print(f"  {result['ratio_to_peer']:.3f} x {result['peer']} ({result['peer_tokens_per_s']:.4g} tokens/s) "
+              f"on the same work")
+    for key in ("host_syncs_per_update", "host_syncs_per_call"):
+        if key in result:
+            print(f"  host syncs: {result[key]} per {key.rsplit('_', 1)[1]}")
+    if "peak_extra_memory_gib" in result:
+        print(f"  peak extra memory {result['peak_extra_memory_gib']:.3f} GiB "
+              f"({result['peak_extra_memory_gib'] / result['response_logits_gib']:.2f} x the fp32 logits of one "
+              f"micro-batch's response tokens)")
     if result["bench"] == "variable_length":
         for way, figures in result["ways"].items():
             print(f"  {way:<24} {figures['tokens_per_s']:9.4g} tokens/s  padding {figures['padding_ratio']:.3f}  "
@@ -218,8 +253,19 @@ def run(args, model_dir: str) -> dict:
     if args.name == "log_probs":
         seconds = timed(lambda: actor.log_probs(batch), repeats=3)
         value = 2 * params * tokens / seconds
+        actor.update(dataclasses.replace(batch, old_log_probs=actor.log_probs(batch).log_probs))  # optimizer state
+        micro_response = max(int(m.samples.response_mask.sum()) for m in actor.micro_batches(batch))
+        figures = {"host_syncs_per_call": count_syncs(actor, lambda: actor.log_probs(batch)).count,
+                   "peak_extra_memory_gib": peak_extra_memory(lambda: actor.log_probs(batch)) / 2**30,
+                   # the target's unit: fp32 logits of one micro-batch's response tokens
+                   "response_logits_gib": micro_response * hf["vocab_size"] * 4 / 2**30}
+        if args.peer == "transformers":
+            peer = TransformersPeer(cfg, model_dir, args.dtype)
+            peer_seconds = timed(lambda: peer.log_probs(batch), repeats=3)
+            figures.update(peer="transformers", peer_tokens_per_s=tokens / peer_seconds,
+                           ratio_to_peer=peer_seconds / seconds)
         return {"bench": "log_probs", "value": value, "ratio": value / peak, "seconds": seconds,
-                "tokens_per_s": tokens / seconds, **compute}
+                "tokens_per_s": tokens / seconds, **compute, **figures}
     if args.name == "update":
         batch.old_log_probs = actor.log_probs(batch).log_probs
         seconds = timed(lambda: actor.update(batch), repeats=3)
@@ -227,16 +273,35 @@ def run(args, model_dir: str) -> dict:
         return {"bench": "update", "value": value, "ratio": value / peak, "seconds": seconds,
                 "tokens_per_s": tokens / seconds, **compute}
 
-    from rl_megatron.rollout.vllm_engine import VLLMEngine
+    from rl_megatron.batch import Prompt, Sample
+    from rl_megatron.bench.vllm_alone import Conversation
+    from rl_megatron.bench.vllm_peer import compare_with_vllm
+    from rl_megatron.rollout.vllm_engine import VLLMEngine, request_seeds
 
-    engine = VLLMEngine(model_dir, cfg.rollout, "float32", seed=0)
-    prompts = batch.input_ids[:, : args.seq - response].tolist()
-    counts = []
-    seconds = timed(lambda: counts.append(sum(len(g.response_ids) for g in engine.generate(prompts, n=1))), repeats=2)
-    generated = sum(counts[1:]) / len(counts[1:])  # random weights rarely sample EOS: count what was made
+    engine_dtype, engine_seed = "float32", 0
+    engine = VLLMEngine(model_dir, cfg.rollout, engine_dtype, seed=engine_seed)
+    prompts = [Prompt(ids, "bench", None) for ids in batch.input_ids[:, : args.seq - response].tolist()]
+    # The trainer's sampling: a seed per prompt (RolloutEngines.generate's), the same in every call, so that every
+    # call makes the same tokens.
+    seeds = request_seeds(cfg.trainer.seed, "train", 0, len(prompts))
+    samples = []
+
+    def generate():  # a rollout worker's `generate` (EngineHost.generate), in this process: no Ray call around it
+        completions = engine.generate([p.ids for p in prompts], n=1, temperature=cfg.rollout.temperature, seeds=seeds)
+        samples[:] = [Sample.answering(prompt, c.response_ids, c.log_probs, status=c.status)
+                      for prompt, c in zip(prompts, completions)]
+
+    seconds = timed(generate, repeats=2)
+    generated = sum(len(s.response_ids) for s in samples)  # random weights rarely sample EOS: count what was made
     value = 2 * params * generated / seconds
+    figures = {}
+    if args.peer == "vllm":
+        conversations = [Conversation(p.ids, [(cfg.rollout.max_tokens, seed)], []) for p, seed in zip(prompts, seeds)]
+        figures = compare_with_vllm(engine, model_dir, engine_dtype, engine_seed, cfg.rollout.temperature,
+                                    conversations, generated / seconds, [s.response_ids for s in samples],
+                                    repeats=2, threads=args.threads)
     return {"bench": "generate", "value": value, "ratio": value / peak, "seconds": seconds,
-            "tokens_per_s": generated / seconds, **compute}
+            "tokens_per_s": generated / seconds, **compute, **figures}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,13 @@ compared with, and the actor they measure."""
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
@@ -28,6 +32,50 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
         fn()
     synchronize()
     return (time.perf_counter() - start) / repeats
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The bytes of the tensor storages created inside, live and at their peak: every operation's new outputs (not
+    views or in-place results, which share an input's storage), each counted until its storage is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self._sizes:
+                continue
+            self._sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def peak_extra_memory(fn) -> int:
+    """Bytes above what was allocated before, at the peak of `fn()`: CUDA's allocator statistics on a GPU, the
+    tensors created inside (`LiveTensorBytes`) on CPU."""
+    if platform.has_cuda():
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with LiveTensorBytes() as tracker:
+        fn()
+    return tracker.peak
 
 
 def matmul_flops_per_s(m: int, k: int, n: int, seconds: float = 1.0, device: torch.device | str = "cpu",
@@ -73,13 +121,14 @@ def random_batch(args, vocab: int) -> TrainBatch:
 def build_actor_and_batch(args, model_dir: str, dtype: str = "float32"):
     """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir` (`bench_config`),
     with `random_batch`. The whole batch is one PPO mini-batch, so an update is one optimizer step. Returns (actor,
-    HF config, batch)."""
+    HF config, batch). The world is formed here unless the process has one (the doctor's one-rank world)."""
     from rl_megatron.config import read_hf_config
-    from rl_megatron.workers.distributed import free_port, init_distributed
+    from rl_megatron.workers.distributed import init_distributed, listen_store
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     hf = read_hf_config(model_dir)
     cfg = bench_config(args, model_dir, dtype)
-    init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
+    if not dist.is_initialized():
+        init_distributed(0, 1, listen_store("127.0.0.1"), 1, 1, seed=0)
     actor = MegatronActor(cfg, hf, optimizer_steps=100)
     return actor, hf, random_batch(args, hf["vocab_size"])

@@ -8,7 +8,12 @@ uses. Each turn generates 8 to 64 tokens and is followed by a tool call lasting 
 fixed per trajectory and turn: the long tail of a code sandbox's or a search API's latency) whose reply adds 16
 tokens. Both schedules sample from the same per-turn seeds (`same_tokens`: the
 share of trajectories whose tokens came out identical; batch composition may still move a near-tie). The figure is
-the asynchronous schedule's trajectories per second; the ratio, its speed-up over the turn-synchronous one.
+the asynchronous schedule's trajectories per second; the ratio, its speed-up over the turn-synchronous one. The
+process is set up as a rollout worker's (`platform.setup`) before the engine starts.
+
+With `--peer vllm`, the serving path's own speed: the asynchronous schedule again with tools that return at once
+(`serving_tokens_per_s`: model tokens per second), against vLLM alone generating the same turns directly, turn k of
+every trajectory in one `LLM.generate` call, each with the tool replies before it and the same seed (`vllm_peer.py`).
 """
 from __future__ import annotations
 
@@ -17,8 +22,12 @@ import math
 import random
 import time
 
+from rl_megatron import platform
 from rl_megatron.agents import AgentContext, AgentLoop, AgentRunner, Trajectory
+from rl_megatron.agents.runner import turn_seed
 from rl_megatron.batch import Prompt, Sample, SampleStatus
+from rl_megatron.bench.vllm_alone import Conversation
+from rl_megatron.bench.vllm_peer import compare_with_vllm
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -52,11 +61,25 @@ def prompts(count: int, turns: int, vocab: int, seed: int = 0) -> list[Prompt]:
             for _ in range(count)]
 
 
+def with_instant_tools(batch: list[Prompt]) -> list[Prompt]:
+    return [Prompt(p.ids, p.data_source, p.ground_truth,
+                   {"turns": [(tokens, 0.0) for tokens, _ in p.extra_info["turns"]]}) for p in batch]
+
+
+def conversations(batch: list[Prompt]) -> list[Conversation]:
+    """`LatencyLoop`'s turns of `batch` as the AgentRunner seeds them (prompt i: seed i, its only sample)."""
+    return [Conversation(p.ids, [(tokens, turn_seed(i, 0, turn))
+                                 for turn, (tokens, _) in enumerate(p.extra_info["turns"])], p.ids[:REPLY_TOKENS])
+            for i, p in enumerate(batch)]
+
+
 def run(args, model_dir: str) -> dict:
     turns = args.turns
     rollout = RolloutConfig(max_tokens=TURN_TOKENS[1], max_model_len=32 + turns * (TURN_TOKENS[1] + REPLY_TOKENS),
                             kv_cache_bytes=256 << 20)
-    engine = VLLMEngine(model_dir, rollout, "float32", seed=0)
+    platform.setup()
+    engine_dtype, engine_seed, temperature = "float32", 0, 1.0
+    engine = VLLMEngine(model_dir, rollout, engine_dtype, seed=engine_seed)
 
     async def serve(index, requests):
         # In the event loop's thread: vLLM's CPU attention plans for the thread that built the engine. The tools'
@@ -69,16 +92,28 @@ def run(args, model_dir: str) -> dict:
     for schedule, synchronous in (("warmup", False), ("turn_synchronous", True), ("asynchronous", False)):
         runner = AgentRunner(loop, "bench", serve, engines=1, vocab_size=args.vocab, turn_synchronous=synchronous)
         start = time.perf_counter()
-        samples = runner.run(batch[:4] if schedule == "warmup" else batch, list(range(len(batch))), 1, 1.0, schedule)
+        samples = runner.run(batch[:4] if schedule == "warmup" else batch, list(range(len(batch))), 1, temperature,
+                             schedule)
         seconds[schedule] = time.perf_counter() - start
         tokens[schedule] = [s.response_ids for s in samples]
     same = sum(a == b for a, b in zip(tokens["asynchronous"], tokens["turn_synchronous"])) / len(batch)
     generated = sum(s.model_tokens() for s in samples)
     tool_wait = sum(seconds for p in batch for _, seconds in p.extra_info["turns"])
     value = args.batch / seconds["asynchronous"]
+    figures = {}
+    if args.peer == "vllm":
+        runner = AgentRunner(loop, "bench", serve, engines=1, vocab_size=args.vocab)
+        start = time.perf_counter()
+        served = runner.run(with_instant_tools(batch), list(range(len(batch))), 1, temperature, "serving")
+        serving_s = time.perf_counter() - start
+        served_tokens = sum(s.model_tokens() for s in served)
+        figures = {"serving_s": serving_s, "serving_tokens_per_s": served_tokens / serving_s,
+                   **compare_with_vllm(engine, model_dir, engine_dtype, engine_seed, temperature, conversations(batch),
+                                       served_tokens / serving_s, [s.response_ids for s in served], repeats=1,
+                                       threads=args.threads)}
     return {"bench": "multi_turn", "value": value, "unit": "trajectories/s",
             "ratio": seconds["turn_synchronous"] / seconds["asynchronous"],
             "limit_name": "turn-synchronous trajectories/s", "limit": args.batch / seconds["turn_synchronous"],
             "asynchronous_s": seconds["asynchronous"], "turn_synchronous_s": seconds["turn_synchronous"],
             "trajectories": args.batch, "turns": turns, "model_tokens": generated,
-            "tool_seconds_total": tool_wait, "same_tokens": same}
+            "tool_seconds_total": tool_wait, "same_tokens": same, **figures}

@@ -64,11 +64,11 @@ def saved_activation_bytes(model, batch: TrainBatch) -> int:
 
 def run(args, model_dir: str) -> dict:
     from rl_megatron.config import read_hf_config
-    from rl_megatron.workers.distributed import free_port, init_distributed
+    from rl_megatron.workers.distributed import init_distributed, listen_store
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     hf = read_hf_config(model_dir)
-    init_distributed(0, 1, "127.0.0.1", free_port(), 1, 1, seed=0)
+    init_distributed(0, 1, listen_store("127.0.0.1"), 1, 1, seed=0)
     batch = random_batch(args, hf["vocab_size"])
     actors = {}
     for mode, overrides in MODES.items():  # the first one's random weights, copied into the others

@@ -150,17 +150,17 @@ def run_separate(args, cfg) -> dict:
     """Actor ranks and engine processes as two worlds at once, joined by the broadcast group."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rl_megatron.workers.distributed import free_ports
+    from rl_megatron.workers.distributed import listen_store
     from rl_megatron.workers.spawn import run_distributed
 
-    # Three stores on this host (each world's and the broadcast group's): ports that cannot coincide.
-    port, engines_port, actor_port = free_ports(3)
     host, size = "127.0.0.1", 1 + args.engines
+    broadcast_store = listen_store(host)  # the broadcast group's, listening until both worlds are done
+    port = broadcast_store.port
     with ThreadPoolExecutor(1) as pool:
         engines = pool.submit(run_distributed, receive_rank, args.engines, args=(cfg, args.repeats + 1, host, port,
-                                                                                  size), timeout=1800, port=engines_port)
+                                                                                  size), timeout=1800)
         sender = run_distributed(send_rank, args.tp * args.pp, args.tp, args.pp, ep=args.ep,
-                                 args=(cfg, args.repeats, host, port, size), timeout=1800, port=actor_port)[0]
+                                 args=(cfg, args.repeats, host, port, size), timeout=1800)[0]
         receivers = engines.result()
     gbps, memcpy_gbps = sender["bytes"] / sender["seconds"] / 1e9, sender["bytes"] / sender["memcpy_seconds"] / 1e9
     exact = all(not r["mismatches"] and r["checksums"] == sender["checksums"] for r in receivers)

@@ -1,5 +1,9 @@
 """`python -m rl_megatron.bench train --json`: tokens/s and MFU of Megatron training steps, one process.
 
+With `--peer transformers`, Hugging Face transformers' step on the same work follows in the same process
+(bench/peer.py), and `ratio_to_peer` is the project's tokens/s over transformers'. Every run also counts the host
+syncs of one update (`host_syncs_per_update`, bench/host_syncs.py; on a GPU beside CUDA's own count).
+
 A step is the actor's update over one mini-batch: forward, backward and optimizer step (PPO loss on the response
 tokens, every token forwarded). Default model: on GPU Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV
 heads, MLP 4864, vocabulary 151936, tied embeddings) in bfloat16; on CPU the ~15M-parameter Qwen2 of the other
@@ -24,7 +28,11 @@ from __future__ import annotations
 import torch
 
 from rl_megatron import platform
+from rl_megatron.bench.host_syncs import count_syncs, gpu_sync_warnings
+from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
+from rl_megatron.bench.peer import TransformersPeer
 from rl_megatron.models.family import head_dim
+from rl_megatron.models.gpt import uses_transformer_engine
 from rl_megatron.platform.device_stats import nominal_bf16_flops
 
 # Qwen2.5-0.5B's shape: the default model on GPU.
@@ -78,14 +86,22 @@ def nominal_peak(dtype: str) -> tuple[float | None, str]:
 
 
 def run(args, model_dir: str) -> dict:
-    from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
-    from rl_megatron.models.gpt import uses_transformer_engine
 
     actor, hf, batch = build_actor_and_batch(args, model_dir, dtype=args.dtype)
     batch.old_log_probs = actor.log_probs(batch).log_probs
     # Each update is one optimizer step on the whole batch (build_actor_and_batch makes it one mini-batch).
     seconds = timed(lambda: actor.update(batch), repeats=args.repeats, warmup=2)
     tokens = args.batch * args.seq
+    syncs = count_syncs(actor, lambda: actor.update(batch))
+    figures = {"host_syncs_per_update": syncs.count, "host_sync_sites": syncs.report(5),
+               "micro_batches": len(actor.micro_batches(batch))}
+    if platform.has_cuda():  # what CUDA itself reports, to check the count against
+        figures["cuda_sync_warnings_per_update"] = gpu_sync_warnings(lambda: actor.update(batch))
+    if args.peer == "transformers":
+        peer = TransformersPeer(actor.cfg, model_dir, args.dtype)
+        peer_seconds = timed(lambda: peer.update(batch), repeats=args.repeats, warmup=2)
+        figures.update(peer="transformers", peer_tokens_per_s=tokens / peer_seconds, peer_seconds=peer_seconds,
+                       ratio_to_peer=peer_seconds / seconds)
     flops_per_token = training_flops_per_token(hf, args.seq)
     value = flops_per_token * tokens / seconds
 
@@ -100,4 +116,4 @@ def run(args, model_dir: str) -> dict:
             "batch": args.batch, "seq": args.seq, "micro_batch": actor.batching.micro_batch_size,
             "flops_per_token": flops_per_token, "matmul_weights": matmul_weights(hf),
             "params": sum(p.numel() for chunk in actor.chunks for p in chunk.parameters()),
-            "matmul_shape": list(gemm)}
+            "matmul_shape": list(gemm), **figures}

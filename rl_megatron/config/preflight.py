@@ -25,6 +25,7 @@ from rl_megatron.errors import ConfigError
 from rl_megatron.roles import roles_name
 from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
+from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.tracking import check_loggers_installed
@@ -63,6 +64,8 @@ def _check_trainer(cfg: Config) -> None:
     t, model = cfg.trainer, cfg.model
     check_creatable_folder(t.run_dir, "trainer.log_dir")
     check_loggers_installed(t.logger)
+    if t.deterministic:  # the environment the workers inherit besides what they are handed
+        determinism.check_environment(os.environ)
     if t.checkpoint_dir is not None:
         check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
     # A built-in data.task validates on its own prompts; data.train_files need data.val_files beside them.

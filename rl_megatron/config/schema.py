@@ -30,6 +30,7 @@ class TrainerConfig:
     logger: list[Literal[LOGGERS]] = field(default_factory=lambda: list(DEFAULT_LOGGERS))  # where the run's records go (verl's names): console (progress on the terminal), tensorboard, jsonl (metrics.jsonl), wandb (pip install -e .[wandb]), mlflow (pip install -e .[mlflow])
     total_steps: int = checked(100, POSITIVE)  # number of RL steps (generate -> score -> update -> sync)
     seed: int = 0  # seeds model init, data order and sampling
+    deterministic: bool = False  # bitwise-reproducible training on GPU, as Megatron-LM's --deterministic-mode: torch's deterministic algorithms, cuDNN's deterministic kernels, CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and Megatron's deterministic_mode in every worker. Costs speed (ordered scatter/index-add and attention backward, no cuDNN autotuning, ring all-reduce, new memory filled with NaN) and refuses ops without a deterministic kernel (torch names the op); vLLM's sampling is not covered (VLLM_BATCH_INVARIANT=1)
     target_reward: Optional[float] = None  # stop early once the mean reward of the last 5 steps reaches this
     nnodes: int = checked(1, POSITIVE)  # nodes in the Ray cluster
     n_gpus_per_node: int = checked(2, POSITIVE)  # devices per node given to the actor (CPU slots when there is no GPU)

@@ -6,26 +6,35 @@ import json
 import sys
 import tempfile
 import time
-from typing import Callable
 
 from rl_megatron.cli import run_command
 from rl_megatron.config import ConfigError, load_config, one_line
 from rl_megatron.doctor import checks
-from rl_megatron.doctor.report import FAIL, PASS, Result, exit_code, table
+from rl_megatron.doctor.report import FAIL, PASS, Result, exit_code, guarded, table
 
 EPILOG = """\
 checks (each PASS, FAIL with the fix, or SKIP with the reason):
   devices      this machine's GPUs (CPU slots without CUDA) against the config's pools
-  stack        torch is the build vLLM is linked against; Transformer Engine imports (GPU)
-  collectives  all-reduce and the weight sync's batched exchange: bandwidth (NCCL on GPU, gloo on CPU)
+  stack        torch is the build vLLM is linked against (SKIP without vLLM); Transformer Engine imports (GPU);
+               the MoE router of the config's family runs (on TE's GEMM, or torch's without TE)
+  one device, no Ray or vLLM needed (a tiny model of the config's family with random weights, in one process):
+    Megatron vs transformers (FAMILY)  log-probs and entropy against transformers', every weight exported bitwise
+    update                             one optimizer step moves the log-probs with the advantages
+    offload round trip                 the trainer's state to the host and back bitwise, the next update unchanged
+    bench train                        `python -m rl_megatron.bench train`: tokens/s and MFU of training steps
+  collectives  all-reduce and the weight sync's batched exchange: bandwidth (NCCL on GPU, gloo on CPU); SKIP on
+               one device
   host memory  what waits in host memory between phases, against free memory and /dev/shm
   GPU memory   the dry-run memory plan per GPU against this machine's GPUs
   cycle        a tiny model through the real workers at the config's rollout placement and TP: sync, every engine
-               byte checked, greedy generation equal to transformers', an update, and again
+               byte checked, greedy generation equal to transformers', an update, and again (SKIP without Ray
+               and vLLM)
 
 exit code: 0 when every applicable check passed, 1 when one failed, 2 for a bad config.
 examples:
   python -m rl_megatron.doctor --config configs/demo_cpu.yaml
+  python -m rl_megatron.doctor --config configs/demo_cpu.yaml trainer.n_gpus_per_node=1 \\
+      actor.tensor_model_parallel_size=1                               # one device; Ray and vLLM not needed
   launch/train_3d.sh --check configs/grpo_qwen2_5_7b_gsm8k.yaml      # on a cluster, once every node has joined
 """
 
@@ -42,7 +51,11 @@ def parse_args(argv):
 
 
 def cycle(cfg) -> Result:
-    """A tiny model built here (no download) through the real workers and engines."""
+    """A tiny model built here (no download) through the real workers and engines (SKIP without Ray and vLLM)."""
+    skipped = checks.needs_engines("cycle", checks.missing_modules(checks.ENGINE_MODULES))
+    if skipped:
+        return skipped
+    # They import Ray and vLLM: only here, so that the other checks run where those are not installed.
     from rl_megatron.doctor.cycle import cycle_config, weight_cycle
     from rl_megatron.models.tiny import write_tiny_model
     from rl_megatron.workers.cluster import start_ray
@@ -59,23 +72,12 @@ def cycle(cfg) -> Result:
     return Result("cycle", PASS, figure)
 
 
-def guarded(name: str, check: Callable[[], Result | list[Result]]) -> list[Result]:
-    """A check's results; a check that crashes (a process group that never forms, an engine that fails to start)
-    is a FAIL naming the error, and the checks after it still run."""
-    try:
-        results = check()
-    except Exception as err:  # the doctor reports every failure; the traceback is above, in the workers' logs
-        last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-        return [Result(name, FAIL, f"{type(err).__name__}: {last}", "see the error above; the checks that passed "
-                       "narrow down where it comes from")]
-    return results if isinstance(results, list) else [results]
-
-
 def diagnose(cfg) -> list[Result]:
     results = [checks.devices(cfg)]
     if results[0].status != PASS:  # nothing further can run in the config's shape
         return results
     results += guarded("stack", checks.stack)
+    results += guarded("Megatron on one device", lambda: checks.megatron(cfg))
     results += guarded("collectives", lambda: checks.collectives(cfg))
     results += guarded("host memory", lambda: checks.host_memory(cfg))
     results += guarded("GPU memory", lambda: checks.gpu_memory(cfg))

@@ -1,6 +1,6 @@
-"""The doctor's checks other than the model cycle: devices against the config, the installed stack, the collectives
-the run relies on (their bandwidth), host memory for what waits there, GPU memory against the plan. Each returns a
-`Result`; none raises for a finding."""
+"""The doctor's checks other than the model cycle: devices against the config, the installed stack, Megatron on one
+device (`model_checks.py`), the collectives the run relies on (their bandwidth), host memory for what waits there,
+GPU memory against the plan. Each returns a `Result`; none raises for a finding."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron import platform
-from rl_megatron.config import Config, worker_pools
+from rl_megatron.config import Config, read_hf_config, worker_pools
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, gb_per_s
 from rl_megatron.launch import memory
 from rl_megatron.launch.plan import build_plan
@@ -23,6 +23,22 @@ from rl_megatron.workers.spawn import run_distributed
 
 COLLECTIVE_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}  # per transfer: large enough to measure bandwidth
 REPEATS = 5
+# What the engine and cluster checks need beyond torch, Megatron and transformers, and how to install it.
+ENGINE_MODULES = ("ray", "vllm")
+ENGINE_INSTALL = "pip install -r requirements-gpu.txt on GPU, make install on CPU"
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that this Python cannot import (found without importing them)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def needs_engines(name: str, missing: list[str]) -> Result | None:
+    """The SKIP of a check that needs Ray and vLLM when `missing` names either, else None (the check applies)."""
+    if not missing:
+        return None
+    return Result(name, SKIP, f"{' and '.join(missing)} not installed, which the engine and cluster checks need "
+                  f"({ENGINE_INSTALL})")
 
 
 def local_devices() -> tuple[int, str]:
@@ -46,10 +62,11 @@ def devices(cfg: Config) -> Result:
 
 
 def stack() -> list[Result]:
-    """torch is the build vLLM is linked against; Transformer Engine imports (GPU only)."""
-    problems = stack_problems()
-    versions = f"torch {torch.__version__}"
-    results = [Result("stack: torch and vLLM", FAIL if problems else PASS, versions, "; ".join(problems))]
+    """torch is the build vLLM is linked against (without vLLM: SKIP); Transformer Engine imports (GPU only)."""
+    skipped = needs_engines("stack: torch and vLLM", missing_modules(("vllm",)))
+    problems = [] if skipped else stack_problems()
+    results = [skipped or Result("stack: torch and vLLM", FAIL if problems else PASS, f"torch {torch.__version__}",
+                                 "; ".join(problems))]
     if not platform.has_cuda():
         results.append(Result("stack: Transformer Engine", SKIP, "needs CUDA (Megatron's local layers run instead)"))
     elif importlib.util.find_spec("transformer_engine") is None:
@@ -64,6 +81,22 @@ def stack() -> list[Result]:
             results.append(Result("stack: Transformer Engine", FAIL, f"{type(err).__name__}: {err}",
                                   "rebuild it against this torch: pip install --no-build-isolation "
                                   "'transformer_engine[pytorch]'"))
+    return results
+
+
+def _model_checks_on_rank(model_type: str, tied: bool) -> list[Result]:
+    # Imported in the rank's process only: Megatron and transformers would add seconds to the doctor's start.
+    from rl_megatron.doctor.model_checks import run_checks
+
+    return run_checks(model_type, tied)
+
+
+def megatron(cfg: Config) -> list[Result]:
+    """A tiny model of the config's family (its tied embeddings too) on one of this machine's devices, in a
+    one-rank world of its own (no Ray, no vLLM): `model_checks.py`."""
+    hf = read_hf_config(cfg.model.path)
+    [results] = run_distributed(_model_checks_on_rank, world_size=1,
+                                args=(hf["model_type"], bool(hf.get("tie_word_embeddings", False))))
     return results
 
 

@@ -1,7 +1,9 @@
 """The doctor's results: one line per check, the measured figure, and the fix when it failed."""
 from __future__ import annotations
 
+import traceback
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -15,6 +17,19 @@ class Result:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def guarded(name: str, check: Callable[[], Result | list[Result]]) -> list[Result]:
+    """A check's results; a check that crashes (a process group that never forms, an engine that fails to start)
+    is a FAIL naming the error, and the checks after it still run."""
+    try:
+        results = check()
+    except Exception as err:  # the doctor reports every failure, its traceback above (or in the workers' logs)
+        traceback.print_exc()
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+        return [Result(name, FAIL, f"{type(err).__name__}: {last}", "see the error above; the checks that passed "
+                       "narrow down where it comes from")]
+    return results if isinstance(results, list) else [results]
 
 
 def table(results: list[Result]) -> str:

@@ -110,7 +110,9 @@ WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
 GRAD_BYTES = 4  # fp32 main gradients (grad_reduce_in_fp32=True in workers/megatron_actor.py)
 OPTIMIZER_BYTES = {"bfloat16": 12, "float32": 8}  # fp32 master copy (bf16 only) + Adam's two moments
 FP32 = 4
-# fp32 copies of the [tokens, vocabulary / TP] logits alive at the peak of each pass (the module docstring says which)
+# fp32 copies of the [tokens, vocabulary / TP] logits alive at the peak of each pass (the module docstring says which).
+# An upper bound now: the actor's passes compute the logits of the response tokens only, without sequence parallelism,
+# and models/logprobs.py holds about 3/16 of them in fp32 at a time; the plan keeps the whole-logits figures.
 LOGIT_COPIES_FORWARD = 3
 LOGIT_COPIES_UPDATE = 2
 LOGIT_COPIES_UPDATE_ENTROPY = 5

@@ -84,7 +84,8 @@ def initialization(has_cuda: bool, weights_follow: bool) -> dict:
 def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp: int | None = None,
                        moe: MoeConfig | None = None, weights_follow: bool = False,
                        activations: ActivationSettings = ActivationSettings(),
-                       stages: StageLayers = StageLayers()) -> TransformerConfig:
+                       stages: StageLayers = StageLayers(), deterministic: bool = False) -> TransformerConfig:
+    """`deterministic`: trainer.deterministic (rl_megatron/platform/determinism.py)."""
     heads = hf["num_attention_heads"]
     torch_dtype = DTYPES[dtype]
     family = family_of(hf)
@@ -103,6 +104,9 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         **family.attention_fields(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # TE's fused RoPE takes packed rows without reading their bounds back (Megatron's unfused THD RoPE does,
+        # twice a layer); without TE, models/packed_attention.py's sync-free RoPE runs. MLA keeps the unfused one.
+        apply_rope_fusion=uses_transformer_engine() and not family.mla,
         tensor_model_parallel_size=tp,
         # Sequence parallelism and recomputation (MoE layers train at TP > 1 only with sequence parallelism, which
         # is on there unless actor.sequence_parallel=false, refused then by config.layout.check_activations).
@@ -117,6 +121,8 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         **initialization(platform.has_cuda(), weights_follow),
         # The training step passes the loss itself to the schedule (no per-token reduction inside Megatron).
         calculate_per_token_loss=False,
+        # Embedding lookups by indexing, whose backward sums in order (F.embedding's adds with atomics on GPU).
+        deterministic_mode=deterministic,
         **moe_settings(hf, moe),
     )
 
@@ -192,17 +198,19 @@ class ValueHead(torch.nn.Module):
 def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage: int = 0,
               value_head_seed: int | None = None, moe: MoeConfig | None = None,
               weights_follow: bool = False, activations: ActivationSettings = ActivationSettings(),
-              stages: StageLayers = StageLayers()) -> GPTModel:
+              stages: StageLayers = StageLayers(), deterministic: bool = False) -> GPTModel:
     """Model chunk `vp_stage` of this rank's shard of the model (parallel_state must be initialised); with
     `value_head_seed`, the critic: the same trunk with a `ValueHead` instead of the vocabulary output. `moe`: the
     config's MoE knobs (defaults without). `weights_follow`: the caller loads every weight next (`initialization`).
     `activations`: the role's sequence parallelism and recomputation (default: Megatron's, at this rank's TP).
-    `stages`: the layers of the first / last pipeline stage (default: an even split)."""
+    `stages`: the layers of the first / last pipeline stage (default: an even split). `deterministic`:
+    trainer.deterministic."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = transformer_config(hf, tp, pp, dtype, ep=parallel_state.get_expert_model_parallel_world_size(),
                                 etp=parallel_state.get_expert_tensor_parallel_world_size(), moe=moe,
-                                weights_follow=weights_follow, activations=activations, stages=stages)
+                                weights_follow=weights_follow, activations=activations, stages=stages,
+                                deterministic=deterministic)
     context = parallel_state.get_context_parallel_world_size()
     if context > 1 and not uses_transformer_engine():
         raise ValueError(f"actor.context_parallel_size={context} needs Transformer Engine's attention on a CUDA device "
@@ -251,11 +259,11 @@ def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
                      value_head_seed: int | None = None, moe: MoeConfig | None = None,
                      weights_follow: bool = False,
                      activations: ActivationSettings = ActivationSettings(),
-                     stages: StageLayers = StageLayers()) -> list[GPTModel]:
+                     stages: StageLayers = StageLayers(), deterministic: bool = False) -> list[GPTModel]:
     """This rank's model chunks in virtual-pipeline order (one without interleaving)."""
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     return [build_gpt(hf, dtype, make_vocab_size_divisible_by, vp_stage, value_head_seed, moe, weights_follow,
-                      activations, stages) for vp_stage in range(chunks)]
+                      activations, stages, deterministic) for vp_stage in range(chunks)]
 
 
 def hf_parameters(model: GPTModel):

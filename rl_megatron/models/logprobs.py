@@ -1,40 +1,139 @@
-"""Token log-probs and entropy from vocabulary-parallel logits, without gathering the full logits.
+"""Token log-probs and entropy from vocabulary-parallel logits, in chunks, without gathering the full logits and
+without a float32 copy of them.
 
-Each TP rank holds logits for a contiguous slice of the (padded) vocabulary. Megatron's
-`vocab_parallel_cross_entropy` reduces over the TP group; entropy needs the same two reductions (max and
-sum of exponentials) plus one for the expected logit.
+Each TP rank holds logits for a contiguous slice of the (padded) vocabulary. Per position, with x = logits / T (the
+sampling temperature; Megatron's vocabulary padding masked out) and m = max x over the whole vocabulary:
+
+    log p(label) = (x_label - m) - log S,    S = sum exp(x - m)
+    entropy      = m + log S - sum exp(x - m) x / S
+
+The maximum is one reduction over the logits as they are (the float32 cast and the division by T keep their
+order). The sums are taken a chunk of positions at a time (`CHUNKS` per call), each chunk cast to float32 and
+scaled on its own, so the float32 temporaries are a sixteenth of the logits; one all-reduce over the TP group
+combines the ranks' partial sums. The backward pass recomputes each chunk's softmax from the saved logits (the
+pattern of NeMo-RL's chunked distributed log-probs): the gradient of log p is Megatron's vocab-parallel cross
+entropy's, computed the same way, so the figures are the same bits as `vocab_parallel_cross_entropy` on the whole
+float32 logits.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
+
+CHUNKS = 16  # float32 temporaries: about three chunks, 3/16 of the logits' size
 
 
-def prepare_logits(logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
-    """Scale by the sampling temperature and remove Megatron's vocabulary padding from the distribution."""
-    logits = logits.float() / temperature
-    shard = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * shard
-    if start + shard > vocab_size:
-        padding = torch.arange(start, start + shard, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
-    return logits
+def _tp() -> tuple[int, int, object]:
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
 
 
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels) under softmax(logits); logits [..., V/TP] from `prepare_logits`, differentiable."""
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+class _TokenStatistics(torch.autograd.Function):
+    """(log p(labels), entropy or an empty tensor) of logits [N, V/TP] (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, vocab_size, with_entropy):
+        world, rank, group = _tp()
+        rows, shard = logits.shape
+        start = rank * shard
+        valid = max(0, min(shard, vocab_size - start))  # this rank's real vocabulary (the rest is padding)
+        if valid:
+            top = logits[:, :valid].max(dim=-1).values.float()
+            if temperature != 1.0:
+                top = top / temperature
+        else:
+            top = logits.new_full((rows,), torch.finfo(torch.float32).min, dtype=torch.float32)
+        if world > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        local = labels - start
+        inside = (local >= 0) & (local < shard)
+        local = torch.where(inside, local, 0)
+        sums = torch.empty(3 if with_entropy else 2, rows, dtype=torch.float32, device=logits.device)
+        for part in _chunks(rows):
+            x = _scaled(logits[part], temperature, valid)
+            shifted = x - top[part].unsqueeze(-1)
+            picked = shifted.gather(-1, local[part].unsqueeze(-1)).squeeze(-1)
+            sums[1, part] = torch.where(inside[part], picked, 0.0)
+            torch.exp(shifted, out=shifted)
+            sums[0, part] = shifted.sum(dim=-1)
+            if with_entropy:
+                sums[2, part] = (shifted * x).sum(dim=-1)
+        if world > 1:
+            dist.all_reduce(sums, group=group)
+        log_total = torch.log(sums[0])
+        log_probs = -(log_total - sums[1])
+        expected = sums[2] / sums[0] if with_entropy else None
+        entropy = top + log_total - expected if with_entropy else logits.new_empty(0, dtype=torch.float32)
+        ctx.save_for_backward(logits, local, inside, top, sums[0], expected if with_entropy else top)
+        ctx.temperature, ctx.valid, ctx.with_entropy = temperature, valid, with_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, local, inside, top, total, expected = ctx.saved_tensors
+        temperature, valid = ctx.temperature, ctx.valid
+        grad_logits = torch.zeros_like(logits)
+        for part in _chunks(logits.shape[0]):
+            x = _scaled(logits[part], temperature, valid)
+            softmax = torch.exp(x - top[part].unsqueeze(-1)).div_(total[part].unsqueeze(-1))
+            grad = torch.zeros_like(softmax)
+            if grad_log_probs is not None:  # as Megatron's cross entropy: (softmax - onehot) x d loss, loss = -log p
+                ce = softmax.clone()
+                rows = torch.arange(ce.shape[0], device=ce.device)
+                ce[rows, local[part]] -= inside[part].float()
+                grad = grad + ce.mul_(-grad_log_probs[part].unsqueeze(-1))
+            if ctx.with_entropy and grad_entropy is not None:  # d entropy / d x = -p (x - E[x])
+                grad = grad - grad_entropy[part].unsqueeze(-1) * softmax * (x - expected[part].unsqueeze(-1))
+            if temperature != 1.0:
+                grad = grad / temperature
+            if valid < grad.shape[-1]:
+                grad[:, valid:] = 0.0
+            grad_logits[part] = grad.to(logits.dtype)
+        return grad_logits, None, None, None, None
 
 
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position; logits [..., V/TP] from `prepare_logits`, differentiable (the
-    entropy bonus). Call it before `token_log_probs`, which overwrites the logits."""
-    top = logits.detach().max(dim=-1).values
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    exp = torch.exp(logits - top.unsqueeze(-1))
-    # Sums over the whole vocabulary; backward keeps each rank's gradient to its own slice (identity). The
-    # product takes the logits themselves: the masked vocabulary padding is finite there, 0 * min = 0.
-    total = tensor_parallel.reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
-    expected_logit = tensor_parallel.reduce_from_tensor_model_parallel_region((exp * logits).sum(dim=-1)) / total
-    return top + torch.log(total) - expected_logit
+def _chunks(rows: int) -> list[slice]:
+    step = max(1, -(-rows // CHUNKS))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _scaled(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tensor:
+    """A chunk of logits as float32 / T, the vocabulary padding at float32's minimum (its exp is 0, and 0 x min is
+    0 in the entropy's sum), as a tensor of its own."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if valid < x.shape[-1]:
+        x = x.clone() if x is logits else x  # float32 logits at T = 1: still the model's tensor
+        x[:, valid:] = torch.finfo(torch.float32).min
+    return x
+
+
+def token_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
+                                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(labels) and (with_entropy) the entropy at each position under softmax(logits / temperature), float32,
+    differentiable; logits [..., V/TP] (this TP rank's vocabulary slice, Megatron's padding beyond `vocab_size`),
+    labels [...]."""
+    shape = labels.shape
+    log_probs, entropy = _TokenStatistics.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                float(temperature), vocab_size, with_entropy)
+    return log_probs.view(shape), entropy.view(shape) if with_entropy else None
+
+
+class OutputPositions:
+    """A model's output layer computing only the positions a pass reads (the response tokens), not the whole row:
+    with `index` set (positions flattened sequence-first, on the device), a forward pre-hook hands the layer those
+    hidden states only, and the model returns logits [1, n, V/TP] for them (slime computes response logits only, for
+    the same reason: the prompt's logits are the largest tensor of a pass and nothing reads them). Layers that
+    gather their input over the sequence (sequence parallelism) keep every position."""
+
+    def __init__(self, output_layer: torch.nn.Module):
+        self.index: torch.Tensor | None = None
+        output_layer.register_forward_pre_hook(self._select)
+
+    def _select(self, layer, args):
+        if self.index is None:
+            return None
+        hidden, *rest = args  # [tokens, rows, hidden]
+        return (hidden.flatten(0, 1).index_select(0, self.index).unsqueeze(1), *rest)

@@ -1,52 +1,87 @@
-"""Attention over packed sequences without Transformer Engine: the CPU's counterpart of TE's THD kernels.
+"""Attention over packed sequences without Transformer Engine: the local counterpart of TE's THD kernels.
 
-A packed row holds several samples back to back; `PackedSeqParams.cu_seqlens_q` marks where each starts. On GPU,
-TE's fused attention takes that layout directly (cu_seqlens, qkv_format "thd"), as NeMo-RL and slime run it.
-Megatron's local `DotProductAttention` (what models are built from without TE) refuses packed input, so this
-subclass computes each sample span on its own, causally within the span: each sample attends to itself only,
-exactly as it would alone in a row of its own. Rotary embeddings restart at each span before attention (Megatron
-applies them per span when cu_seqlens are given), so positions within a sample are its own.
+A packed row holds several samples back to back; `PackedSeqParams.cu_seqlens_q` marks where each starts. With TE,
+its fused attention and RoPE take that layout directly (cu_seqlens, qkv_format "thd"), as NeMo-RL and slime run
+it. Megatron's local `DotProductAttention` (what models are built from without TE) refuses packed input, so this
+subclass computes causal attention confined to each sample span: each sample attends to itself only, exactly as it
+would alone in a row of its own.
 
-Per span, with torch's fused scaled-dot-product attention (a flash kernel on CPU too): like TE's kernels it never
-holds a span's score matrix, so a packed micro-batch's memory grows with its tokens, not with the square of its
-longest sample. Unpacked rows keep Megatron's own path unless a sliding window is set (Mistral), whose mask
-Megatron's local attention builds on CUDA only.
+Nothing here waits for the device (docs/architecture.md, "The step's host/device boundary"): the span bounds
+travel on the host with the packed parameters (`HostPackedSeqParams`), and rotary embeddings restart at each span
+through per-token positions computed on the device (`packed_rotary`), where Megatron's unfused THD RoPE reads the
+bounds back twice per layer. Grouped-query attention shares each key/value head through `enable_gqa` (no copies):
+
+- on CUDA, one call per layer: torch's variable-length flash attention (`torch.nn.attention.varlen`) where the
+  installed torch has it, as NeMo-RL's and torchtitan's varlen paths do;
+- elsewhere, torch's fused scaled-dot-product attention per span (a flash kernel on CPU too: it never holds a
+  span's score matrix, so memory grows with the row's tokens, not with the square of its longest sample).
+
+Unpacked rows keep Megatron's own path unless a sliding window is set (Mistral), whose mask Megatron's local
+attention builds on CUDA only.
 """
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.extensions import transformer_engine as te_extension
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer import attention, multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from rl_megatron.batch import to_device
+
+try:  # torch >= 2.9 on CUDA: flash attention over cu_seqlens in one call
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 # Without Transformer Engine, megatron-core still imports its TE extension (stand-ins for the missing classes) and
 # MLA's `HAVE_TE` says True, so its fp8 check calls isinstance() with a stand-in; the extension's own flag is right.
 multi_latent_attention.HAVE_TE = te_extension.HAVE_TE
+# The varlen kernel's causal and grouped-query arguments, as torch 2.13 names them (earlier releases differ).
+VARLEN_ARGS = {"window_size", "enable_gqa"}
+HAS_VARLEN = varlen_attn is not None and VARLEN_ARGS <= set(inspect.signature(varlen_attn).parameters)
+
+
+@dataclass
+class HostPackedSeqParams(PackedSeqParams):
+    """Megatron's packed-row parameters, plus the span bounds as the host knows them (no read-back)."""
+    host_cu_seqlens: tuple[int, ...] = ()
 
 
 class PackedDotProductAttention(DotProductAttention):
     """Megatron's local attention, plus packed rows and sliding windows (whose mask Megatron's local path builds on
-    CUDA only); both go through torch's fused attention, one sample span (or unpacked row) at a time."""
+    CUDA only)."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         window = self.config.window_size
         if packed_seq_params is None and window is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        # (MLA's values are narrower than its queries and keys: flash kernels want one head width.)
+        if packed_seq_params is not None and query.is_cuda and HAS_VARLEN and query.shape[-1] == value.shape[-1]:
+            # [tokens, heads, d] in and out; window (before, 0): causal within it; (-1, 0): causal.
+            out = varlen_attn(query, key, value, packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv,
+                              packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv,
+                              scale=self.softmax_scale, window_size=(window[0] if window else -1, 0),
+                              enable_gqa=gqa)
+            return out.reshape(out.shape[0], 1, -1)
         # [tokens, batch, heads (query groups for key/value), head_dim]; Megatron squeezes a packed row's batch of 1.
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if packed_seq_params is not None:
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         query, key, value = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [batch, heads, tokens, d]
-        if groups > 1:
-            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
         tokens = query.shape[2]
-        bounds = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else [0, tokens]
-        spans = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                **causal(b - a, window, query.device), scale=self.softmax_scale)
-                 for a, b in zip(bounds, bounds[1:])]
+        bounds = packed_seq_params.host_cu_seqlens if packed_seq_params is not None else (0, tokens)
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+        # split, not slicing: its backward joins the spans' gradients instead of a zero row per span.
+        spans = [F.scaled_dot_product_attention(q, k, v, **causal(q.shape[2], window, q.device),
+                                                scale=self.softmax_scale, enable_gqa=gqa)
+                 for q, k, v in zip(*(x.split(lengths, dim=2) for x in (query, key, value)))]
         out = torch.cat(spans, dim=2)  # [batch, heads, tokens, d]
         return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
 
@@ -72,9 +107,46 @@ def causal(length: int, window: tuple[int, int] | None, device) -> dict:
     return {"attn_mask": (behind >= 0) & (behind <= window[0])}
 
 
-def packed_seq_params(cu_seqlens: list[int], device) -> PackedSeqParams:
-    """Megatron's description of a packed row whose samples start at `cu_seqlens` (then the row's end)."""
-    bounds = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+def packed_seq_params(cu_seqlens: list[int], device) -> HostPackedSeqParams:
+    """Megatron's description of a packed row whose samples start at `cu_seqlens` (then the row's end): the bounds
+    on the device for the kernels, and on the host for the code that loops over spans."""
+    bounds = to_device(torch.tensor(cu_seqlens, dtype=torch.int32), device)
     longest = max(end - start for start, end in zip(cu_seqlens, cu_seqlens[1:]))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    return HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=longest,
+                               max_seqlen_kv=longest, host_cu_seqlens=tuple(cu_seqlens))
+
+
+def span_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The position of each of a packed row's `tokens` within its span, computed on the device (no read-back)."""
+    index = torch.arange(tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    starts = cu_seqlens[torch.searchsorted(cu_seqlens, index, right=True) - 1]
+    return (index - starts).long()
+
+
+class PackedRotary:
+    """Megatron's `apply_rotary_pos_emb`, with a packed row's unfused RoPE done without host syncs: each token takes
+    the frequencies of its position within its span, which is what Megatron's THD path computes after reading the
+    span lengths back. Fused RoPE (TE) and context parallelism keep Megatron's path. The positions of the last row
+    are kept: every layer (and q and k) of one forward pass passes the same cu_seqlens tensor."""
+
+    def __init__(self):
+        self._row: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def positions(self, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+        if self._row is None or self._row[0] is not cu_seqlens or self._row[1].shape[0] != tokens:
+            self._row = (cu_seqlens, span_positions(cu_seqlens, tokens))
+        return self._row[1]
+
+    def __call__(self, t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        context = cp_group.size() if cp_group is not None else 1
+        if cu_seqlens is None or config.apply_rope_fusion or context > 1:
+            return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
+                                                   cp_group=cp_group)
+        packed = freqs[self.positions(cu_seqlens, t.shape[0])]
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), packed, rotary_interleaved=config.rotary_interleaved,
+            multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
+
+
+# The attention modules call the RoPE by the name they imported.
+attention.apply_rotary_pos_emb = multi_latent_attention.apply_rotary_pos_emb = PackedRotary()

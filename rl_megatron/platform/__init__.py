@@ -1,10 +1,12 @@
 """The one place that knows which device the process runs on.
 
-On a CUDA machine nothing is changed: Megatron-core runs as upstream intends, over NCCL (gloo only for host
-tensors). Without CUDA, `setup()` applies the small compatibility layer in `cpu_compat` so that Megatron-core
-runs on CPU over gloo. Every process that builds Megatron objects calls `setup()` once before it does (the
-worker actors, the test helpers); the rest of the code base uses `device()` / `dist_backend()` and never tests
-for CUDA.
+On any device `setup()` fixes the megatron-core bugs that every device hits (`megatron_fixes`); beyond that, on a
+CUDA machine, Megatron-core runs as upstream intends, over NCCL (gloo only for host tensors). Without CUDA,
+`setup()` also applies the small compatibility layer in `cpu_compat` so that Megatron-core runs on CPU over gloo.
+Every process that builds Megatron objects calls `setup()` once before it does (the worker actors, the processes
+`workers.spawn.run_distributed` starts for tests, benchmarks and conversion: both through
+`workers.distributed.init_distributed`); the rest of the code base uses `device()` / `dist_backend()` and never
+tests for CUDA.
 """
 from __future__ import annotations
 
@@ -31,9 +33,12 @@ def dist_backend() -> str:
 def setup() -> None:
     """Make Megatron-core usable on this process's device (idempotent; call on the thread that runs Megatron)."""
     global _applied
-    if _applied or has_cuda():
+    if _applied:
         return
-    from rl_megatron.platform import cpu_compat
+    from rl_megatron.platform import cpu_compat, grad_norm, megatron_fixes
 
-    cpu_compat.apply()
+    megatron_fixes.apply()
+    grad_norm.apply()  # on any device where TE and Apex are absent
+    if not has_cuda():
+        cpu_compat.apply()
     _applied = True

@@ -8,18 +8,17 @@ them (measured on megatron-core 0.16.1, see docs/architecture.md, "CPU compatibi
 2. Megatron's RNG tracker saves and restores CUDA RNG states (even with dropout 0): it uses the CPU
    generator instead. Consequence: `model_parallel_cuda_manual_seed(s)` also seeds the CPU RNG with s.
 3. The default causal mask helper builds its mask with `device="cuda"`.
-4. megatron-core 0.16.1 references `te_general_gemm` although it is only defined when
-   transformer-engine imports; None selects its torch fallback.
-5. Schedules, DDP and the optimizer contain literal `device="cuda"`, `.cuda()` and
+4. Schedules, DDP and the optimizer contain literal `device="cuda"`, `.cuda()` and
    `param.type() == "torch.cuda.FloatTensor"` checks: a TorchFunctionMode maps them to the CPU.
    Torch function modes are thread-local, so `apply()` must run on the thread that runs Megatron
    (Ray actors run `__init__` and their methods on one thread).
-6. Without apex or Transformer Engine, norms are torch's, which Megatron's wrapper refuses under sequence
+5. Without apex or Transformer Engine, norms are torch's, which Megatron's wrapper refuses under sequence
    parallelism (which MoE layers need at TP > 1). The torch norm computes the same per token on a sequence
    shard; only its weight's gradient must then be summed over TP ranks, which Megatron's finalize_model_grads
    does for parameters marked `sequence_parallel` (as apex and TE norms mark theirs).
 
-Nothing here changes numerics: the same code computes the same values, on the CPU.
+Nothing here changes numerics: the same code computes the same values, on the CPU. (The megatron-core bugs that
+every device hits are fixed in `megatron_fixes`.)
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def _names_cuda(dev) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Run code written for CUDA tensors on CPU tensors (patch 5 above)."""
+    """Run code written for CUDA tensors on CPU tensors (patch 4 above)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,7 +61,7 @@ def _causal_mask(seq_len: int) -> torch.Tensor:
 
 
 def _sequence_parallel_torch_norm() -> None:
-    """Patch 6 above."""
+    """Patch 5 above."""
     import copy
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -105,12 +104,7 @@ def apply() -> None:
     transformer_utils.get_default_causal_mask = _causal_mask
     fused_softmax.get_default_causal_mask = _causal_mask
     # 4.
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    # 5.
     _device_mode = CudaToCpuMode()
     _device_mode.__enter__()
-    # 6.
+    # 5.
     _sequence_parallel_torch_norm()

@@ -66,9 +66,10 @@ def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 def weight_group(host: str, port: int, rank: int, size: int):
-    """This process's member of the weight group (rank 0 hosts its store at host:port)."""
+    """This process's member of the weight group, meeting at the store listening at host:port (started on the
+    sender's side: `workers.distributed.listen_store`)."""
     timeout = collective_timeout(TIMEOUT)  # a day with Ray's debugger on: a member may be paused at a breakpoint
-    store = dist.TCPStore(host, port, size, rank == SENDER, timeout=timeout)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     if platform.has_cuda():
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # as gloo's: a first sync of a large model may wait on a slow gather

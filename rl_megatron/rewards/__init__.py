@@ -7,7 +7,8 @@ timeout); `score` below is the plain in-process lookup.
 """
 from collections.abc import Callable
 
-RewardFn = Callable[[str, object], float]
+# A scorer returns its score, or verl's dict {"score": ..., "acc": ..., ...} (DAPO's) with the accuracy on 0-1.
+RewardFn = Callable[[str, object], float | dict]
 
 # How the gsm8k and MATH scorers compare answers (reward.gsm8k_match, reward.math_match): "exact" gives verl's
 # scores, "numeric" also accepts equal values written differently.
@@ -62,8 +63,8 @@ def unknown_source_error(data_source) -> KeyError:
                     "Register one with @rl_megatron.rewards.register, or set reward.custom_fn.")
 
 
-def score(data_source: str, solution_str: str, ground_truth, extra_info=None, **keywords) -> float:
-    """The registered scorer's score, with its defaults (the match modes' "exact": verl's scores) unless `keywords`
+def score(data_source: str, solution_str: str, ground_truth, extra_info=None, **keywords) -> float | dict:
+    """The registered scorer's result (a score, or a dict with "score" and "acc"), with its defaults (the match modes' "exact": verl's scores) unless `keywords`
     set them; a scorer registered with reads_extra_info also gets `extra_info`."""
     if data_source not in REGISTRY:
         raise unknown_source_error(data_source)

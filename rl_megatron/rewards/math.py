@@ -7,7 +7,7 @@ that reward curves compare with verl runs:
   MATH benchmark's own normaliser. Both sides are normalised (`\\dfrac` and `\\tfrac`, `\\left`/`\\right`,
   degrees, `\\$`, `\\%`, one `\\text{ unit}`, `x = ...`, `\\sqrt3`, `\\frac12`, `a/b`, `0.5`, spaces) and then
   must be equal as text: 1.0, else 0.0.
-- `math`: verl's DAPO scorer (math_dapo.py): the last `Answer: ...` line, 1.0 or -1.0.
+- `math`: verl's DAPO scorer (math_dapo.py): the last `Answer: ...` line, score 1.0 or -1.0 with acc 1.0 or 0.0.
 
 reward.math_match=numeric scores all four with the lenient equivalence of math_numeric.py, which also finds
 `\\fbox{}` and compares numbers by value (`\\boxed{0.50}` = `\\frac{1}{2}`).
@@ -143,9 +143,9 @@ def compute_score(solution_str, ground_truth, format_score: float = 0.0, score: 
 
 
 @register("math", from_config={"match": "math_match"})
-def compute_score_math_source(solution_str, ground_truth, match: str = "exact") -> float:
-    """data_source "math": verl's DAPO scorer (1.0 / -1.0), or with match="numeric" the lenient boxed answer
-    (1.0 / 0.0)."""
+def compute_score_math_source(solution_str, ground_truth, match: str = "exact") -> float | math_dapo.DapoScore:
+    """data_source "math": verl's DAPO scorer (score 1.0 / -1.0, acc 1.0 / 0.0), or with match="numeric" the lenient
+    boxed answer (1.0 / 0.0)."""
     _check_match(match)
     if match == "numeric":
         return math_numeric.compute_score(solution_str, ground_truth)

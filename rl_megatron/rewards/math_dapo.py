@@ -1,11 +1,14 @@
 """DAPO's math scorer (verl's `math_dapo`, Minerva's answer normaliser): the last `Answer: ...` line against the
-answer, scoring 1.0 when they are equal after normalisation and -1.0 otherwise (a missing answer included).
+answer, scoring 1.0 when they are equal after normalisation and -1.0 otherwise (a missing answer included). Like
+verl's, the scorer returns {"score", "acc", "pred"}: the accuracy on 0-1 beside the ±1 score, so that reward/acc and
+validation accuracy read as the share solved (the mean score is 2p - 1).
 
 verl scores the data sources `math_dapo`, `math_dapo_reasoning` and `math` this way; `math` is registered in
 math.py, where reward.math_match=numeric can switch it to the lenient boxed-answer scorer. Only the last 300
 characters of the response are read, as verl does (the longest MATH-500 answer has 159).
 """
 import re
+from typing import TypedDict
 
 from rl_megatron.rewards import register
 from rl_megatron.rewards.numbers import as_text
@@ -50,14 +53,22 @@ def normalize(answer: str) -> str:
     return answer.strip()
 
 
+class DapoScore(TypedDict):
+    """verl's DAPO result: `score` 1.0 or -1.0 (what is trained on), `acc` 1.0 or 0.0, `pred` the normalised answer."""
+    score: float
+    acc: float
+    pred: str
+
+
 @register("math_dapo", "math_dapo_reasoning")
-def compute_score(solution_str, ground_truth) -> float:
-    """1.0 when the response's last `Answer: ...` line equals ground_truth after `normalize`, else -1.0.
+def compute_score(solution_str, ground_truth) -> DapoScore:
+    """Score 1.0 and acc 1.0 when the response's last `Answer: ...` line equals ground_truth after `normalize`, else
+    score -1.0 and acc 0.0.
 
     A ground truth that is a number or bytes is compared as its text; a response or ground truth that is no text
     at all scores -1.0 (verl raises)."""
     expected = as_text(ground_truth)
-    if not isinstance(solution_str, str) or expected is None:
-        return -1.0
-    answers = ANSWER_LINE.findall(solution_str[-CLIP_CHARS:])
-    return 1.0 if normalize(answers[-1] if answers else NO_ANSWER) == normalize(expected) else -1.0
+    answers = ANSWER_LINE.findall(solution_str[-CLIP_CHARS:]) if isinstance(solution_str, str) else []
+    pred = normalize(answers[-1] if answers else NO_ANSWER)
+    correct = expected is not None and isinstance(solution_str, str) and pred == normalize(expected)
+    return DapoScore(score=1.0 if correct else -1.0, acc=1.0 if correct else 0.0, pred=pred)

@@ -163,6 +163,60 @@ def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[in
     return stream.generate_state(count, dtype=np.uint32).tolist()
 
 
+def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
+                     load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None) -> dict:
+    """vLLM's `LLM(...)` arguments (fields of its EngineArgs) for an engine of `model_path` on a CUDA device or not;
+    `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's)."""
+    device = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cuda
+              else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
+                    # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator, which
+                    # CPU generators cannot: "CPU Generator does not use offset". Whole prompts only, and a step's
+                    # budget that holds the longest.
+                    "enable_chunked_prefill": False,
+                    "max_num_batched_tokens": max(cfg.max_model_len or 0, CPU_STEP_TOKENS)})
+    if not cuda and mla:
+        # On hosts with AMX, vLLM's AMX_MLA backend repacks kv_b_proj and frees it: a sync could not write it.
+        device["attention_backend"] = "CPU_MLA"
+    return dict(
+        model=model_path,
+        hf_overrides=hf_overrides,
+        dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=not cuda,
+        seed=seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # TP=1: a whole engine per worker. TP>1: the engine's shards live in the workers that already form the
+        # trainer's process group (vLLM's SPMD mode); every shard is given the same prompts.
+        distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "external_launcher",
+        # Each Ray worker sees one GPU, but vLLM's custom all-reduce takes the shards' group ranks for device
+        # ordinals and opens IPC handles to GPUs the process cannot see: it fails at engine start for TP > 1.
+        # NCCL's all-reduce is used instead (verl's SPMD rollout passes the same flag for the same reason).
+        disable_custom_all_reduce=True,
+        # vLLM 0.32 schedules step N+1 while step N runs on CUDA (its CPU platform never does). `serve`,
+        # `interrupt` and the weight sync between bursts assume each engine.step() has finished its requests'
+        # work (outputs, freed KV blocks) when it returns, as the CPU suite checks: off until a GPU test covers it.
+        async_scheduling=False,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
+        enable_sleep_mode=cuda,
+        distributed_timeout_seconds=group_timeout_s,
+        cpu_distributed_timeout_seconds=group_timeout_s,
+        **device,
+    )
+
+
+def drop_prefix_cache(llm) -> None:
+    """Forget every cached KV block of `llm` (a vLLM LLM), which was computed with the weights before a sync. vLLM
+    only logs a warning and returns False when blocks are still in use: the stale blocks would then be reused."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache after a weight update: KV blocks of running "
+                           "requests are still in use, and cached KV computed with the old weights would be reused. "
+                           "Finish or interrupt() every request before syncing weights.")
+
+
 class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
                  load_format: str = "dummy"):
@@ -183,19 +237,9 @@ class VLLMEngine:
             keep_cpu_weights_in_place()
             if cfg.tensor_parallel_size > 1:
                 remove_stale_cpu_shm()
-        settings = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if platform.has_cuda()
-                  else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
-                        # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator,
-                        # which CPU generators cannot: "CPU Generator does not use offset". Whole prompts only, and
-                        # a step's budget that holds the longest.
-                        "enable_chunked_prefill": False,
-                        "max_num_batched_tokens": max(cfg.max_model_len or 0, CPU_STEP_TOKENS)})
         self.cfg = cfg
         hf = read_hf_config(model_path)
         self.stop_token_ids = end_of_sequence_ids(model_path, hf)
-        if not platform.has_cuda() and family_of(hf).mla:
-            # On hosts with AMX, vLLM's AMX_MLA backend repacks kv_b_proj and frees it: a sync could not write it.
-            settings["attention_backend"] = "CPU_MLA"
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
@@ -208,31 +252,9 @@ class VLLMEngine:
         # its own start-up objects the same way afterwards.
         gc.freeze()
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
-            self.llm = LLM(
-                model=model_path,
-                hf_overrides=hf_overrides,
-                dtype=dtype,  # never "auto": on CPU vLLM would silently pick bf16
-                load_format=load_format,
-                skip_tokenizer_init=True,
-                max_model_len=cfg.max_model_len,
-                enforce_eager=not platform.has_cuda(),
-                seed=seed,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                # TP=1: a whole engine per worker. TP>1: the engine's shards live in the workers that already
-                # form the trainer's process group (vLLM's SPMD mode); every shard is given the same prompts.
-                distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "external_launcher",
-                # Each Ray worker sees one GPU, but vLLM's custom all-reduce takes the shards' group ranks for device
-                # ordinals and opens IPC handles to GPUs the process cannot see: it fails at engine start for TP > 1.
-                # NCCL's all-reduce is used instead (verl's SPMD rollout passes the same flag for the same reason).
-                disable_custom_all_reduce=True,
-                logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True,
-                # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
-                enable_sleep_mode=self.sleeps,
-                distributed_timeout_seconds=group_timeout_s,
-                cpu_distributed_timeout_seconds=group_timeout_s,
-                **settings,
-            )
+            self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
+                                              cuda=platform.has_cuda(), mla=family_of(hf).mla,
+                                              group_timeout_s=group_timeout_s))
 
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -332,7 +354,7 @@ class VLLMEngine:
 
     def weights_updated(self) -> None:
         """Drop cached KV computed with the previous weights, and remake what vLLM derives from the weights."""
-        self.llm.reset_prefix_cache()
+        drop_prefix_cache(self.llm)
         rederive_after_sync(self.model())
 
     def close(self) -> None:

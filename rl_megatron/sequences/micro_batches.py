@@ -20,18 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rl_megatron.batch import TokenOutputs, TrainBatch
+from rl_megatron.batch import TokenOutputs, TrainBatch, to_device
 
 
 @dataclass
 class MicroBatch:
     samples: TrainBatch  # the micro-batch's samples, right-padded to the longest of them
     rows: list[int]  # their rows in the rank's batch
+    lengths: list[int]  # each sample's tokens, known on the host (never read back from the device)
     input_ids: Tensor  # [rows, tokens]: what the model reads (packed: one row)
     position_ids: Tensor  # [rows, tokens]
     cu_seqlens: list[int] | None  # packed: the start of each sample's span in the row, then the row's end (the
     # tail of padding, if any, is a span of its own); None: padded rows
     context_index: Tensor | None = None  # context parallelism: the row's positions this rank computes
+    read_positions: Tensor | None = None  # [2, n]: the only positions whose outputs a pass reads (`reading_responses`),
+    # flattened as [rows, tokens] (row 0) and as Megatron's sequence-first [tokens, rows] (row 1); None: all
 
     def model_inputs(self) -> tuple[Tensor, Tensor]:
         """(token ids, position ids) this rank's model reads: the row, or its context-parallel share."""
@@ -49,10 +52,24 @@ class MicroBatch:
     def computed_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def to(self, device) -> MicroBatch:
-        return MicroBatch(self.samples.to(device), self.rows, self.input_ids.to(device),
-                          self.position_ids.to(device), self.cu_seqlens,
-                          None if self.context_index is None else self.context_index.to(device))
+    def to_device(self, device: torch.device) -> MicroBatch:
+        """This micro-batch on the compute device, the host not waiting for the copies."""
+        return MicroBatch(self.samples.to_device(device), self.rows, self.lengths, to_device(self.input_ids, device),
+                          to_device(self.position_ids, device), self.cu_seqlens,
+                          *(None if t is None else to_device(t, device) for t in (self.context_index,
+                                                                                  self.read_positions)))
+
+    def reading_responses(self) -> MicroBatch:
+        """This micro-batch, its outputs read at the response tokens' positions only (position t predicts token
+        t + 1: those where `response_mask` is set), so that the output layer and the log-probs compute nothing
+        else. Computed on the host, in this micro-batch's final layout."""
+        sample, offset = self.samples.response_mask.bool().nonzero(as_tuple=True)
+        if self.cu_seqlens is None:
+            row, column = sample, offset
+        else:
+            row, column = torch.zeros_like(sample), torch.tensor(self.cu_seqlens)[sample] + offset
+        rows, tokens = self.input_ids.shape
+        return dataclasses.replace(self, read_positions=torch.stack([row * tokens + column, column * rows + row]))
 
     def context_shard(self, rank: int, size: int) -> MicroBatch:
         """This micro-batch as context-parallel rank `rank` of `size` computes it (`context_chunks`)."""
@@ -70,21 +87,20 @@ class MicroBatch:
             real = self.cu_seqlens[len(self.rows)]  # where the samples' spans end
             cu_seqlens = self.cu_seqlens[:len(self.rows) + 1] + ([tokens] if tokens > real else [])
             positions = torch.cat([self.position_ids[0, :real], torch.arange(tokens - real)]).unsqueeze(0)
-        return MicroBatch(self.samples, self.rows, ids, positions, cu_seqlens)
+        return MicroBatch(self.samples, self.rows, self.lengths, ids, positions, cu_seqlens)
 
     def unpack(self, per_token: Tensor) -> Tensor:
         """Model-layout [rows, tokens] -> [samples, longest], zero beyond each sample's tokens."""
-        lengths = self.samples.sequence_lengths()
+        lengths, device = self.lengths, per_token.device
         longest = self.samples.input_ids.shape[1]
         if self.cu_seqlens is None:
             out = per_token[:len(lengths), :longest]
         else:
             index = torch.cat([torch.arange(start, start + longest) for start in self.cu_seqlens[:len(lengths)]])
-            out = per_token[0].index_select(0, index.clamp(max=per_token.shape[1] - 1).to(per_token.device))
+            out = per_token[0].index_select(0, to_device(index.clamp(max=per_token.shape[1] - 1), device))
             out = out.view(len(lengths), longest, *per_token.shape[2:])
-        inside = torch.arange(longest, device=out.device).unsqueeze(0) < torch.tensor(lengths, device=out.device
-                                                                                      ).unsqueeze(1)
-        return torch.where(inside, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        inside = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # built on the host
+        return torch.where(to_device(inside, device), out, torch.zeros((), dtype=out.dtype, device=device))
 
     def unpack_outputs(self, outputs: TokenOutputs) -> TokenOutputs:
         return TokenOutputs(**{name: self.unpack(value) for name, value in outputs.tensors().items()})
@@ -101,7 +117,7 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     if not packing:
         input_ids = _pad_tokens(samples.input_ids, multiple, batch.pad_id)
         positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        return MicroBatch(samples, rows, input_ids, positions, None)
+        return MicroBatch(samples, rows, lengths, input_ids, positions, None)
     spans = [length + -length % span_multiple for length in lengths]
     ids = torch.cat([F.pad(row[:length], (0, span - length), value=batch.pad_id)
                      for row, length, span in zip(samples.input_ids, lengths, spans)]).unsqueeze(0)
@@ -114,7 +130,7 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     if tail:  # the padding is a sample of its own: it attends to itself only
         starts.append(input_ids.shape[1])
         positions = torch.cat([positions, torch.arange(tail)])
-    return MicroBatch(samples, rows, input_ids, positions.unsqueeze(0), starts)
+    return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts)
 
 
 def context_chunks(cu_seqlens: list[int], rank: int, size: int) -> Tensor:
@@ -133,6 +149,22 @@ def context_chunks(cu_seqlens: list[int], rank: int, size: int) -> Tensor:
 
 def _pad_tokens(ids: Tensor, multiple: int, pad_id: int) -> Tensor:
     return F.pad(ids, (0, -ids.shape[1] % multiple), value=pad_id)
+
+
+def outputs_to_host(outputs: list[TokenOutputs]) -> list[TokenOutputs]:
+    """Per-micro-batch outputs ([samples, longest] each, float) copied to the host in one transfer: the host waits
+    for the device once per pass, not once per micro-batch and output."""
+    names = list(outputs[0].tensors())
+    shapes = [outputs_of.tensors()[names[0]].shape for outputs_of in outputs]
+    longest = max(shape[1] for shape in shapes)
+    on_device = torch.stack([torch.cat([F.pad(outputs_of.tensors()[name], (0, longest - shape[1]))
+                                        for outputs_of, shape in zip(outputs, shapes)]) for name in names])
+    host = on_device.to("cpu")  # [outputs, every micro-batch's samples, longest]
+    starts = [0]
+    for shape in shapes:
+        starts.append(starts[-1] + shape[0])
+    return [TokenOutputs(**{name: host[i, start:start + shape[0], :shape[1]] for i, name in enumerate(names)})
+            for start, shape in zip(starts, shapes)]
 
 
 def scatter_rows(parts: list[tuple[list[int], TokenOutputs]], count: int, length: int) -> TokenOutputs:

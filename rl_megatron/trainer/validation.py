@@ -18,7 +18,7 @@ from rl_megatron.batch import Prompt, Sample
 from rl_megatron.rollout.engines import Sampling
 
 GENERATION_COLUMNS = ["prompt", "response", "score"]  # the table of validation samples the loggers show
-CORRECT = 1.0 - 1e-6  # a sample counts as solved at the scorer's full score (partial credit, e.g. format, does not)
+CORRECT = 1.0 - 1e-6  # a sample counts as solved at full accuracy (partial credit, e.g. format, does not)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Generation:
 @dataclass(frozen=True)
 class Validation:
     step: int  # the policy's step (its updates so far)
-    metrics: dict[str, float]  # val/<data_source>/reward_mean (and pass@n)
+    metrics: dict[str, float]  # val/<data_source>/reward_mean and acc (and pass@n)
     generations: list[Generation]  # every sample, prompt-major
 
     def table_rows(self, rows: int) -> list[list]:
@@ -69,7 +69,7 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
     each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and every
     sample."""
     n = cfg.rollout.val_n
-    sources, scores, generations = [], [], []
+    sources, scores, accuracies, generations = [], [], [], []
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -78,24 +78,30 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
         sampling = Sampling(n, 0.0 if n == 1 else cfg.rollout.temperature, f"validation {batch_index}", step)
         samples = rollout(prompts, sampling)
         sources += [p.data_source for p in prompts]
-        batch_scores = scorer.submit_samples(samples, tokenizer).result().scores
-        scores.append(batch_scores)
+        scored = scorer.submit_samples(samples, tokenizer).result()
+        scores.append(scored.scores)
+        accuracies.append(scored.acc)
         generations += [Generation(prompts[i // n].data_source, decode(s.prompt_ids), decode(s.response_ids), score)
-                        for i, (s, score) in enumerate(zip(samples, batch_scores.tolist()))]
-    return Validation(step, validation_metrics(sources, torch.cat(scores), n), generations)
+                        for i, (s, score) in enumerate(zip(samples, scored.scores.tolist()))]
+    return Validation(step, validation_metrics(sources, torch.cat(scores), torch.cat(accuracies), n), generations)
 
 
-def validation_metrics(data_sources: list[str], scores: torch.Tensor, n: int) -> dict[str, float]:
-    """`val/<data_source>/reward_mean` over all samples, and with n > 1 samples per prompt (prompt-major: sample j
-    of prompt i at i * n + j) `val/<data_source>/pass@n`: the share of prompts with a solved sample."""
-    per_prompt = scores.reshape(-1, n)
+def validation_metrics(data_sources: list[str], scores: torch.Tensor, acc: torch.Tensor,
+                       n: int) -> dict[str, float]:
+    """`val/<data_source>/reward_mean` over all samples; `val/<data_source>/acc`, the share of samples solved (on
+    0-1 for every scorer: DAPO's scores are ±1, countdown gives 0.1 for format alone); and with n > 1 samples per
+    prompt (prompt-major: sample j of prompt i at i * n + j) `val/<data_source>/pass@n`, the share of prompts with a
+    solved sample. A sample is solved at its full accuracy (the scorer's "acc", else its score)."""
+    scores_per_prompt = scores.reshape(-1, n)
+    solved_per_prompt = (acc >= CORRECT).reshape(-1, n)
     groups: dict[str, list[int]] = defaultdict(list)
     for prompt, source in enumerate(data_sources):
         groups[source].append(prompt)
     metrics = {}
     for source, prompts in sorted(groups.items()):
-        mine = per_prompt[prompts]
-        metrics[f"val/{source}/reward_mean"] = mine.mean().item()
+        solved = solved_per_prompt[prompts]
+        metrics[f"val/{source}/reward_mean"] = scores_per_prompt[prompts].mean().item()
+        metrics[f"val/{source}/acc"] = solved.float().mean().item()
         if n > 1:
-            metrics[f"val/{source}/pass@{n}"] = (mine >= CORRECT).any(dim=1).float().mean().item()
+            metrics[f"val/{source}/pass@{n}"] = solved.any(dim=1).float().mean().item()
     return metrics

@@ -7,6 +7,7 @@ import time
 from contextlib import ExitStack
 
 from rl_megatron.config import Config, worker_pools
+from rl_megatron.platform.determinism import deterministic_env
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.vllm_engine import ENGINE_ENV
 from rl_megatron.workers.debugging import debugger_env
@@ -22,7 +23,7 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     """The worker groups, by role (a colocated role maps to the actor's group); closed by `stack`."""
     pools = worker_pools(cfg)
     threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
-    env = worker_env(threads, local_cluster=cfg.ray.address is None)
+    env = worker_env(threads, local_cluster=cfg.ray.address is None, deterministic=cfg.trainer.deterministic)
     logs = logs_dir(cfg.trainer.run_dir)
     groups: dict[Role, WorkerGroup] = {}
     for pool in pools:
@@ -60,11 +61,14 @@ def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
     rollout.get(receiving)
 
 
-def worker_env(threads: int, local_cluster: bool) -> dict:
+def worker_env(threads: int, local_cluster: bool, deterministic: bool = False) -> dict:
     """What the driver decides for every worker. Nothing here depends on a device: each worker sets what its own
     device needs (`configure_engine_process`), since the driver may have no GPU while the workers do. Ray's
-    debugger variables go along: a cluster's nodes may have been started without them."""
+    debugger variables go along: a cluster's nodes may have been started without them; so do trainer.deterministic's
+    (harmless without a GPU), which CUDA, cuBLAS and NCCL read when they start."""
     env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads), **debugger_env()}
+    if deterministic:
+        env.update(deterministic_env(os.environ))
     if local_cluster:  # everything on this machine: keep gloo on the loopback interface
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     return env

@@ -13,6 +13,8 @@ from rl_megatron.workers.debugging import collective_timeout
 
 MEGATRON_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # Megatron's own default for the groups it makes
 
+_led_stores: list[dist.TCPStore] = []  # the stores of the groups this Ray worker leads (`rendezvous_address`)
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -30,11 +32,32 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def listen_store(host: str) -> dist.TCPStore:
+    """A process group's rendezvous store, listening at `host` on a port the OS picks as the store binds it: no other
+    process can be handed that port meanwhile, as it can a port found free and bound later (parallel test processes
+    met at the same port that way). Whoever starts the group holds it while the group lives; its ranks connect to it
+    (`connect_store`)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_store_timeout())
+
+
+def connect_store(host: str, port: int) -> dist.TCPStore:
+    """A rank's connection to its group's rendezvous store (`listen_store`)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=_store_timeout())
+
+
+def _store_timeout() -> datetime.timedelta:
+    # How long a rank waits for its peers at the store: as long as in a collective.
+    return collective_timeout(MEGATRON_GROUP_TIMEOUT)
+
+
 def rendezvous_address() -> tuple[str, int]:
-    """This Ray worker's node address and a free port on it: where a process group it leads can meet."""
+    """Where a process group this Ray worker leads meets: a store it starts at its node's address (`listen_store`),
+    which serves the group as long as the worker lives (its world, the weight group of separate engines)."""
     import ray
 
-    return ray.util.get_node_ip_address(), free_port()
+    store = listen_store(ray.util.get_node_ip_address())
+    _led_stores.append(store)
+    return store.host, store.port
 
 
 def local_rank() -> int:
@@ -43,21 +66,22 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, ep: int = 1,
-                     etp: int | None = None) -> None:
-    """torch.distributed (NCCL on GPU, gloo on CPU) + Megatron parallel_state (`vpp` model chunks per pipeline
-    stage, sequences split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp` ranks, by
-    default TP) + Megatron's RNG seeds. With Ray's debugger on, the groups' collectives wait a day (a peer may be
-    paused at a breakpoint)."""
+def init_distributed(rank: int, world_size: int, store: dist.TCPStore, tp: int, pp: int, seed: int, vpp: int = 1,
+                     cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+    """torch.distributed (NCCL on GPU, gloo on CPU) meeting at `store` (`connect_store`; in a world of one rank, its
+    `listen_store`, which the process group then keeps alive) + Megatron parallel_state (`vpp` model chunks per
+    pipeline stage, sequences split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp`
+    ranks, by default TP) + Megatron's RNG seeds. With Ray's debugger on, the groups' collectives wait a day (a peer
+    may be paused at a breakpoint)."""
     from megatron.core import parallel_state, tensor_parallel
 
     platform.setup()
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+    # The variables of a torchrun launch, which vLLM's external launcher reads; the group meets at `store`.
+    os.environ.update(MASTER_ADDR=store.host, MASTER_PORT=str(store.port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank()))
     if platform.has_cuda():
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(platform.dist_backend(), rank=rank, world_size=world_size,
+    dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size,
                             timeout=collective_timeout(None))
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -4,9 +4,12 @@ rollout.placement=separate). As the base of both worker classes it also holds wh
 recording the steps the controller profiles (`workers/profiling.py`)."""
 from __future__ import annotations
 
+import os
+
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
+from rl_megatron.platform.determinism import make_process_deterministic
 from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.roles import Role, roles_name
@@ -30,6 +33,8 @@ class EngineHost:
         defer_garbage_collection()  # until `init` is done (startup_done)
         redirect_output(worker_log_path(logs, self.roles[0], self.rank))
         configure_engine_process()  # before Megatron or vLLM is imported in this worker
+        if self.cfg.trainer.deterministic:  # before CUDA starts; this node's own environment is checked too
+            make_process_deterministic(os.environ)
         trainer = self.cfg.trainer
         self.profiler = StepProfiler(trainer.profile_dir, f"{roles_name(self.roles)}_rank{self.rank}",
                                      records=self.rank in trainer.profile_ranks)

@@ -28,7 +28,7 @@ from rl_megatron.resharding import Resharder, vllm_targets
 from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
 from rl_megatron.roles import Role
-from rl_megatron.workers.distributed import init_distributed, owns_dp_output, rendezvous_address
+from rl_megatron.workers.distributed import connect_store, init_distributed, owns_dp_output, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.offload import Offloader
 from rl_megatron.workers.phases import SYNC, Move, Phase, PhaseMachine, forward, save, train
@@ -63,7 +63,8 @@ class HybridWorker(EngineHost):
         # Every worker measures at once (on CPU), before anything else runs in the group: what each gets while its
         # peers compute too, as in a step.
         self.peak_flops = peak_flops(cfg.model.dtype)
-        init_distributed(self.rank, self.world_size, master_addr, master_port, seed=cfg.trainer.seed, **self.layout)
+        init_distributed(self.rank, self.world_size, connect_store(master_addr, master_port), seed=cfg.trainer.seed,
+                         **self.layout)
         if Role.ACTOR in self.roles:
             self.models[Role.ACTOR] = MegatronActor(cfg, self.hf_config, optimizer_steps(
                 cfg, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs))

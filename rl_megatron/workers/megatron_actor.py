@@ -27,20 +27,21 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
-from rl_megatron.algorithms import POLICY_LOSSES, LossScale, LossStats, aggregate_loss, kl_divergence, value_loss
+from rl_megatron.algorithms import (POLICY_LOSSES, LossScale, LossStats, aggregate_loss, kl_divergence,
+                                    megatron_loss_factor, value_loss)
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
-from rl_megatron.models.logprobs import entropy, prepare_logits, token_log_probs
+from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
 from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.roles import Role
-from rl_megatron.sequences import (MicroBatch, context_chunks, fixed_bins, micro_batch, round_up, scatter_rows,
-                                   split_to_count, token_budget_bins)
+from rl_megatron.sequences import (MicroBatch, context_chunks, fixed_bins, micro_batch, outputs_to_host, round_up,
+                                   scatter_rows, split_to_count, token_budget_bins)
 from rl_megatron.workers.distributed import owns_dp_output
 
 # tokens_of(micro-batch, model output) -> per-token outputs in the model's layout (rows x tokens)
@@ -63,19 +64,21 @@ class MegatronModel:
     Weights: copied from `initial` (a model of the same layout in this process), else loaded from `checkpoint` (a
     Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed.
     `activations`: the role's sequence parallelism and recomputation; `stages`: the layers of its first / last
-    pipeline stage."""
+    pipeline stage. `distributed_optimizer`: Megatron's distributed optimizer, whose fp32 shards view the
+    parameters in DDP's contiguous buffer (default: on CUDA; the offload tests choose it on CPU too)."""
 
     def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, activations: ActivationSettings,
                  stages: StageLayers, optim: OptimConfig | None = None, optimizer_steps: int = 0,
                  value_head: bool = False, weights_path: str | None = None, checkpoint: str | None = None,
-                 initial: MegatronModel | None = None):
+                 initial: MegatronModel | None = None, distributed_optimizer: bool | None = None):
         self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
+        self.distributed_optimizer = platform.has_cuda() if distributed_optimizer is None else distributed_optimizer
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
             value_head_seed=cfg.trainer.seed if value_head else None, moe=cfg.moe,
             weights_follow=initial is not None or checkpoint is not None or weights_path is not None,
-            activations=activations, stages=stages)]
+            activations=activations, stages=stages, deterministic=cfg.trainer.deterministic)]
         with torch.no_grad():
             if initial is not None:
                 for chunk, source in zip(self.chunks, initial.chunks):
@@ -102,6 +105,7 @@ class MegatronModel:
         self.context_size = parallel_state.get_context_parallel_world_size()
         self.span_multiple = 2 * self.context_size * self.sequence_multiple if self.context_size > 1 else 1
         self.token_counts = [0, 0]  # real and computed tokens of the passes since the last update (padding ratio)
+        self.output_positions: OutputPositions | None = None  # set where passes read the response tokens only
         self.model = self.chunks
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -114,14 +118,14 @@ class MegatronModel:
                     if ".mlp.router." in name:
                         param.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=platform.has_cuda())
+                                                   use_distributed_optimizer=self.distributed_optimizer)
         self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in self.chunks]
         self.chunks[0].config.finalize_model_grads_func = finalize_model_grads  # the schedules read chunk 0's config
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
             bf16=cfg.model.dtype == "bfloat16", params_dtype=self.chunks[0].config.params_dtype,
-            use_distributed_optimizer=platform.has_cuda()), self.model)
+            use_distributed_optimizer=self.distributed_optimizer), self.model)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
             min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
@@ -163,6 +167,8 @@ class MegatronModel:
         if self.context_size > 1:
             rank = parallel_state.get_context_parallel_rank()
             micros = [m.context_shard(rank, self.context_size) for m in micros]
+        if self.output_positions is not None:
+            micros = [m.reading_responses() for m in micros]
         return micros
 
     def _per_sample(self, micro: MicroBatch, outputs: TokenOutputs) -> TokenOutputs:
@@ -185,12 +191,14 @@ class MegatronModel:
     def _forward(self, micro: MicroBatch, model):
         packed = None if micro.cu_seqlens is None else packed_seq_params(micro.cu_seqlens, micro.input_ids.device)
         input_ids, position_ids = micro.model_inputs()
+        if self.output_positions is not None:
+            self.output_positions.index = micro.read_positions[1]
         return model(input_ids, position_ids, None, packed_seq_params=packed)
 
     def run(self, micros: list[MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's pipeline schedule over `micros`; loss_func(micro, output) -> (loss, stats) runs on the last
         stage. Returns the stats of each micro-batch there, in order."""
-        micros = [micro.to(platform.device()) for micro in micros]
+        micros = [micro.to_device(platform.device()) for micro in micros]
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
@@ -214,14 +222,14 @@ class MegatronModel:
                            forward_only=True)
         if not owns_dp_output():
             return None
-        return scatter_rows([(m.rows, o.to("cpu")) for m, o in zip(micros, outputs)], batch.rows(),
+        return scatter_rows(list(zip([m.rows for m in micros], outputs_to_host(outputs))), batch.rows(),
                             batch.input_ids.shape[1])
 
     def train(self, batch: TrainBatch, mini_batch_samples: int, epochs: int, horizon: int, tokens_of: TokensOf,
               loss_of: LossOf) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (over all DP ranks), one optimizer
         step each. `loss_of` normalises by the mini-batch's global `LossScale` (with `horizon`, the generation budget
-        Dr.GRPO divides by), so the gradient is the same whatever the micro-batch and DP sizes.
+        Dr.GRPO divides by), so the gradient is the same whatever the micro-batch, DP and CP sizes.
 
         Returns each stat of the losses (see `LossStats`), added over micro-batches and ranks: token sums divided by
         the response tokens, losses averaged over optimizer steps."""
@@ -242,9 +250,9 @@ class MegatronModel:
 
                 def loss_func(micro, output):
                     loss, stats = loss_of(micro.samples, self._per_sample(micro, tokens_of(micro, output)), scale)
-                    # The schedule divides by the number of micro-batches and DDP averages over DP ranks: undo
-                    # both, so that the gradient is that of the mini-batch's loss.
-                    return loss * len(micros) * self.dp_size, stats
+                    # What the schedule, the CP all-gather and DDP do to the gradient, undone: that of the
+                    # mini-batch's loss remains.
+                    return loss * megatron_loss_factor(len(micros), self.dp_size, self.context_size), stats
 
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
@@ -267,12 +275,10 @@ class MegatronModel:
         return 1.0 - real / computed if computed else 0.0
 
     def _mean_stats(self, totals: LossStats, steps: int) -> dict[str, float]:
-        sum_keys, loss_keys = sorted(totals.token_sums), sorted(totals.losses)
-        sums = torch.tensor([totals.tokens, *(totals.token_sums[k] for k in sum_keys),
-                             *(totals.losses[k] for k in loss_keys)], dtype=torch.float64)
+        sum_keys, loss_keys, sums = totals.figures(platform.device())
         if owns_dp_output():  # the last stage computed the stats; add its DP peers'
             dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        tokens, *values = sums.tolist()
+        tokens, *values = sums.tolist()  # the update's one read-back of its statistics
         tokens = max(tokens, 1.0)
         return ({key: value / tokens for key, value in zip(sum_keys, values)}
                 | {key: value / steps for key, value in zip(loss_keys, values[len(sum_keys):])})
@@ -282,7 +288,7 @@ class MegatronActor(MegatronModel):
     """The policy (trainable) or, with trainable=False, the frozen reference policy."""
 
     def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0, *, trainable: bool = True,
-                 initial: MegatronActor | None = None):
+                 initial: MegatronActor | None = None, distributed_optimizer: bool | None = None):
         weights = None if cfg.model.random_init else cfg.model.path
         section = cfg.actor if trainable else cfg.ref
         batching = Batching(section.micro_batch_size, section.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
@@ -291,25 +297,38 @@ class MegatronActor(MegatronModel):
         super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if train_here else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
                          initial=initial, activations=ActivationSettings.of_role(cfg, role),
-                         stages=StageLayers.of_role(cfg, role))
+                         stages=StageLayers.of_role(cfg, role), distributed_optimizer=distributed_optimizer)
         self.table = weight_table(self.chunks[0], hf_config)
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
-        if trainable and not platform.has_cuda():
-            # The rollout engines on this machine read the policy's shards in place at each weight sync.
+        if trainable and not platform.has_cuda() and not self.distributed_optimizer:
+            # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
+            # the distributed optimizer: moving the parameters out of DDP's buffer would cut them off from it).
             share_parameters(self.chunks)
+        last = self.chunks[-1]
+        if last.post_process and not last.config.sequence_parallel and self.context_size == 1:
+            self.output_positions = OutputPositions(last.output_layer)
 
     def _token_outputs(self, micro: MicroBatch, output: torch.Tensor, with_entropy: bool) -> TokenOutputs:
-        """log p(token) (and the policy's entropy) at every position, under the sampling temperature."""
-        logits = prepare_logits(output, self.cfg.rollout.temperature, self.hf_config["vocab_size"])
-        ent = entropy(logits) if with_entropy else None
-        # The entropy's backward needs the logits that token_log_probs overwrites: give it a copy then.
-        log_probs = token_log_probs(logits if ent is None else logits.clone(), micro.labels)
-        return TokenOutputs(log_probs=log_probs, entropy=ent)
+        """log p(token) (and the policy's entropy) under the sampling temperature, at the positions the pass reads
+        (zero elsewhere), in the model's layout."""
+        labels = micro.labels
+        if micro.read_positions is not None:  # output: [1, n, V/TP] at those positions only
+            labels = labels.flatten()[micro.read_positions[0]]
+        log_probs, ent = token_log_probs_and_entropy(output, labels, self.cfg.rollout.temperature,
+                                                     self.hf_config["vocab_size"], with_entropy)
+        outputs = TokenOutputs(log_probs=log_probs, entropy=ent)
+        if micro.read_positions is None:
+            return outputs
+        layout = log_probs.new_zeros(micro.input_ids.numel())
+        return TokenOutputs(**{name: layout.index_copy(0, micro.read_positions[0], value.flatten()
+                                                       ).view_as(micro.input_ids)
+                               for name, value in outputs.tensors().items()})
 
     def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
-        """log p(token) and the policy's entropy at every position, under the sampling temperature."""
+        """log p(token) and the policy's entropy under the sampling temperature, where `response_mask` is set (the
+        tokens the losses and metrics read; 0 elsewhere: the prompt's outputs are never computed)."""
         return self.infer(batch.select(), partial(self._token_outputs, with_entropy=True))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:

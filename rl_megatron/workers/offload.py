@@ -64,7 +64,7 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+def torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
     """The torch optimizers inside a Megatron optimizer (one per chained part: dense, expert, ...)."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(part, "optimizer", None) is not None:
@@ -84,9 +84,9 @@ class Offloader:
 
     def _tensors(self) -> dict[str, Iterable[torch.Tensor]]:
         params = [p for chunk in self.model for p in chunk.parameters()]
-        master = [p for opt in _torch_optimizers(self.optimizer) for group in opt.param_groups
+        master = [p for opt in torch_optimizers(self.optimizer) for group in opt.param_groups
                   for p in group["params"]]
-        state = [v for opt in _torch_optimizers(self.optimizer) for per_param in opt.state.values()
+        state = [v for opt in torch_optimizers(self.optimizer) for per_param in opt.state.values()
                  for v in per_param.values() if isinstance(v, torch.Tensor)]
         grads = [g for p in params + master for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
         return {"params": params, "grads": grads, "optimizer": master + state}

@@ -11,7 +11,7 @@ from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import vllm_targets
 from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
 from rl_megatron.roles import Role
-from rl_megatron.workers.distributed import init_distributed, rendezvous_address
+from rl_megatron.workers.distributed import connect_store, init_distributed, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.worker_group import dispatch
 
@@ -30,7 +30,8 @@ class RolloutWorker(EngineHost):
 
     def init(self, master_addr: str, master_port: int) -> None:
         # The pool's own world: an engine of TP > 1 runs its shards in it (vLLM's external launcher).
-        init_distributed(self.rank, self.world_size, master_addr, master_port, tp=1, pp=1, seed=self.cfg.trainer.seed)
+        init_distributed(self.rank, self.world_size, connect_store(master_addr, master_port), tp=1, pp=1,
+                         seed=self.cfg.trainer.seed)
         self._start_engine()
         self.targets = vllm_targets(self.engine.model())
         startup_done()

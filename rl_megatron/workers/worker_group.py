@@ -140,10 +140,11 @@ def describe_placement(placement: list[WorkerPlacement]) -> str:
 class WorkerGroup:
     """N actors of `worker_cls`; each method marked with @dispatch becomes a method of the group.
 
-    A worker class takes (rank, world_size, *args) and provides `rendezvous()` (rank 0's address and a free
-    port), `init(addr, port)`, `mesh()` (its place on each dispatch axis) and `close()`. `placement` says which node
-    each rank runs on (also logged at INFO, with the list as the record's `placement` attribute). `name` (e.g. the
-    roles it hosts) names the group when one of its workers dies (`WorkerDied`)."""
+    A worker class takes (rank, world_size, *args) and provides `rendezvous()` (on rank 0: the address of a store
+    it starts and holds for a group it leads, `distributed.rendezvous_address`), `init(addr, port)`, `mesh()` (its
+    place on each dispatch axis) and `close()`. `placement` says which node each rank runs on (also logged at INFO,
+    with the list as the record's `placement` attribute). `name` (e.g. the roles it hosts) names the group when one
+    of its workers dies (`WorkerDied`)."""
 
     def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None, name: str = ""):
         remote_cls = ray.remote(worker_cls)
@@ -166,7 +167,7 @@ class WorkerGroup:
                 setattr(self, name, functools.partial(self._call, name, method.dispatch_axis))
 
     def rank0_address(self) -> tuple[str, int]:
-        """Rank 0's node address and a free port there (where a process group led by rank 0 meets)."""
+        """Where rank 0's store listens (where a process group led by rank 0 meets)."""
         return self.get(self.workers[0].rendezvous.remote())
 
     def get(self, refs):

@@ -28,8 +28,8 @@ def bench(*args: str) -> dict:
 @pytest.mark.parametrize("name", ["generate", "log_probs", "update"])
 def test_bench_prints_one_json_line(name):
     """The figure is the model's FLOP/s: 2 FLOPs per weight and token forward (log-probs, and each generated token),
-    6 with the backward pass (update)."""
-    result = bench(name, *SMALL_ARGS)
+    6 with the backward pass (update). generate also runs vLLM alone on the same prompts, seeds and sampling."""
+    result = bench(name, *SMALL_ARGS, *(("--peer", "vllm") if name == "generate" else ()))
     assert result["bench"] == name
     assert result["value"] > 0 and result["limit"] > 0
     assert 0 < result["ratio"] <= RATIO_BOUND
@@ -38,8 +38,17 @@ def test_bench_prints_one_json_line(name):
     tokens = result["tokens_per_s"] * result["seconds"]
     if name == "generate":  # at most the 16 response tokens of each of the 4 prompts
         assert 0 < tokens <= 4 * 16 + 1e-6
+        assert_vllm_peer(result, result["tokens_per_s"], sequences=4)
     else:  # the whole batch of 4 x 32 tokens
         assert tokens == pytest.approx(4 * 32)
+
+
+def assert_vllm_peer(result: dict, tokens_per_s: float, sequences: int) -> None:
+    """The figures of `--peer vllm` (not its speed: shared cores make timings noisy). The same seeds draw the same
+    tokens, but the peer's kernels may round differently and move a near-tie: all but one of `sequences` agree."""
+    assert result["peer"] == "vllm" and result["peer_tokens_per_s"] > 0 and result["peer_seconds"] > 0
+    assert result["ratio_to_peer"] == pytest.approx(tokens_per_s / result["peer_tokens_per_s"])
+    assert result["peer_same_tokens"] >= (sequences - 1) / sequences, result
 
 
 def test_train_bench_reports_tokens_per_s_and_mfu():
@@ -146,14 +155,17 @@ def test_recompute_bench_reports_saved_activations_and_step_time_per_mode():
 
 def test_multi_turn_bench_beats_the_turn_synchronous_schedule_with_the_same_tokens():
     """Asynchronous turns overlap the tools' latency (0.05-0.5 s a call) with other trajectories' decoding; both
-    schedules sample from the same per-turn seeds, so they draw the same trajectories (as a resumed run must)."""
+    schedules sample from the same per-turn seeds, so they draw the same trajectories (as a resumed run must). vLLM
+    alone generates the same turns directly."""
     result = bench("multi_turn", "--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "8", "--turns", "3",
-                   "--threads", "1")
+                   "--threads", "1", "--peer", "vllm")
     assert result["bench"] == "multi_turn" and result["trajectories"] == 8 and result["turns"] == 3
     assert result["same_tokens"] == 1.0
     assert result["ratio"] > 1.2, result  # turn-synchronous seconds / asynchronous seconds
     assert result["value"] == pytest.approx(8 / result["asynchronous_s"])
     assert result["model_tokens"] > 0
+    assert result["serving_s"] > 0 and result["serving_tokens_per_s"] > 0
+    assert_vllm_peer(result, result["serving_tokens_per_s"], sequences=8)
 
 
 def test_async_bench_one_step_off_beats_synchronous_steps():

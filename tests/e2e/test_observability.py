@@ -90,6 +90,7 @@ def test_val_only_validates_the_checkpoint_and_changes_nothing_else(observed):
     with open(os.path.join(run_dir, "validation", "step_2.jsonl")) as f:
         assert f.read() == validated
     # The run's records are kept; the validation is appended at the checkpoint's step.
-    assert rows[:-1] == trained_rows and set(rows[-1]) == {"step", "val/arithmetic/reward_mean"}
+    assert rows[:-1] == trained_rows and set(rows[-1]) == {"step", "val/arithmetic/reward_mean",
+                                                       "val/arithmetic/acc"}
     assert rows[-1]["step"] == 2
     assert not any(line.startswith(("step 1/", "Done:")) for line in stdout.splitlines())

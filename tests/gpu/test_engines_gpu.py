@@ -1,6 +1,6 @@
 """The hybrid engine on CUDA: vLLM engines in Ray workers beside the trainer's Megatron shards, weights synced over
-NCCL. For a GPU machine with vLLM and Ray installed (the Docker image, requirements-gpu.txt); each test skips,
-saying why, without CUDA, vLLM, Ray or enough GPUs.
+NCCL. For a GPU machine with vLLM and Ray installed (the Docker image, requirements-gpu.txt); the tests skip, saying
+why, without Ray (the module), CUDA, vLLM or enough GPUs.
 
     pytest tests/gpu/test_engines_gpu.py -m gpu -v -rA
 """
@@ -11,16 +11,18 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from helpers.runs import train
-from rl_megatron.checkpoint.run import saved_steps
-from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines, sync_config
-from rl_megatron.doctor.cycle import PROMPTS, greedy_with
+INSTALL = "pip install -r requirements-gpu.txt"
+# Before the project's imports, which reach Ray (the workers import it); vLLM they import only when they use it.
+pytest.importorskip("ray", reason=f"needs ray ({INSTALL})")
 
-MISSING = [name for name in ("vllm", "ray") if importlib.util.find_spec(name) is None]
+from helpers.runs import train  # noqa: E402
+from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines, sync_config  # noqa: E402
+from rl_megatron.checkpoint.run import saved_steps  # noqa: E402
+from rl_megatron.doctor.cycle import PROMPTS, greedy_with  # noqa: E402
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)} (pip install -r "
-                                                       "requirements-gpu.txt)")]
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=f"needs vllm ({INSTALL})")]
 
 
 def gpus(count: int):

@@ -37,7 +37,9 @@ def log_probs_then_update(cfg, batch):
     layer = actor.chunks[0].decoder.layers[0]
     out = actor.log_probs(batch)
     metrics = actor.update(batch)
-    experts = getattr(layer.mlp, "experts", None)
+    # A routing layer's experts: DeepSeek's and GLM-4.5's first layers are dense.
+    experts = next((routed.mlp.experts for routed in actor.chunks[0].decoder.layers if hasattr(routed.mlp, "experts")),
+                   None)
     return {"uses_transformer_engine": uses_transformer_engine(),
             "attention_module": type(layer.self_attention.linear_proj).__module__,
             "experts_class": type(experts).__name__ if experts is not None else None,

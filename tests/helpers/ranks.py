@@ -2,13 +2,12 @@
 importable module, so that the spawned ranks can unpickle them) and the checks several of them make: the actor's
 log-probs, update and HF export; the trainer's weights resharded into real vLLM engines."""
 import dataclasses
-import glob
 
 import torch
-from safetensors.torch import load_file
 
 from helpers.parity import config, hf_model
 from rl_megatron.doctor.cycle import hf_greedy
+from rl_megatron.doctor.parity import saved_checkpoint
 from rl_megatron.workers.spawn import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
@@ -88,15 +87,6 @@ def actor_log_probs_everywhere(actor, batch):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out.log_probs if out is not None else None)
     return next(x for x in gathered if x is not None)
-
-
-def saved_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
-    """The tensors transformers' save_pretrained wrote: the HF names a trainer export must reproduce (per-expert
-    tensors for MoE models, where the loaded model fuses them; no lm_head with tied embeddings)."""
-    tensors = {}
-    for path in glob.glob(f"{model_dir}/*.safetensors"):
-        tensors.update(load_file(path))
-    return tensors
 
 
 def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp: int, ep: int, engine_tp: int,

@@ -1,21 +1,81 @@
-"""`python -m rl_megatron.doctor` where it fails fast (the whole run on CPU is in tests/e2e/test_launch_script.py,
-through `launch/train_3d.sh --check`), and its report."""
+"""`python -m rl_megatron.doctor` where it fails fast, on a box with only torch, Megatron and transformers (no Ray,
+vLLM or Transformer Engine: what a first single-GPU machine often has), and its report and verdicts (the whole run
+with Ray and vLLM on CPU is in tests/e2e/test_launch_script.py, through `launch/train_3d.sh --check`)."""
 import json
+import os
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from helpers.runs import REPO
 from rl_megatron.config import load_config
-from rl_megatron.doctor import checks
-from rl_megatron.doctor.__main__ import guarded
-from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, table
+from rl_megatron.doctor import checks, model_checks
+from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, guarded, table
+
+# Put first on PYTHONPATH, it makes the named packages unimportable in every process the doctor starts, as where
+# they are not installed: `import` raises ModuleNotFoundError, importlib.util.find_spec returns None.
+WITHOUT = """import sys
+for name in ("ray", "vllm", "transformer_engine"):
+    sys.modules[name] = None
+"""
 
 
-def doctor(*args):
+def doctor(*args, env=None):
     return subprocess.run([sys.executable, "-m", "rl_megatron.doctor", "--config", "configs/demo_cpu.yaml", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_without_ray_vllm_and_te_one_device_runs_the_megatron_checks_and_skips_the_engines(tmp_path):
+    """One device and the demo's config with the tiny Qwen3-MoE: the router, parity, update, offload and bench
+    checks pass; the engine and cluster checks skip, each saying why; exit 0."""
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = doctor("model.path=configs/models/tiny-qwen3-moe-digits", "trainer.n_gpus_per_node=1",
+                  "actor.tensor_model_parallel_size=1", "--json", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {r["name"]: r for r in json.loads(done.stdout)}
+    assert {name: r["status"] for name, r in results.items()} == {
+        "devices": PASS, "stack: torch and vLLM": SKIP, "stack: Transformer Engine": SKIP, "stack: MoE router": PASS,
+        "Megatron vs transformers (qwen3_moe)": PASS, "update": PASS, "offload round trip": PASS,
+        "bench train": PASS, "collectives": SKIP, "host memory": PASS, "GPU memory": SKIP, "cycle": SKIP}
+    assert results["cycle"]["figure"] == ("ray and vllm not installed, which the engine and cluster checks need "
+                                          f"({checks.ENGINE_INSTALL})")
+    assert results["stack: torch and vLLM"]["figure"].startswith("vllm not installed")
+    assert "torch's GEMM" in results["stack: MoE router"]["figure"]  # te_general_gemm bound to None, as without TE
+    assert results["collectives"]["figure"] == "one device: nothing to exchange"
+
+
+def test_the_engine_checks_skip_naming_what_is_missing_and_the_install_command():
+    assert checks.missing_modules(("json", "no_such_module_here")) == ["no_such_module_here"]
+    assert checks.needs_engines("cycle", []) is None
+    skipped = checks.needs_engines("cycle", ["vllm"])
+    assert skipped.status == SKIP and skipped.figure.startswith("vllm not installed")
+    assert "pip install -r requirements-gpu.txt" in skipped.figure
+
+
+@pytest.mark.parametrize("result,status,fix_names", [
+    (model_checks.router_result("qwen3_moe", 2, [2, 2, 2], True), PASS, ""),
+    (model_checks.router_result("qwen3_moe", 2, [], False, "NameError: name 'te_general_gemm' is not defined"), FAIL,
+     "te_general_gemm"),
+    (model_checks.router_result("qwen3_moe", 2, [2, 1, 2], True), FAIL, "requirements-gpu.txt"),
+    (model_checks.router_result("qwen3_moe", 2, [2, 2], False), FAIL, "requirements-gpu.txt"),
+    (model_checks.parity_result("qwen2", 3e-5, 1e-4, [], 12), PASS, ""),
+    (model_checks.parity_result("qwen2", 3e-3, 1e-4, [], 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.parity_result("qwen2", float("nan"), 1e-4, [], 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.parity_result("qwen2", 3e-5, 1e-4, ["lm_head.weight"], 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.update_result(0.5, 1e-3, 12, 12), PASS, ""),
+    (model_checks.update_result(0.5, -1e-3, 12, 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.update_result(float("inf"), 1e-3, 12, 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.update_result(0.5, 1e-3, 0, 12), FAIL, "requirements-gpu.txt"),
+    (model_checks.offload_result("shared_params", 1 << 20, 1 << 20, []), PASS, ""),
+    (model_checks.offload_result("shared_params", 1 << 20, 1 << 20, ["rank 0: changed by the round trip"]), FAIL,
+     "actor.offload=false"),
+])
+def test_the_one_device_checks_pass_only_within_their_bounds_and_fail_with_the_fix(result, status, fix_names):
+    assert result.status == status and fix_names in result.fix and bool(result.fix) == (status == FAIL)
 
 
 def test_too_few_devices_fails_first_naming_the_key_and_starts_nothing():

@@ -156,7 +156,7 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
     if task == "dapo":
-        assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7") == 1.0  # DAPO's scorer reads its data source
+        assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7")["score"] == 1.0  # DAPO's scorer reads its source
     if recipe == "grpo_qwen2_5_7b_math_async":  # one-step-off: the engines on a node of their own, TIS for the lag
         assert cfg.trainer.rollout_staleness == 1 and cfg.rollout.partial_rollout
         assert cfg.rollout.placement == "separate"

@@ -13,6 +13,7 @@ import torch
 from rl_megatron.config import ConfigError
 from rl_megatron.rewards import REGISTRY
 from rl_megatron.rewards.scorer import RewardScorer
+from rl_megatron.trainer.rewards import Rewards
 
 # The user's reward module: the solution text says how to misbehave.
 USER_MODULE = '''
@@ -89,6 +90,16 @@ def test_the_match_modes_reach_the_scorer_processes(match, expected):
     with RewardScorer(reward_cfg(num_workers=1, gsm8k_match=match, math_match=match)) as scorer:
         scores = scorer.score(*([s[i] for s in samples] for i in range(3))).scores
     assert scores.tolist() == expected
+
+
+def test_reward_acc_of_a_dapo_batch_is_the_share_solved():
+    """DAPO scores ±1; with 3 of 4 solved reward/score is 2p - 1 = 0.5 and reward/acc (and dynamic sampling's
+    filter/generated_acc/mean, the same accuracies) is p = 0.75."""
+    responses = ["Answer: 7", "so 7.\nAnswer: 7", "Answer: 8", "Answer: $7$"]
+    with RewardScorer(reward_cfg(num_workers=1)) as scorer:
+        scored = scorer.score(["math_dapo"] * 4, responses, ["7"] * 4)
+    rewards = Rewards.of(scored, [], SimpleNamespace(overlong_buffer=SimpleNamespace(enable=False)), max_tokens=8)
+    assert rewards.metrics() == {"reward/score": 0.5, "reward/acc": 0.75, "reward/timeouts": 0, "reward/errors": 0}
 
 
 def test_large_batches_keep_sample_order_across_chunks():

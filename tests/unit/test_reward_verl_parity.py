@@ -157,7 +157,20 @@ def test_math_scores_as_verl(response, ground_truth, expected):
 ])
 def test_data_source_math_scores_as_verl_dapo(response, ground_truth, expected):
     for source in ("math", "math_dapo", "math_dapo_reasoning"):
-        assert score(source, response, ground_truth) == expected
+        assert score(source, response, ground_truth)["score"] == expected
+    result = math_dapo.compute_score(response, ground_truth)
+    assert (result["score"], result["acc"]) == (expected, 1.0 if expected == 1.0 else 0.0)
+
+
+@pytest.mark.parametrize("response, ground_truth, expected", [
+    ("x = 3\nAnswer: $x = 12$ cm", "12", {"score": 1.0, "acc": 1.0, "pred": "12"}),
+    ("Answer: 1,000", "999", {"score": -1.0, "acc": 0.0, "pred": "1000"}),
+    ("no answer line", "5", {"score": -1.0, "acc": 0.0, "pred": "[INVALID]"}),
+    ("Answer: 5", None, {"score": -1.0, "acc": 0.0, "pred": "5"}),
+])
+def test_dapo_returns_verls_dict_with_the_accuracy_on_0_1(response, ground_truth, expected):
+    """verl's math_dapo returns {"score": ±1, "acc": correct, "pred": the normalised answer}: the accuracy is what
+    reward/acc and validation average, so that they read p (the share solved), not 2p - 1."""
     assert math_dapo.compute_score(response, ground_truth) == expected
 
 
@@ -173,5 +186,5 @@ def test_numbers_as_ground_truth_compare_as_their_text():
     assert gsm8k.compute_score("#### 72", 72) == 1.0
     assert gsm8k.compute_score("#### 72", 72.0) == 0.0  # "72.0"
     assert math.compute_score("\\boxed{5}", 5) == 1.0
-    assert math_dapo.compute_score("Answer: 5", 5) == 1.0
-    assert math_dapo.compute_score("Answer: 5", None) == -1.0
+    assert math_dapo.compute_score("Answer: 5", 5)["score"] == 1.0
+    assert math_dapo.compute_score("Answer: 5", None)["score"] == -1.0

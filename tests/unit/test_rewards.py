@@ -157,6 +157,9 @@ MALFORMED = [None, 0, 7, 3.5, b"Assistant: <answer>1+2</answer>", {"answer": 3},
 
 @pytest.mark.parametrize("data_source", sorted(REGISTRY))
 @pytest.mark.parametrize("solution", MALFORMED, ids=lambda value: f"{type(value).__name__}{len(repr(value))}")
-def test_every_scorer_returns_a_number_for_malformed_input(data_source, solution):
+def test_every_scorer_returns_a_reward_for_malformed_input(data_source, solution):
+    """A float, or (DAPO) verl's dict whose score and accuracy are floats."""
     for ground_truth in (None, 3, "3", b"3", {"target": 3, "numbers": [1, 2]}, [1, 2], "\\boxed{"):
-        assert isinstance(score(data_source, solution, ground_truth), float)
+        result = score(data_source, solution, ground_truth)
+        values = (result["score"], result["acc"]) if isinstance(result, dict) else (result,)
+        assert all(isinstance(value, float) for value in values)
