@@ -14,6 +14,8 @@ process is set up as a rollout worker's (`platform.setup`) before the engine sta
 With `--peer vllm`, the serving path's own speed: the asynchronous schedule again with tools that return at once
 (`serving_tokens_per_s`: model tokens per second), against vLLM alone generating the same turns directly, turn k of
 every trajectory in one `LLM.generate` call, each with the tool replies before it and the same seed (`vllm_peer.py`).
+As in a rollout worker, the engine's steps run with Megatron's CUDA-to-CPU function mode switched off
+(`platform/cpu_compat.device_mode_off`).
 """
 from __future__ import annotations
 

@@ -42,12 +42,12 @@ class Timing:
 
 
 def run_in_own_process(work: Work) -> Timing:
-    """`run(work)` in a freshly spawned process (it ends with the call)."""
+    """`measure(work)` in a freshly spawned process (it ends with the call)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run, work).result()
+        return pool.submit(measure, work).result()
 
 
-def run(work: Work) -> Timing:
+def measure(work: Work) -> Timing:
     torch.set_num_threads(work.threads)  # before vLLM starts: it freezes the thread count
     from vllm import LLM  # vLLM reads the environment when it is imported: only in the spawned process
 

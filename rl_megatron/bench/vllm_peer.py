@@ -10,6 +10,8 @@ sample the same tokens (`peer_same_tokens`: the share of identical responses; th
 """
 from __future__ import annotations
 
+import torch
+
 from rl_megatron import platform
 from rl_megatron.bench.vllm_alone import Conversation, Work, run_in_own_process
 from rl_megatron.config.model_files import read_hf_config
@@ -28,6 +30,8 @@ def compare_with_vllm(engine: VLLMEngine, model_path: str, dtype: str, seed: int
     # Read off the project's engine, so that a sampling setting added there reaches the peer.
     sampling = engine._sampling(n=1, temperature=temperature)
     engine.close()  # on a GPU both engines would not fit
+    if platform.has_cuda():
+        torch.cuda.empty_cache()  # what the engine held goes back to the device, for the peer's process
     timing = run_in_own_process(Work(arguments, sampling, conversations, repeats, threads))
     peer_tokens_per_s = timing.model_tokens / timing.seconds
     same = sum(a == b for a, b in zip(response_ids, timing.response_ids)) / len(conversations)

@@ -22,6 +22,8 @@ every device hits are fixed in `megatron_fixes`.)
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -54,6 +56,23 @@ class CudaToCpuMode(TorchFunctionMode):
                 and out.startswith("torch.") and not out.startswith("torch.cuda.")):
             out = "torch.cuda." + out[len("torch."):]
         return out
+
+
+@contextlib.contextmanager
+def device_mode_off():
+    """The CUDA-to-CPU mode (patch 5) off for code that never runs Megatron, the vLLM engine's steps: every torch call
+    there then skips the mode's Python hook (~10% of a CPU engine's generation time). Left on where another mode was
+    entered after it (it can only leave the top of the thread's mode stack)."""
+    on_top = (_device_mode is not None and torch._C._len_torch_function_stack() > 0
+              and torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is _device_mode)
+    if not on_top:
+        yield
+        return
+    _device_mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _device_mode.__enter__()
 
 
 def _causal_mask(seq_len: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from rl_megatron.rollout.completions import Completion, TurnRequest, completion_
 from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
+from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.resharding.specs import rederive_after_sync
 from rl_megatron.workers.debugging import collective_timeout
 
@@ -271,7 +272,9 @@ class VLLMEngine:
                                   max_tokens=self.cfg.max_tokens)
         per_prompt = (SamplingParams(**settings) if seeds is None
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt, use_tqdm=False)
+        with device_mode_off():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
+                                        use_tqdm=False)
         return [completion_of(sample) for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
 
     def _sampling(self, **settings) -> dict:
@@ -296,7 +299,9 @@ class VLLMEngine:
             self.unfinished[request.request_id] = None
         finished, steps = [], 0
         while not finished and engine.has_unfinished_requests() and steps != max_steps:
-            for output in engine.step():
+            with device_mode_off():
+                outputs = engine.step()
+            for output in outputs:
                 if output.finished:
                     finished.append((output.request_id, completion_of(output.outputs[0])))
                     self.unfinished.pop(output.request_id, None)
