@@ -60,7 +60,7 @@ class CudaToCpuMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def device_mode_off():
-    """The CUDA-to-CPU mode (patch 5) off for code that never runs Megatron, the vLLM engine's steps: every torch call
+    """The CUDA-to-CPU mode (patch 4) off for code that never runs Megatron, the vLLM engine's steps: every torch call
     there then skips the mode's Python hook (~10% of a CPU engine's generation time). Left on where another mode was
     entered after it (it can only leave the top of the thread's mode stack)."""
     on_top = (_device_mode is not None and torch._C._len_torch_function_stack() > 0
