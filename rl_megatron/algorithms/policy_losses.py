@@ -123,26 +123,41 @@ def _token_covariance(log_probs: Tensor, advantages: Tensor, mask: Tensor) -> Te
     return torch.where(mask, centred_log_probs * centred_advantages, -torch.inf)
 
 
-def _pick_count(fraction: float, mask: Tensor) -> int:
-    """max(1, floor(fraction x response tokens)) as in the paper and verl (0 without response tokens)."""
-    token_count = int(mask.sum().item())
-    return min(max(int(fraction * token_count), 1), token_count)
+def _pick_count(fraction: float, mask: Tensor) -> Tensor:
+    """max(1, floor(fraction x response tokens)) as in the paper and verl (0 without response tokens), as a device
+    tensor: no host sync. The product in float64, as Python's int(fraction * count) takes it."""
+    token_count = mask.sum()
+    return torch.minimum(torch.floor(token_count.double() * fraction).long().clamp(min=1), token_count)
 
 
-def _data_seed(values: Tensor, mask: Tensor) -> int:
-    """A seed that depends on `values` at the mask only (so it changes from micro-batch to micro-batch and step to
-    step): the integer sum of their float32 bit patterns, exact, so the same whatever order the device adds them in."""
-    bits = torch.where(mask, values.detach().float(), 0.0).view(torch.int32).long().sum()
-    return int(bits.item()) % 2**63
+def _picked_first(keys: Tensor, count: Tensor) -> Tensor:
+    """True at the `count` smallest `keys` (ties in position order), False elsewhere. A stable sort and a rank,
+    rather than topk(count), so that `count` can stay on the device."""
+    order = keys.flatten().argsort(stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return (rank < count).view_as(keys)
 
 
-def _random_pick(candidates: Tensor, count: int, seed: int) -> Tensor:
-    """`count` of the `candidates` positions (all of them if fewer), drawn uniformly by a generator seeded `seed`."""
-    positions = candidates.flatten().nonzero().squeeze(1)
-    order = torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(seed))
-    picked = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
-    picked[positions[order[:count].to(positions.device)]] = True
-    return picked.view_as(candidates)
+# splitmix64's constants as signed int64: torch's int64 arithmetic wraps as uint64's would.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX = (0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)
+
+
+def _shift_right(values: Tensor, bits: int) -> Tensor:
+    """A logical (unsigned) right shift of int64 values."""
+    return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _data_keys(values: Tensor, mask: Tensor) -> Tensor:
+    """A uniform random int64 key per position, reproducible from `values` at the mask only (so it changes from
+    micro-batch to micro-batch and step to step): splitmix64 of (the integer sum of their float32 bit patterns, exact
+    in any order of addition) + position. Computed on the device from the data, so no seed crosses to the host."""
+    seed = torch.where(mask, values.detach().float(), 0.0).view(torch.int32).long().sum()
+    keys = seed + (torch.arange(1, mask.numel() + 1, device=mask.device) * _GOLDEN)
+    keys = (keys ^ _shift_right(keys, 30)) * _MIX[0]
+    keys = (keys ^ _shift_right(keys, 27)) * _MIX[1]
+    return (keys ^ _shift_right(keys, 31)).view_as(mask)
 
 
 @register_policy_loss("clip_cov")
@@ -160,10 +175,12 @@ def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
     (no value, no gradient: the paper's objective, and verl's), every other token's is PPO's (`ppo_loss`, with
     actor.clip_ratio_low/high/c).
 
-    The draw is reproducible: a torch.Generator seeded from the micro-batch's old log-probs (`_data_seed`) instead of
-    verl's torch.randperm on the global generator. The same micro-batch thus draws the same tokens in every run and
-    on every tensor- and context-parallel rank that computes its loss (their gradients must agree), and the global
-    RNG is neither read nor advanced. The means and the draw are over the tokens of the micro-batch the loss sees (as
+    The draw is reproducible and stays on the device: each candidate gets a pseudo-random key hashed from the
+    micro-batch's old log-probs and its position (`_data_keys`), and the candidates of the smallest keys are drawn,
+    instead of verl's torch.randperm on the global generator (which needs the candidates' count on the host). The
+    same micro-batch thus draws the same tokens in every run and on every tensor- and context-parallel rank that
+    computes its loss (their gradients must agree), and the global RNG is neither read nor advanced. The means and
+    the draw are over the tokens of the micro-batch the loss sees (as
     in verl), so they depend on micro-batching (actor.micro_batch_size, actor.max_tokens_per_micro_batch).
 
     Token sums: pg_clipfrac (the drawn tokens, as verl reports it), pg_clipfrac_ppo and pg_clipfrac_lower (clipped
@@ -180,7 +197,8 @@ def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
     covariance = _token_covariance(log_probs, advantages, mask)
     candidates = (mask & ~clipped & ~dual_clipped & (covariance >= actor.clip_cov_lb)
                   & (covariance <= actor.clip_cov_ub))
-    drawn = _random_pick(candidates, _pick_count(actor.clip_cov_ratio, mask), _data_seed(old_log_probs, mask))
+    keys = torch.where(candidates, _data_keys(old_log_probs, mask), torch.iinfo(torch.int64).max)
+    drawn = candidates & _picked_first(keys, _pick_count(actor.clip_cov_ratio, mask))
     per_token = torch.where(drawn, 0.0, per_token)
     stats = token_stats(mask, log_ratio, pg_clipfrac=drawn, pg_clipfrac_ppo=clipped, pg_clipfrac_lower=dual_clipped)
     return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
@@ -198,7 +216,8 @@ def kl_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, re
 
     |logp - old| is the paper's per-token estimate of KL(pi_old || pi). No PPO clip, as in the paper's objective and
     verl's: the penalty is the trust region of the tokens that drive the entropy down (actor.clip_ratio_low/high/c
-    are not used). The pick is the top-k by covariance: deterministic, no randomness. The means and the top-k are over
+    are not used). The pick is the top-k by covariance (ties in position order): deterministic, no randomness,
+    and no host sync (a sort and a rank on the device). The means and the top-k are over
     the tokens of the micro-batch the loss sees (as in verl), so they depend on micro-batching
     (actor.micro_batch_size, actor.max_tokens_per_micro_batch).
 
@@ -208,10 +227,8 @@ def kl_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, re
     mask = response_mask.bool()
     log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
     advantages = token_advantages(advantages, mask)
-    covariance = _token_covariance(log_probs, advantages, mask).flatten()
-    picked = torch.zeros_like(covariance, dtype=torch.bool)
-    picked[covariance.topk(_pick_count(actor.kl_cov_ratio, mask)).indices] = True
-    picked = picked.view_as(mask)
+    covariance = _token_covariance(log_probs, advantages, mask)
+    picked = _picked_first(-covariance, _pick_count(actor.kl_cov_ratio, mask))
     penalty = torch.where(picked, log_ratio.abs(), 0.0)
     per_token = -advantages * torch.exp(log_ratio) + actor.ppo_kl_coef * penalty
     stats = token_stats(mask, log_ratio, pg_clipfrac=picked, kl_cov_penalty=penalty)

@@ -14,6 +14,7 @@ import torch
 from rl_megatron.algorithms import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, LossScale, cispo_loss,
                                     clip_cov_loss, gspo_loss, kl_cov_loss, ppo_loss)
 from rl_megatron.config import ConfigError, load_config
+from rl_megatron.bench.host_syncs import HostSyncCounter
 from rl_megatron.config.schema import ActorConfig
 
 NAN = float("nan")
@@ -368,3 +369,20 @@ def test_a_users_advantage_estimator_registers_from_trainer_imports(tmp_path, re
     cfg = load_demo(f"trainer.imports=[{path}]", "algorithm.adv_estimator=my_adv")
     assert cfg.algorithm.adv_estimator == "my_adv" and cfg.critic.enable is False
     assert imported_from(ADV_ESTIMATORS["my_adv"], path)
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_no_loss_waits_on_the_host(name):
+    """Every built-in loss, forward and backward, runs on the device without a host sync (Clip-Cov's draw and
+    KL-Cov's top-k included): counted as a GPU run would sync, with the inputs as device tensors."""
+    log_probs, old, advantages, weights, mask = random_batch()
+    scale = LossScale(tokens=28, sequences=6, horizon=8)
+    actor = ActorConfig(clip_cov_ratio=0.1, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.1)
+
+    def step():
+        loss, stats = POLICY_LOSSES[name](log_probs, old, advantages, mask, actor=actor, scale=scale,
+                                          importance_weights=weights)
+        loss.backward()
+
+    with HostSyncCounter([log_probs, old, advantages, weights, mask], torch.device("cpu")) as counter:
+        step()
+    assert counter.count == 0, counter.report()
