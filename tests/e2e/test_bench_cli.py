@@ -1,12 +1,11 @@
 """Every hot-path benchmark runs and reports its figure against a limit measured in the same run."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers.runs import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A figure measured against a plain matrix multiply (or copy) of the same machine and run: a model pass (or a weight
 # sync, which copies every byte at least once) cannot beat it by much. A figure timed over the wrong span, or in the
 # wrong unit, can.

@@ -9,8 +9,8 @@ import sys
 import threading
 
 import pytest
+from helpers.runs import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor.tensor_model_parallel_size=2",
            "actor.pipeline_model_parallel_size=2", "actor.micro_batch_size=4", "model.dtype=bfloat16"]
 LAUNCH_VARIABLES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "GPUS_PER_NODE", "GPU_MEMORY_GIB", "CUDA_VISIBLE_DEVICES",

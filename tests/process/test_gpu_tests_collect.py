@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.runs import REPO
+
+ROOT = Path(REPO)
 NOT_INSTALLED = ("ray", "vllm", "transformer_engine")
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError
 from rl_megatron.rewards import REGISTRY
@@ -219,9 +220,6 @@ def test_a_batch_that_cannot_be_sent_fails_alone(user_module):
             user_score(scorer, ["sleep:0.05"] * n, truths)
         scored = user_score(scorer, ["ok", "no", "ok"])
     assert scored.scores.tolist() == [1.0, 0.0, 1.0] and scored.stats["reward/errors"] == 0
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("override, message", [

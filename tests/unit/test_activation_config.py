@@ -5,13 +5,13 @@ no Megatron state: well under a second each."""
 import os
 
 import pytest
+from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError, load_config, model_config
 from rl_megatron.models.activations import ActivationSettings, sequence_parallel_on
 from rl_megatron.models.gpt import transformer_config
 from rl_megatron.roles import Role
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DENSE = (os.path.join(REPO, "configs", "demo_cpu.yaml"), os.path.join(REPO, "configs", "models", "tiny-qwen2-digits"))
 MOE = (os.path.join(REPO, "configs", "moe", "grpo_tiny_qwen3_moe_cpu.yaml"),
        os.path.join(REPO, "configs", "models", "tiny-qwen3-moe-digits"))

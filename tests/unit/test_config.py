@@ -8,11 +8,11 @@ import os
 import shutil
 
 import pytest
+from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError, load_config
 from rl_megatron.config.schema import ActorConfig, Config, OptimConfig, TrainerConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 

@@ -1,13 +1,14 @@
 import os
 
 import pytest
+from helpers.runs import REPO
 from transformers import AutoTokenizer
 
 from rl_megatron.batch import Prompt
 from rl_megatron.data.arithmetic import arithmetic_rows
 from rl_megatron.data.loader import PromptLoader
 
-TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "tiny-qwen2-digits")
+TINY_MODEL_DIR = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 NUM_ROWS = 55  # sum over a = 0..9 of the (10 - a) choices of b with a + b <= 9
 
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.runs import REPO
 from transformers import AutoTokenizer
 
 from rl_megatron.config import ConfigError, load_config
@@ -13,7 +14,7 @@ from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.data.section import check_data_section, resolve_data_section
 from rl_megatron.data.parquet_files import DataFileError
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+CONFIGS = os.path.join(REPO, "configs")
 TINY_MODEL_DIR = os.path.join(CONFIGS, "models", "tiny-qwen2-digits")
 DEMO_CONFIG = os.path.join(CONFIGS, "demo_cpu.yaml")
 # BOS, the messages' contents, and "=" as the generation prompt: "3+4" renders as the raw prompt "3+4=" would.

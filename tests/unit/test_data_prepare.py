@@ -1,4 +1,5 @@
-"""`python -m rl_megatron.data.prepare`: solvable countdown problems, and GSM8K / MATH conversion."""
+"""`python -m rl_megatron.data.prepare` (its entry point, `main(argv)`, called here): solvable countdown problems,
+GSM8K / MATH conversion, --help and argparse's errors."""
 import itertools
 import json
 import os
@@ -8,6 +9,7 @@ from fractions import Fraction
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.runs import REPO
 from transformers import AutoTokenizer
 
 from rl_megatron import rewards
@@ -16,7 +18,6 @@ from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.data.countdown import generate_countdown_problems
 from rl_megatron.data.prepare import main
 
-REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 TINY_MODEL_DIR = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 OPENING = "Let me solve this step by step.\n<think>"
 
@@ -186,3 +187,14 @@ def test_split_must_be_given_when_the_file_name_does_not_tell(tmp_path, capsys):
     assert "--split train or --split test" in capsys.readouterr().err
     assert run_prepare("gsm8k", "--input", tmp_path / "absent.jsonl", "--out", tmp_path / "out") == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_and_argument_errors_from_the_command_line(capsys):
+    """argparse ends the command (SystemExit) with its exit code: 0 after --help, 2 for a bad argument."""
+    with pytest.raises(SystemExit) as helped:
+        main(["countdown", "--help"])
+    out = capsys.readouterr().out
+    assert helped.value.code == 0 and "--num-operands" in out and "qwen-instruct" in out
+    with pytest.raises(SystemExit) as bad:
+        main(["countdown", "--out", "x", "--num-operands", "1..4"])
+    assert bad.value.code == 2 and "need 2 <= LOW <= HIGH" in capsys.readouterr().err

@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError, load_config, model_config
 from rl_megatron.models.gpt import transformer_config
 from rl_megatron.platform.determinism import check_environment, make_process_deterministic
 from rl_megatron.trainer.workers import worker_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 VARIABLES = ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FLASH_ATTN",
              "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

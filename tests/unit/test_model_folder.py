@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers.parity import family_model_dir
+from helpers.runs import REPO
 from safetensors.torch import save_file
 
 from rl_megatron.config import ConfigError, load_config
@@ -23,7 +24,6 @@ from rl_megatron.models.hf_weights import (SafetensorsFileError, TensorHeader, c
                                            read_safetensors_header)
 from rl_megatron.models.tokenizer import checked_tokenizer, load_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 DEMO_PPO = os.path.join(REPO, "configs", "demo_cpu_ppo.yaml")
 

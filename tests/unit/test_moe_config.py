@@ -4,12 +4,12 @@ import json
 import os
 
 import pytest
+from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError, load_config, model_config, moe_hf_overrides
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.gpt import moe_settings, transformer_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(REPO, "configs", "moe", "grpo_tiny_qwen3_moe_cpu.yaml")
 MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen3-moe-digits")
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron.algorithms import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, LossScale, cispo_loss,
                                     clip_cov_loss, gspo_loss, kl_cov_loss, ppo_loss)
@@ -25,7 +26,6 @@ MASK = torch.tensor([
 ])
 TOKEN_MEAN_OF_5 = LossScale(tokens=5, sequences=3, horizon=4)
 BUILT_IN = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron import platform
 from rl_megatron.config import ConfigError, load_config
@@ -16,7 +17,6 @@ from rl_megatron.workers.phases import GENERATE, SYNC, forward, train
 from rl_megatron.workers.profiling import StepProfiler, phase_range, trace_path
 from rl_megatron.workers.worker_group import dispatch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 

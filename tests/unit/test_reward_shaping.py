@@ -4,13 +4,13 @@ import os
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.config import ConfigError, load_config
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, check_fields
 from rl_megatron.config.schema import RULES, Config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 DEMO_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
 

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import REPO
 
 from rl_megatron.platform.stack import stack_problems, torch_build_problem, vllm_torch_pin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(REPO)
 
 
 @pytest.mark.parametrize("have,pinned", [("2.13.0", "2.13.0"), ("2.13.0+cu130", "2.13.0"), ("2.13.0+cpu", "2.13.0+cpu")])

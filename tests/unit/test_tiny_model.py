@@ -2,13 +2,14 @@ import json
 import os
 
 import pytest
+from helpers.runs import REPO
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rl_megatron.models.tiny import TINY_FAMILIES, TOOLS, write_tiny_model
 
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-MODELS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
+MODELS_DIR = os.path.join(REPO, "configs", "models")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import os
 import random
 
 import pytest
+from helpers.runs import REPO
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
@@ -15,7 +16,7 @@ from rl_megatron.rewards import READS_EXTRA_INFO, REGISTRY, register, score
 from rl_megatron.rewards.lookup import CALL_CREDIT, compute_score
 from rl_megatron.rewards.worker import score_chunk
 
-FOLDER = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "tiny-qwen2-tools")
+FOLDER = os.path.join(REPO, "configs", "models", "tiny-qwen2-tools")
 LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description": "the secret digit",
                                                 "parameters": {"type": "object", "properties": {}}}}
 PROMPT = [{"role": "user", "content": "secret?"}]

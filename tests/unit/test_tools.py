@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from helpers.runs import REPO
 
 from rl_megatron.errors import ConfigError
 from rl_megatron.tools import Tool, ToolCall, ToolOutcome, ToolSet, parse_tool_calls
@@ -13,7 +14,7 @@ from rl_megatron.tools.calculator import CalculatorTool
 from rl_megatron.tools.python_tool import PythonTool
 
 KEY = "rollout.multi_turn.tool_config_path"
-EXAMPLE_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tools", "python_calculator.yaml")
+EXAMPLE_CONFIG = os.path.join(REPO, "configs", "tools", "python_calculator.yaml")
 
 
 def _schema(name: str, parameters: dict | None = None) -> dict:

@@ -3,25 +3,24 @@
 scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air) load, validate and fit their
 cluster, activations included (every pool's peak phase under an H100's 80 GiB): each with the real model's config.json
 and data prepared by
-`python -m rl_megatron.data.prepare` (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
+`python -m rl_megatron.data.prepare`'s entry point, called here (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
 recipes also keep their papers' hyper-parameters."""
 import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers.model_folders import write_header_only_weights, write_text_tokenizer, write_tool_text_tokenizer
+from helpers.runs import REPO
 
 from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.config import ConfigError, load_config
+from rl_megatron.data import prepare as data_prepare
 from rl_megatron.launch import build_plan, format_plan
 from rl_megatron.launch.memory import GIB
 from rl_megatron.rewards import score
 
-REPO = __file__.rsplit("/tests/", 1)[0]
 # The config.json fields of the released models that shape the layout and the memory.
 QWEN2_5 = {"3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
@@ -97,9 +96,7 @@ def model_folder(tmp_path, size, tools=False):
 
 def prepare(tmp_path, task, *args):
     out = tmp_path / task
-    done = subprocess.run([sys.executable, "-m", "rl_megatron.data.prepare", task, "--out", str(out), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert data_prepare.main([task, "--out", str(out), *args]) == 0
     return out
 
 

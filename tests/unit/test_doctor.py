@@ -1,10 +1,8 @@
-"""`python -m rl_megatron.doctor` where it fails fast, on a box with only torch, Megatron and transformers (no Ray,
-vLLM or Transformer Engine: what a first single-GPU machine often has), and its report and verdicts (the whole run
-with Ray and vLLM on CPU is in tests/e2e/test_launch_script.py, through `launch/train_3d.sh --check`)."""
+"""`python -m rl_megatron.doctor` where it fails fast (its entry point, `main(argv)`, called here), and its report and
+verdicts. On a box with only torch, Megatron and transformers (no Ray, vLLM or Transformer Engine: what a first
+single-GPU machine often has), in a process of its own: tests/process/test_doctor_without_engines.py; the whole run
+with Ray and vLLM on CPU is in tests/e2e/test_launch_script.py, through `launch/train_3d.sh --check`."""
 import json
-import os
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -13,39 +11,22 @@ import pytest
 from helpers.runs import REPO
 from rl_megatron.config import load_config
 from rl_megatron.doctor import checks, model_checks
+from rl_megatron.doctor.__main__ import main
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, guarded, table
 
-# Put first on PYTHONPATH, it makes the named packages unimportable in every process the doctor starts, as where
-# they are not installed: `import` raises ModuleNotFoundError, importlib.util.find_spec returns None.
-WITHOUT = """import sys
-for name in ("ray", "vllm", "transformer_engine"):
-    sys.modules[name] = None
-"""
+@pytest.fixture
+def doctor(monkeypatch, capsys):
+    """`doctor(*args)`: `python -m rl_megatron.doctor --config configs/demo_cpu.yaml ARGS` as its entry point, called
+    here from the repository's root; returns (exit code, stdout, stderr)."""
+    monkeypatch.chdir(REPO)
 
+    def run(*args):
+        capsys.readouterr()
+        code = main(["--config", "configs/demo_cpu.yaml", *args])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
-def doctor(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "rl_megatron.doctor", "--config", "configs/demo_cpu.yaml", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-
-
-def test_without_ray_vllm_and_te_one_device_runs_the_megatron_checks_and_skips_the_engines(tmp_path):
-    """One device and the demo's config with the tiny Qwen3-MoE: the router, parity, update, offload and bench
-    checks pass; the engine and cluster checks skip, each saying why; exit 0."""
-    (tmp_path / "sitecustomize.py").write_text(WITHOUT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = doctor("model.path=configs/models/tiny-qwen3-moe-digits", "trainer.n_gpus_per_node=1",
-                  "actor.tensor_model_parallel_size=1", "--json", env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    results = {r["name"]: r for r in json.loads(done.stdout)}
-    assert {name: r["status"] for name, r in results.items()} == {
-        "devices": PASS, "stack: torch and vLLM": SKIP, "stack: Transformer Engine": SKIP, "stack: MoE router": PASS,
-        "Megatron vs transformers (qwen3_moe)": PASS, "update": PASS, "offload round trip": PASS,
-        "bench train": PASS, "collectives": SKIP, "host memory": PASS, "GPU memory": SKIP, "cycle": SKIP}
-    assert results["cycle"]["figure"] == ("ray and vllm not installed, which the engine and cluster checks need "
-                                          f"({checks.ENGINE_INSTALL})")
-    assert results["stack: torch and vLLM"]["figure"].startswith("vllm not installed")
-    assert "torch's GEMM" in results["stack: MoE router"]["figure"]  # te_general_gemm bound to None, as without TE
-    assert results["collectives"]["figure"] == "one device: nothing to exchange"
+    return run
 
 
 def test_the_engine_checks_skip_naming_what_is_missing_and_the_install_command():
@@ -78,7 +59,7 @@ def test_the_one_device_checks_pass_only_within_their_bounds_and_fail_with_the_f
     assert result.status == status and fix_names in result.fix and bool(result.fix) == (status == FAIL)
 
 
-def test_too_few_devices_fails_first_naming_the_key_and_starts_nothing():
+def test_too_few_devices_fails_first_naming_the_key_and_starts_nothing(doctor):
     start = time.perf_counter()
     done = doctor("trainer.n_gpus_per_node=64", "actor.micro_batch_size=4", "--json")
     assert done.returncode == 1, done.stderr
@@ -88,7 +69,7 @@ def test_too_few_devices_fails_first_naming_the_key_and_starts_nothing():
     assert time.perf_counter() - start < 60  # no Ray, no engine
 
 
-def test_a_bad_config_is_one_error_line_and_exit_code_2():
+def test_a_bad_config_is_one_error_line_and_exit_code_2(doctor):
     done = doctor("actor.optim.lr=oops")
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "actor.optim.lr" in done.stderr
 
