@@ -215,8 +215,8 @@ def write_tiny_model(out_dir: str, with_weights: bool = False, seed: int = 0, vo
     return out_dir
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m rl_megatron.models.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write the model files into (created if missing)")
     parser.add_argument("--with-weights", action="store_true", help="also write random safetensors weights")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -231,7 +231,11 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(TINY_FAMILIES),
                         help="another family's tiny model (digits vocabulary), as configs/models/tiny-NAME-digits "
                              "holds it")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     variant = {"vocabulary": TEXT, "max_positions": 1024} if args.text else {"vocabulary": TOOLS} if args.tools else {}
     print(write_tiny_model(args.out_dir, with_weights=args.with_weights, seed=args.seed, moe=args.moe,
                            family=args.family, **variant))
