@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rl_megatron-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-tools test clean
+.PHONY: install demo demo-tools test test-fast clean
 
 install: $(STAMP)
 
@@ -28,8 +28,13 @@ demo: install
 demo-tools: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu_tools.yaml
 
+# Every tier (tests/conftest.py describes them); `make test PYTEST_ARGS='-m "not e2e"'` selects by tier.
 test: install
 	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
+
+# The unit tier alone, in under 2 minutes: what to run after each change.
+test-fast: install
+	$(PY) -m pytest tests -m unit --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -31,7 +31,7 @@ def gpus(count: int):
 
 
 @gpus(1)
-def test_generation_after_a_level_2_sleep_is_synced_first(ray_local, tiny_model_dir, tmp_path):
+def test_generation_after_a_level_2_sleep_is_synced_first(ray_session, tiny_model_dir, tmp_path):
     """The phase machine with a real engine: every Megatron phase (a forward pass, a checkpoint save) sleeps the
     engine at level 2, which discards its weights; the next generation must sync them again, and then generate what
     transformers generates with the trainer's weights (with stale or discarded weights it generates garbage)."""
@@ -61,7 +61,7 @@ def test_generation_after_a_level_2_sleep_is_synced_first(ray_local, tiny_model_
 
 @gpus(2)
 @pytest.mark.parametrize("engine_tp", [1, 2])
-def test_colocated_sync_over_nccl_from_tp2(ray_local, tiny_model_dir, engine_tp):
+def test_colocated_sync_over_nccl_from_tp2(ray_session, tiny_model_dir, engine_tp):
     """Megatron TP=2 into engines of TP=1 (each rank gathers the other's half: both send and receive in one round)
     and TP=2 (an engine sharded over both workers: vLLM's tensor parallelism in the trainer's processes)."""
     check_sync_puts_trainer_weights_into_engines(tiny_model_dir, f"rollout.tensor_parallel_size={engine_tp}",
@@ -69,7 +69,7 @@ def test_colocated_sync_over_nccl_from_tp2(ray_local, tiny_model_dir, engine_tp)
 
 
 @gpus(3)
-def test_separate_engine_receives_the_weights_by_nccl_broadcast(ray_local, tiny_model_dir):
+def test_separate_engine_receives_the_weights_by_nccl_broadcast(ray_session, tiny_model_dir):
     check_sync_puts_trainer_weights_into_engines(tiny_model_dir, "rollout.placement=separate",
                                                  "resharding.verify=true", cpus=3)
 

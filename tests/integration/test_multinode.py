@@ -10,6 +10,7 @@ import pytest
 from helpers.ray_debug import assert_ray_debug_reached_workers
 
 NODES, SLOTS_PER_NODE = 2, 2
+pytestmark = pytest.mark.own_ray  # after the test run's Ray has ended (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,7 @@ def two_node_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    ray.shutdown()  # a local Ray of this session would stand in for the cluster
+    assert not ray.is_initialized(), "a local Ray of this process would stand in for the cluster"
     # Workers get no GLOO_SOCKET_IFNAME from the trainer off a local Ray (as on a real cluster): take this
     # session's out of the environment the nodes inherit.
     with pytest.MonkeyPatch.context() as env:

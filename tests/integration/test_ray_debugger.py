@@ -33,21 +33,18 @@ def paused_worker_class() -> type:
 
 
 @pytest.fixture(scope="module")
-def project_ray():
-    """Ray started by `start_ray` with RAY_DEBUG=legacy; what it printed."""
-    import ray
-
+def project_ray(ray_session):
+    """The test run's Ray (`ray_session`, started by `start_ray` as the trainer starts it), with RAY_DEBUG=legacy in the
+    controller's environment for this module; what `start_ray` printed when called now, as the trainer calls it."""
     from rl_megatron.config import load_config
     from rl_megatron.workers.cluster import start_ray
 
-    ray.shutdown()  # a local Ray of this session would stand in for the project's
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_DEBUG", "legacy")
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             start_ray(load_config("configs/demo_cpu.yaml", ["ray.num_cpus=2"]))
         yield printed.getvalue()
-    ray.shutdown()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines
 @pytest.mark.parametrize("placement,engine_tp", [pytest.param("colocated", 1, marks=pytest.mark.slow),
                                                  ("colocated", 2),
                                                  pytest.param("separate", 1, marks=pytest.mark.slow)])
-def test_sync_puts_trainer_weights_into_engines(ray_local, tiny_model_dir, placement, engine_tp):
+def test_sync_puts_trainer_weights_into_engines(ray_session, tiny_model_dir, placement, engine_tp):
     """The actor at TP=2 in two workers. Colocated, engine TP=1: one engine per worker; engine TP=2: one engine
     sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
     check_sync_puts_trainer_weights_into_engines(tiny_model_dir, f"rollout.tensor_parallel_size={engine_tp}",

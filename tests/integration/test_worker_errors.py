@@ -22,20 +22,7 @@ def failing_worker_class() -> type:
     return Failing
 
 
-@pytest.fixture(scope="module")
-def project_ray():
-    import ray
-
-    from rl_megatron.config import load_config
-    from rl_megatron.workers.cluster import start_ray
-
-    ray.shutdown()  # a local Ray of this session would stand in for the project's
-    start_ray(load_config("configs/demo_cpu.yaml", ["ray.num_cpus=2"]))
-    yield
-    ray.shutdown()
-
-
-def test_an_exception_raised_in_a_worker_names_the_worker_and_quotes_its_log(project_ray):
+def test_an_exception_raised_in_a_worker_names_the_worker_and_quotes_its_log(ray_session):
     from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
 
     with WorkerGroup(failing_worker_class(), ResourcePool(1, 2), name="failing") as group:
