@@ -1,11 +1,12 @@
 """Shared fixtures: a tiny HF model with weights (built locally), and one local Ray for the test run.
 
 The tiers, each a folder and a pytest marker of the same name (set here from the folder; `-m unit`, `-m "not e2e"`):
-- unit (tests/unit; `make test-fast`, under 2 minutes): in this process, no Ray, no spawned ranks; the CLIs' error
-  checks call each entry point's `main(argv)`.
+- unit (tests/unit; `make test-fast`, under 2 minutes): in this process (what a unit starts itself aside, as the
+  sandboxed Python tool), no Ray, no ranks, no fresh interpreter; the CLIs' error checks call each entry point's
+  `main(argv)`.
 - component (tests/distributed, tests/process): real parts in processes of their own, without the suite's Ray:
   Megatron ranks on gloo (parity with transformers), the CLIs where only a fresh process shows it (the exit code,
-  that Ray never started), the reward scorer's process pool, the reaper, a fresh interpreter.
+  that Ray never started), the reward scorer's process pool, the reaper, what needs a fresh interpreter.
 - integration (tests/integration): Ray workers and vLLM engines, on the one Ray of the test run (`ray_session`);
   the multi-node test starts a two-node cluster of its own, once that Ray has ended.
 - e2e (tests/e2e): whole training runs and the launch script, as users start them; its benchmark smoke runs
@@ -32,7 +33,7 @@ TIERS = {"unit": ("unit",), "process": ("component",), "distributed": ("componen
          "integration": ("integration",), "e2e": ("e2e",), "gpu": ("gpu",)}
 FILE_TIERS = {"e2e/test_bench_cli.py": ("bench",)}
 MARKERS = {
-    "unit": "in this process, no Ray and no spawned ranks (tests/unit; make test-fast)",
+    "unit": "in this process: no Ray, no ranks, no fresh interpreter (tests/unit; make test-fast)",
     "component": "real parts in processes of their own, without the suite's Ray (tests/distributed, tests/process)",
     "integration": "Ray workers and vLLM engines on the test run's one Ray (tests/integration)",
     "e2e": "whole runs and the launch script as users start them (tests/e2e)",
