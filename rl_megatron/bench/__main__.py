@@ -50,11 +50,15 @@ PEER_BENCHES = {"transformers": ("train", "log_probs"), "vllm": ("generate", "mu
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
 COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
 MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
-                  "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096, "batch": 16, "seq": 2048},
+                  "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096},
                   # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
                   # probabilities count, on a model small enough for seconds per mode on 2 cores.
                   "recompute": {"hidden": 256, "batch": 4, "seq": 1024},
                   "multi_turn": {"hidden": 256, "layers": 2, "batch": 32}}
+# variable_length's batch: on a GPU 16 chains of thought of up to 2048 tokens; on CPU 8 of up to 256, 103 s of CPU time
+# in all its processes on the 2-core machine (under 2 minutes even one core at a time), where the GPU's batch runs past
+# 15 minutes.
+VARIABLE_LENGTH_BATCH = {"gpu": {"batch": 16, "seq": 2048}, "cpu": {"batch": 8, "seq": 256}}
 MOE_EXPERTS = 8  # reshard --moe
 # Set by a benchmark's defaults beside the width: they hold only while --hidden is not given.
 WIDTH_KEYS = ("heads", "kv_heads", "intermediate")
@@ -65,7 +69,10 @@ def bench_defaults(name: str) -> dict:
         from rl_megatron.bench import train
 
         return {**COMMON_DEFAULTS, **train.default_model()}
-    return {**COMMON_DEFAULTS, **MODEL_DEFAULTS.get(name, {})}
+    defaults = {**COMMON_DEFAULTS, **MODEL_DEFAULTS.get(name, {})}
+    if name == "variable_length":
+        defaults.update(VARIABLE_LENGTH_BATCH["gpu" if platform.has_cuda() else "cpu"])
+    return defaults
 
 
 def bench_model_config(hidden: int, layers: int, vocab: int, heads: int | None = None, kv_heads: int | None = None,
@@ -96,10 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                     "GPU 896)")
     parser.add_argument("--layers", type=int, help="model depth (default 4; reshard 2; train on GPU 24)")
     parser.add_argument("--vocab", type=int, help="vocabulary (default 4096; reshard 8192; train on GPU 151936)")
-    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4; recompute 4)")
+    parser.add_argument("--batch", type=int, help="sequences per call (default 32; train on CPU 4; recompute 4; "
+                                                   "variable_length 16 on GPU, 8 on CPU)")
     parser.add_argument("--seq", type=int, help="tokens per sequence, prompt + response (default 256; train on GPU "
                                                  "1024; recompute 1024); variable_length: the longest response "
-                                                 "(default 2048)")
+                                                 "(default 2048 on GPU, 256 on CPU)")
     parser.add_argument("--max-tokens", type=int,
                         help="variable_length: the token budget of a micro-batch (default: twice the longest "
                              "sample); async: rollout.max_tokens, the longest response (default 64)")
