@@ -6,7 +6,8 @@ batch whose lengths look like chains of thought:
 - prompts: uniform in [32, 128] tokens;
 - responses: log-normal, median --seq / 8, sigma 1 (so about 2% of a batch would pass --seq), clamped to
   [32, --seq], and the longest set to --seq (a response that ran into rollout.max_tokens, as every real batch
-  has). Default on CPU: --seq 2048, 16 samples, a 256-wide 2-layer Qwen2 (vocabulary 4096) in float32.
+  has). Defaults: a 256-wide 2-layer Qwen2 (vocabulary 4096); on GPU --seq 2048 and 16 samples; on CPU --seq 256
+  and 8 samples, in float32 (`VARIABLE_LENGTH_BATCH` in rl_megatron/bench/__main__.py).
 
 Three ways, each in a process of its own (so that each one's peak memory is its own):
 
