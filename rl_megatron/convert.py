@@ -43,7 +43,8 @@ def _say(message: str) -> None:
 
 def _check_layout(hf: dict, source: str, tp: int, pp: int, ep: int) -> None:
     """The model against the layout the command runs at: the trainer's check, naming the command's flags."""
-    from rl_megatron.config import ConfigError, check_model_layout
+    from rl_megatron.config import ConfigError
+    from rl_megatron.models.checks import check_model_layout
 
     for name, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
@@ -114,7 +115,8 @@ def _hf_dtype(hf: dict) -> str:
 
 
 def from_hf(args) -> None:
-    from rl_megatron.config import ConfigError, read_hf_config
+    from rl_megatron.config import ConfigError
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.models.gpt import SafetensorsReader
     from rl_megatron.workers.spawn import run_distributed
 

@@ -8,8 +8,9 @@ import time
 import psutil
 
 from rl_megatron.cli import run_command
-from rl_megatron.config import ConfigError, load_config, one_line
+from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.platform.startup import defer_garbage_collection
+from rl_megatron.preflight import load_config
 
 EPILOG = """\
 examples:

@@ -112,7 +112,7 @@ def ray_session():
     import ray
 
     from helpers.runs import REPO
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
     from rl_megatron.workers.cluster import start_ray
 
     assert not ray.is_initialized(), "a Ray is already running in this process"

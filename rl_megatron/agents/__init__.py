@@ -7,10 +7,11 @@
 """
 from __future__ import annotations
 
-from rl_megatron.agents.base import SINGLE_TURN, AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator
+from rl_megatron.agents.base import AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator
 from rl_megatron.agents.runner import AgentRunner
 from rl_megatron.agents.tool_agent import ToolAgentLoop
 from rl_megatron.agents.trajectory import ChatDeltas, Trajectory
+from rl_megatron.config.choices import SINGLE_TURN
 from rl_megatron.errors import ConfigError
 from rl_megatron.plugins import load_callable
 from rl_megatron.tools import ToolSet

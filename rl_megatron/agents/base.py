@@ -13,17 +13,13 @@ a seed of its own (trainer.seed, the step, the sample and the turn), so a resume
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from rl_megatron.agents.trajectory import ChatDeltas
 from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.rollout.completions import Completion
 from rl_megatron.tools import ToolSet
-
-if TYPE_CHECKING:  # the config imports the agent loops (its pre-flight check builds one): no import back at runtime
-    from rl_megatron.config.schema import RolloutConfig
-
-SINGLE_TURN = "single_turn"  # rollout.agent_loop: each prompt answered in one batched generation (no agent loop)
 
 
 class TurnGenerator(Protocol):

@@ -3,8 +3,7 @@ import torch
 from torch import Tensor
 
 from rl_megatron.algorithms.masked import masked_mean
-
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "low_var_kl")
+from rl_megatron.config.choices import KL_ESTIMATORS
 
 # k3 is exp(x) - x - 1 with x = ref - logp: it is far past the [-10, 10] clamp once |x| > 20, and capping x there keeps
 # exp() finite, so the clamped values get 0 gradients instead of 0 * inf = NaN.

@@ -12,8 +12,7 @@ from torch import Tensor
 
 from rl_megatron.algorithms.masked import masked_sum
 from rl_megatron.batch import to_device
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rl_megatron.config.choices import LOSS_AGG_MODES
 
 # Keeps exp() finite (float32 overflows near e^88); a ratio of e^20 is already far outside any clip range.
 _MAX_ABS_LOG_RATIO = 20.0

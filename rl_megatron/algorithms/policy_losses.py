@@ -17,7 +17,6 @@ Positions outside response_mask may hold anything (inf, NaN): every loss reads l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,9 +25,7 @@ from rl_megatron.algorithms.losses import (LossScale, LossStats, clipped_surroga
                                           token_advantages, token_stats, weighted_aggregate)
 from rl_megatron.algorithms.masked import masked_sum
 from rl_megatron.algorithms.registry import Registry
-
-if TYPE_CHECKING:  # for the annotations only: the config schema imports this package
-    from rl_megatron.config.schema import ActorConfig
+from rl_megatron.config.schema import ActorConfig
 
 PolicyLoss = Callable[..., tuple[Tensor, LossStats]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor.policy_loss",

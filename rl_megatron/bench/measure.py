@@ -97,7 +97,7 @@ def bench_config(args, model_dir: str, dtype: str = "float32", overrides: Sequen
     """The config of a one-process actor (a colocated worker's layout) over the model in `model_dir`, random weights,
     whose mini-batch is the whole batch of `args.batch` sequences of `args.seq` tokens (half of them the response);
     `overrides` (`key=value`) on top."""
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
 
     response = args.seq // 2
     return load_config(None, [f"model.path={model_dir}", "model.random_init=true", f"model.dtype={dtype}",
@@ -122,7 +122,7 @@ def build_actor_and_batch(args, model_dir: str, dtype: str = "float32"):
     """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir` (`bench_config`),
     with `random_batch`. The whole batch is one PPO mini-batch, so an update is one optimizer step. Returns (actor,
     HF config, batch). The world is formed here unless the process has one (the doctor's one-rank world)."""
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.distributed import init_distributed, listen_store
     from rl_megatron.workers.megatron_actor import MegatronActor
 

@@ -63,7 +63,7 @@ def saved_activation_bytes(model, batch: TrainBatch) -> int:
 
 
 def run(args, model_dir: str) -> dict:
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.distributed import init_distributed, listen_store
     from rl_megatron.workers.megatron_actor import MegatronActor
 

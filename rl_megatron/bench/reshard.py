@@ -47,7 +47,7 @@ def _timed_together(fn, repeats: int) -> float:
 def measure_rank(cfg, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from rl_megatron.config import model_config
+    from rl_megatron.models.hf_config import model_config
     from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
@@ -92,7 +92,7 @@ def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
     import torch.distributed as dist
 
     from rl_megatron.bench.measure import timed
-    from rl_megatron.config import model_config
+    from rl_megatron.models.hf_config import model_config
     from rl_megatron.resharding import checksum
     from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
     from rl_megatron.workers.megatron_actor import MegatronActor
@@ -176,7 +176,7 @@ def run_separate(args, cfg) -> dict:
 
 
 def run(args, model_dir: str) -> dict:
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
     from rl_megatron.workers.spawn import run_distributed
 
     world = args.tp * args.pp * args.ep

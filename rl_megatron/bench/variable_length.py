@@ -32,7 +32,8 @@ import torch
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
 from rl_megatron.bench.measure import synchronize
-from rl_megatron.config import load_config, read_hf_config
+from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.preflight import load_config
 from rl_megatron.workers.megatron_actor import MegatronActor
 from rl_megatron.workers.spawn import run_distributed
 

@@ -14,7 +14,7 @@ import torch
 
 from rl_megatron import platform
 from rl_megatron.bench.vllm_alone import Conversation, Work, run_in_own_process
-from rl_megatron.config.model_files import read_hf_config
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.family import family_of
 from rl_megatron.rollout.vllm_engine import VLLMEngine, engine_arguments
 

@@ -29,7 +29,8 @@ import torch
 
 from rl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, finish_partial, partial_path, replace_file, start_partial
 from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
-from rl_megatron.config import Config, uses_reference
+from rl_megatron.config import Config
+from rl_megatron.config.pools import uses_reference
 from rl_megatron.roles import Role
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"

@@ -103,7 +103,7 @@ def _parse_override(item: str) -> list[tuple[str, Any, str]]:
 
 def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """Merge `path` (YAML) and `overrides` (`a.b=value`) onto the schema: the values as given, typed. Values are
-    checked by `rl_megatron.config.preflight`, derived ones filled in by `rl_megatron.config.resolve`."""
+    checked by `rl_megatron.preflight`, derived ones filled in by `rl_megatron.preflight.resolve`."""
     settings = _leaves(_read_yaml(path), f"'{path}'") if path is not None else []
     for item in overrides:
         settings += _parse_override(item)

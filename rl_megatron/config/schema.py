@@ -2,7 +2,9 @@
 
 YAML files in configs/ and `key=value` overrides are merged onto these dataclasses; keys that are not
 declared here are rejected (see `rl_megatron.config.load`). A number's range is declared with `checked(default,
-bound, hint)` and a name's choices by its `Literal` type; `rl_megatron.config.fields` checks both for every key.
+bound, hint)` and a name's choices by its `Literal` type (the fixed lists in `rl_megatron.config.choices`);
+`rl_megatron.config.fields` checks both for every key. The schema imports nothing but the config package's own
+modules and the standard library, so that any package can import its types.
 """
 from __future__ import annotations
 
@@ -10,13 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from rl_megatron.agents.base import SINGLE_TURN
-from rl_megatron.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES
+from rl_megatron.config.choices import CHANNELS, DEFAULT_LOGGERS, KL_ESTIMATORS, LOGGERS, LOSS_AGG_MODES, \
+    MATCH_MODES, SINGLE_TURN, TASK_NAMES
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
-from rl_megatron.data import TASKS
-from rl_megatron.resharding.channels import CHANNELS
-from rl_megatron.rewards import MATCH_MODES
-from rl_megatron.tracking import DEFAULT_LOGGERS, LOGGERS
 
 Placement = Literal["colocated", "separate"]
 OFF_AT_ZERO = "0 turns it off"
@@ -250,7 +248,7 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    task: Optional[Literal[tuple(TASKS)]] = checked(
+    task: Optional[Literal[TASK_NAMES]] = checked(
         None, hint="or train on parquet files with data.train_files=[...]")  # built-in task generated on the fly (default arithmetic); leave unset with train_files
     train_files: Any = field(default_factory=list)  # parquet files in verl's layout (a list, or one path) to train on
     val_files: Any = field(default_factory=list)  # parquet files to validate on (a list, or one path), read in file order

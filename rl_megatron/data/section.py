@@ -1,6 +1,6 @@
 """The config's data section (`rl_megatron.config.schema.DataConfig`): its derived values and its checks.
 
-`resolve_data_section` is what `rl_megatron.config.resolve` and the loader builder use; `check_data_section` and
+`resolve_data_section` is what `rl_megatron.preflight.resolve` and the loader builder use; `check_data_section` and
 `check_first_prompt_encodes` are the data package's part of the pre-flight check. File contents are checked when
 they are read.
 """

@@ -8,9 +8,10 @@ import tempfile
 import time
 
 from rl_megatron.cli import run_command
-from rl_megatron.config import ConfigError, load_config, one_line
 from rl_megatron.doctor import checks
 from rl_megatron.doctor.report import FAIL, PASS, Result, exit_code, guarded, table
+from rl_megatron.errors import ConfigError, one_line
+from rl_megatron.preflight import load_config
 
 EPILOG = """\
 checks (each PASS, FAIL with the fix, or SKIP with the reason):

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from rl_megatron.batch import Prompt, TrainBatch
-from rl_megatron.config import load_config, read_hf_config
 from rl_megatron.config.schema import Config
+from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.preflight import load_config
 from rl_megatron.rollout.vllm_engine import request_seeds
 from rl_megatron.trainer.workers import build_workers, sync_weights
 

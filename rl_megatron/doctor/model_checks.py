@@ -16,13 +16,14 @@ from megatron.core.transformer.moe.router import TopKRouter
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
 from rl_megatron.bench.__main__ import parse_args, prepare, run_bench
-from rl_megatron.config import Config, read_hf_config
+from rl_megatron.config import Config
 from rl_megatron.doctor.offload_check import (device_layout, offload_problems, round_trip, round_trip_batches,
                                               update_problems)
 from rl_megatron.doctor.parity import (LOG_PROB_TOLERANCE, SEQ, VOCAB, actor_config, family_model_dir, hf_reference,
                                        make_batch, saved_checkpoint, tensor_differences)
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, guarded
 from rl_megatron.models.gpt import uses_transformer_engine
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.workers.megatron_actor import MegatronActor
 
 ROUTER, UPDATE, OFFLOAD, BENCH = "stack: MoE router", "update", "offload round trip", "bench train"

@@ -17,8 +17,9 @@ import torch
 
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
-from rl_megatron.config import Config, read_hf_config
+from rl_megatron.config import Config
 from rl_megatron.doctor.parity import make_batch, tensor_differences
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.resharding.shared_params import location
 from rl_megatron.workers.megatron_actor import MegatronActor
 from rl_megatron.workers.offload import Offloader, torch_optimizers

@@ -11,8 +11,9 @@ import transformers
 from safetensors.torch import load_file
 
 from rl_megatron.batch import TrainBatch
-from rl_megatron.config import Config, load_config
+from rl_megatron.config import Config
 from rl_megatron.models.tiny import build_tokenizer, family_config
+from rl_megatron.preflight import load_config
 
 SEQ, BATCH, PROMPT = 12, 8, 4
 VOCAB = 18  # the digits tokenizer's tokens: every tiny family model's vocabulary

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_megatron.cli import run_command
-from rl_megatron.config import ConfigError, load_config, one_line
+from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.launch.auth import RayAuth, ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
+from rl_megatron.preflight import load_config
 from rl_megatron.workers.debugging import setup_problem
 
 DEFAULT_RAY_PORT = 6379

@@ -13,7 +13,7 @@ of a pool holds its ranks k*G .. k*G+G-1, G GPUs per node). So:
   its TP group from the trainer's ranks wherever they are, and its all-reduces then cross the network;
 - an EP group (ETP*EP consecutive ranks of the experts' own rank order, ETP = expert-TP, default TP) may span
   nodes: its all-to-all then crosses the network.
-Pools (`config.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
+Pools (`config.pools.worker_pools`, which the trainer starts its workers from too): the actor's (trainer.nnodes x
 trainer.n_gpus_per_node) holds actor + rollout and the colocated reference / critic; a role with
 placement=separate gets its own nodes after it (engines first, then ref, then critic).
 Memory per GPU (`memory.py`'s formulas): each role's weights (and training state) or engine share, and the largest
@@ -29,10 +29,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rl_megatron.config import ConfigError, model_config, read_hf_config, worker_pools
+from rl_megatron.config import ConfigError
+from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 from rl_megatron.launch.memory import gib_text
+from rl_megatron.models.hf_config import model_config, read_hf_config
 from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
                                              pool_phases)
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Optional
 
 from rl_megatron.launch.environment import LaunchError
+from rl_megatron.workers.cluster import port_open
 
 
 def cluster_shortfall(nodes: list[dict], expected_nodes: int, expected_gpus: int) -> Optional[str]:
@@ -39,14 +39,6 @@ def wait_for_cluster(address: str, expected_nodes: int, expected_gpus: int, time
             time.sleep(poll_s)
     finally:
         ray.shutdown()
-
-
-def port_open(host: str, port: int, timeout_s: float = 3.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _holds_token(path: str) -> bool:

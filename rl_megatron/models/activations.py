@@ -4,7 +4,7 @@ backward pass, and what the backward pass computes again), as one role's config 
 
 One record per role, built once from the config and passed to the model builder (`models.gpt.build_gpt`), which
 turns it into Megatron's TransformerConfig fields (`transformer_config_fields`). The combinations Megatron would
-assert on in a worker are refused before anything starts by `rl_megatron.config.layout.check_activations`.
+assert on in a worker are refused before anything starts by `rl_megatron.preflight.layout.check_activations`.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class ActivationSettings:
     @classmethod
     def of_role(cls, cfg: Config, role: Role) -> ActivationSettings:
         """Every role follows actor.sequence_parallel (at its own TP); the roles that train recompute as their
-        section says (the critic's keys default to the actor's, `config.resolve`). The frozen reference only runs
+        section says (the critic's keys default to the actor's, `preflight.resolve`). The frozen reference only runs
         forward passes without a graph, where recomputation has nothing to save."""
         sequence_parallel = cfg.actor.sequence_parallel
         if not role.trainable:

@@ -46,8 +46,8 @@ def grouped_gemm(moe: MoeConfig) -> bool:
 
 def moe_settings(hf: dict, moe: MoeConfig | None = None) -> dict:
     """Megatron's MoE fields for an MoE config.json (none for a dense model): the family's router and experts
-    (the expert count and top-k are config.json's, which `rl_megatron.config.model_config` overrides) with the
-    `moe` section's knobs."""
+    (the expert count and top-k are config.json's, which `models.hf_config.model_config` overrides) with the `moe`
+    section's knobs."""
     family = family_of(hf)
     if not family.experts(hf):
         return {}
@@ -109,7 +109,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         apply_rope_fusion=uses_transformer_engine() and not family.mla,
         tensor_model_parallel_size=tp,
         # Sequence parallelism and recomputation (MoE layers train at TP > 1 only with sequence parallelism, which
-        # is on there unless actor.sequence_parallel=false, refused then by config.layout.check_activations).
+        # is on there unless actor.sequence_parallel=false, refused then by preflight.layout.check_activations).
         **activations.transformer_config_fields(tp),
         pipeline_model_parallel_size=pp,
         **stages.transformer_config_fields(),  # uneven first / last stages (models/pipeline_stages.py)

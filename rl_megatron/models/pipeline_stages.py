@@ -16,13 +16,11 @@ with VPP, a stage's count that VPP does not divide. Uneven stages need PP > 1 (o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
 from rl_megatron.roles import Role
-
-if TYPE_CHECKING:  # the config package checks layouts with this module: no import of it at run time
-    from rl_megatron.config.schema import Config
 
 FIRST_KEY = "actor.num_layers_in_first_pipeline_stage"
 LAST_KEY = "actor.num_layers_in_last_pipeline_stage"

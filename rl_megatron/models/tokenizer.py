@@ -2,7 +2,7 @@
 
 transformers builds a tokenizer from whatever a folder holds: from one without tokenizer files it quietly builds an
 EMPTY tokenizer (one token; every prompt encodes to []), and a run would start and train on nothing. The pre-flight
-check (`rl_megatron.config.preflight`) and the trainer both take model.path's tokenizer from `checked_tokenizer`,
+check (`rl_megatron.preflight`) and the trainer both take model.path's tokenizer from `checked_tokenizer`,
 which loads it once (the trainer gets the tokenizer the check loaded) and checks that:
 
   - its files are there: tokenizer.json, or tokenizer_config.json with the vocabulary files its class builds from

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.models.weight_tables import hf_view, local_view
-from rl_megatron.resharding.channels import CHANNELS, make_channel
+from rl_megatron.resharding.channels import make_channel
 from rl_megatron.resharding.plan import Plan, PlanError, build_plan
 from rl_megatron.resharding.shared_params import peer_tensor, share_parameters
 from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources, rederive_after_sync, vllm_targets
 
-__all__ = ["CHANNELS", "PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_hf_state_dict",
+__all__ = ["PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_hf_state_dict",
            "megatron_sources", "rederive_after_sync", "share_parameters", "vllm_targets"]
 
 

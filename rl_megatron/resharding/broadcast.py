@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from rl_megatron import platform
 from rl_megatron.models.weight_tables import hf_view, local_view
+from rl_megatron.platform.debugger import collective_timeout
 from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.specs import Held, hf_shapes, hf_target
-from rl_megatron.workers.debugging import collective_timeout
 
 SENDER = 0  # the actor's rank 0 is rank 0 of the weight group; engine worker r is rank 1 + r
 TIMEOUT = datetime.timedelta(minutes=30)

@@ -206,10 +206,6 @@ class SharedBuffer:
             self.path = None
 
 
-# auto: shared memory between CPU processes on one machine, the process group (NCCL) between GPUs
-CHANNELS = ("auto", "process_group", "shared_memory")
-
-
 def make_channel(name: str, device: torch.device, bucket_bytes: int) -> Channel:
     if name == "process_group":
         return ProcessGroupChannel(device)

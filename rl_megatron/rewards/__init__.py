@@ -10,10 +10,6 @@ from collections.abc import Callable
 # A scorer returns its score, or verl's dict {"score": ..., "acc": ..., ...} (DAPO's) with the accuracy on 0-1.
 RewardFn = Callable[[str, object], float | dict]
 
-# How the gsm8k and MATH scorers compare answers (reward.gsm8k_match, reward.math_match): "exact" gives verl's
-# scores, "numeric" also accepts equal values written differently.
-MATCH_MODES = ("exact", "numeric")
-
 REGISTRY: dict[str, RewardFn] = {}
 # Data sources whose scorer expects the prompt followed by the response, as TinyZero decoded it (countdown
 # looks for the "Assistant:" marker that ends the prompt); RewardScorer prepends the prompt for these.

@@ -13,7 +13,8 @@ in the response. How an answer is read and compared is `match` (reward.gsm8k_mat
 """
 import re
 
-from rl_megatron.rewards import MATCH_MODES, register
+from rl_megatron.config.choices import MATCH_MODES
+from rl_megatron.rewards import register
 from rl_megatron.rewards.numbers import as_text, parse_decimal
 
 METHODS = ("strict", "flexible")

@@ -12,7 +12,8 @@ that reward curves compare with verl runs:
 reward.math_match=numeric scores all four with the lenient equivalence of math_numeric.py, which also finds
 `\\fbox{}` and compares numbers by value (`\\boxed{0.50}` = `\\frac{1}{2}`).
 """
-from rl_megatron.rewards import MATCH_MODES, math_dapo, math_numeric, register
+from rl_megatron.config.choices import MATCH_MODES
+from rl_megatron.rewards import math_dapo, math_numeric, register
 from rl_megatron.rewards.math_numeric import braced_group
 from rl_megatron.rewards.numbers import as_text
 

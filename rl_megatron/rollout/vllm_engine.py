@@ -20,12 +20,12 @@ import torch
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
-from rl_megatron.config.model_files import end_of_sequence_ids, read_hf_config
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
+from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
 from rl_megatron.platform.cpu_compat import device_mode_off
+from rl_megatron.platform.debugger import collective_timeout
 from rl_megatron.resharding.specs import rederive_after_sync
-from rl_megatron.workers.debugging import collective_timeout
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
 ENGINE_ENV = {

@@ -1,6 +1,6 @@
 """The run's records: the loggers of trainer.logger behind one `Tracker` (verl's key and names).
 
-  tracker.py             Tracker, the logger names, the check that the optional ones are installed
+  tracker.py             Tracker, the backends by logger name, the check that the optional ones are installed
   backend.py             what a logger is given (RunInfo) and does (Backend)
   console.py             console: the progress bar, or one line per step
   jsonl.py               jsonl: metrics.jsonl, one JSON object per record
@@ -8,6 +8,6 @@
   wandb_run.py           wandb: a Weights & Biases run (pip install -e .[wandb])
   mlflow_run.py          mlflow: an MLflow run (pip install -e .[mlflow])
 """
-from rl_megatron.tracking.tracker import DEFAULT_LOGGERS, LOGGERS, Tracker, check_installed, check_loggers_installed
+from rl_megatron.tracking.tracker import Tracker, check_installed, check_loggers_installed
 
-__all__ = ["DEFAULT_LOGGERS", "LOGGERS", "Tracker", "check_installed", "check_loggers_installed"]
+__all__ = ["Tracker", "check_installed", "check_loggers_installed"]

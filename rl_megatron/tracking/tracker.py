@@ -4,8 +4,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
 
+from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
 from rl_megatron.tracking.backend import Backend, RunInfo
 from rl_megatron.tracking.console import Console, write as write_line
@@ -14,14 +14,10 @@ from rl_megatron.tracking.mlflow_run import MlflowRun
 from rl_megatron.tracking.tensorboard_events import TensorboardEvents
 from rl_megatron.tracking.wandb_run import WandbRun
 
-if TYPE_CHECKING:  # for the annotation only: the config schema imports this package's logger names
-    from rl_megatron.config import Config
-
-# The loggers that record the run, by their name in trainer.logger; console shows it on the terminal.
+# The loggers that record the run, by their name in trainer.logger (`config.choices.LOGGERS`); console, the other
+# name there, shows it on the terminal.
 BACKENDS: dict[str, type[Backend]] = {"tensorboard": TensorboardEvents, "jsonl": JsonlLog, "wandb": WandbRun,
                                       "mlflow": MlflowRun}
-LOGGERS = ("console", *BACKENDS)
-DEFAULT_LOGGERS = ("console", "tensorboard", "jsonl")
 
 
 def check_installed(logger: str, modules: tuple[str, ...]) -> None:

@@ -27,10 +27,11 @@ from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
-from rl_megatron.config import Config, ConfigError, model_config, to_dict, to_yaml, worker_pools
-from rl_megatron.config.model_files import end_of_sequence_ids
+from rl_megatron.config import Config, ConfigError, to_dict, to_yaml
+from rl_megatron.config.pools import worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
+from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.scorer import RewardScorer, Scored

@@ -1,4 +1,4 @@
-"""Starting the worker groups of a run: one per pool of `config.worker_pools`, each role mapped to its group."""
+"""Starting the worker groups of a run: one per pool of `config.pools.worker_pools`, each role mapped to its group."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +6,8 @@ import os
 import time
 from contextlib import ExitStack
 
-from rl_megatron.config import Config, worker_pools
+from rl_megatron.config import Config
+from rl_megatron.config.pools import worker_pools
 from rl_megatron.platform.determinism import deterministic_env
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.vllm_engine import ENGINE_ENV

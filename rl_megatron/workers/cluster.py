@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 
 from rl_megatron.config.schema import Config
-from rl_megatron.launch.ray_cluster import port_open
 from rl_megatron.workers.debugging import attach_hint, ray_debugger, setup_problem
 from rl_megatron.workers.reaper import start_reaper
 
@@ -88,6 +88,15 @@ def head_address(address: str, timeout_s: float) -> str:
                                "and the head's port, or unset ray.address for a local Ray.")
         time.sleep(1.0)
     return address
+
+
+def port_open(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether `host` accepts connections on `port` (a Ray head's) within `timeout_s`."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def device_resource() -> str:

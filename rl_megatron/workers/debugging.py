@@ -5,33 +5,26 @@ Distributed Debugger (debugpy; VS Code's extension finds the paused task through
 a remote pdb that `ray debug` attaches to. While it is on:
 - every worker gets RAY_DEBUG (and RAY_DEBUG_POST_MORTEM) in its runtime environment (`debugger_env`, through
   `worker_env`): it reaches the workers of any node, whatever environment that node's `ray start` had;
-- process groups wait a day (`collective_timeout`): a rank paused at a breakpoint keeps its peers waiting in
-  their next collective;
+- process groups wait a day (`rl_megatron.platform.debugger.collective_timeout`, beside the check of RAY_DEBUG that
+  the engines and the weight sync use too): a rank paused at a breakpoint keeps its peers waiting in their next
+  collective;
 - the controller waits on the workers without a time limit (`controller_wait_s`).
 """
 from __future__ import annotations
 
-import datetime
 import os
 from importlib import metadata
 from typing import Optional
 
 from packaging.version import Version
 
-DEBUGGER_MODES = ("1", "legacy")  # the values of RAY_DEBUG for which Ray 2.60 stops a worker at breakpoint()
+from rl_megatron.platform.debugger import DEBUGGER_MODES, ray_debugger
+
 # Unset (Ray's default stops at breakpoint() in debugpy, but the run keeps its timeouts), or a value Ray takes as
 # "ignore breakpoint()".
 OFF_VALUES = ("", "0")
 FORWARDED = ("RAY_DEBUG", "RAY_DEBUG_POST_MORTEM")  # read by Ray inside each worker
 MIN_DEBUGPY = Version("1.8.0")  # Ray's Distributed Debugger refuses older ones
-# Long enough for any debugging session; a real hang still ends, a day later.
-PAUSED_COLLECTIVE_TIMEOUT = datetime.timedelta(days=1)
-
-
-def ray_debugger() -> Optional[str]:
-    """RAY_DEBUG's mode ("1" or "legacy") when it turns Ray's debugger on, else None."""
-    mode = os.environ.get("RAY_DEBUG", "")
-    return mode if mode in DEBUGGER_MODES else None
 
 
 def debugger_env() -> dict[str, str]:
@@ -84,11 +77,6 @@ def attach_hint(dashboard_url: str, gcs_address: str) -> str:
                  "is installed, and add the head's dashboard address")
     return (f"Ray debugger on (RAY_DEBUG=1): a worker reaching breakpoint() waits for VS Code's Ray Distributed "
             f"Debugger extension: {where}, then click the paused task; {waits}.")
-
-
-def collective_timeout(usual: Optional[datetime.timedelta]) -> Optional[datetime.timedelta]:
-    """A process group's timeout: `usual` (None: torch's default), or a day while the debugger is on."""
-    return PAUSED_COLLECTIVE_TIMEOUT if ray_debugger() else usual
 
 
 def controller_wait_s(usual: float) -> Optional[float]:

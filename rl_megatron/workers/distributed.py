@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron import platform
-from rl_megatron.workers.debugging import collective_timeout
+from rl_megatron.platform.debugger import collective_timeout
 
 MEGATRON_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # Megatron's own default for the groups it makes
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from rl_megatron.batch import Prompt, Sample
-from rl_megatron.config import moe_hf_overrides
 from rl_megatron.config.schema import Config
+from rl_megatron.models.hf_config import moe_hf_overrides
 from rl_megatron.platform.determinism import make_process_deterministic
 from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches

@@ -55,7 +55,7 @@ def update_each_mode(batch: TrainBatch, runs: dict) -> dict:
     section. Per (run, role, mode): the settings as Megatron got them, what one training forward saved, and the
     metrics, gradients and updated weights of one update (the whole batch: one mini-batch)."""
     from rl_megatron.bench.recompute import saved_activation_bytes
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
 
     out = {}

@@ -167,7 +167,7 @@ def test_help_shows_examples(command, capsys):
 
 def _trainer_policy_weights(cfg) -> tuple[dict, bool]:
     """The policy's weights, and whether it built an optimizer."""
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     actor = MegatronActor(cfg, read_hf_config(cfg.model.path))
@@ -178,7 +178,7 @@ def test_the_trainer_starts_from_a_converted_checkpoint(converted, tmp_path):
     """model.checkpoint: the policy's shards come from the Megatron checkpoint (here at another layout than it was
     saved in); model.path, stripped of its weights, gives only the config and tokenizer. Here for a validation-only
     run (trainer.val_only), whose policy builds no optimizer state."""
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
 
     hf_dir, ckpt = converted
     no_weights = shutil.copytree(hf_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors*"))

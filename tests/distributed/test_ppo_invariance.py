@@ -37,7 +37,7 @@ def ppo_step(cfg, batch):
     """One actor update and one critic update, each data-parallel rank on its slice; then the critic's values."""
     from megatron.core import parallel_state
 
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
 
     hf = read_hf_config(cfg.model.path)
@@ -82,7 +82,7 @@ def test_one_ppo_step_is_independent_of_the_layout(setup, world, tp, pp, micro):
 
 
 def initial_state(cfg):
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     return MegatronActor(cfg, read_hf_config(cfg.model.path)).hf_state_dict()

@@ -28,7 +28,7 @@ def test_engines_hold_the_trainer_weights_exactly(tmp_path, tp, pp, vpp, engine_
 
 
 def plan_errors_leave_the_engine_untouched(cfg, engine_model_dir: str, drop_from_table: str | None):
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.resharding import PlanError, Resharder, vllm_targets
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor

@@ -15,7 +15,7 @@ from helpers.runs import REPO, assert_same_metrics, start_until as run_until, tr
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.checkpoint.run import (LATEST_FILE, CheckpointWarning, choose_resume, finish_save, saved_steps,
                                         start_save, step_dir)
-from rl_megatron.config import read_hf_config
+from rl_megatron.models.hf_config import read_hf_config
 
 CONFIG = "demo_cpu_ppo"
 RUN = ("trainer.target_reward=null", "trainer.save_every=2", "algorithm.use_kl_in_reward=true",

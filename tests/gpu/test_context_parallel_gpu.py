@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def log_probs_and_update(cfg, batch):
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     actor = MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)

@@ -38,7 +38,7 @@ def test_generation_after_a_level_2_sleep_is_synced_first(ray_session, tiny_mode
     from transformers import AutoTokenizer
 
     from rl_megatron.batch import Prompt
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.rollout.vllm_engine import request_seeds
     from rl_megatron.trainer.workers import build_workers, sync_weights
 

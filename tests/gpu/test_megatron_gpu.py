@@ -29,7 +29,7 @@ GRAD_NORM_RELATIVE_TOLERANCE = {("float32", False): 1e-4, ("float32", True): 5e-
 
 def log_probs_then_update(cfg, batch):
     """On the GPU rank: which layers the model was built from, its log-probs and entropy, then one update."""
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.models.gpt import uses_transformer_engine
     from rl_megatron.workers.megatron_actor import MegatronActor
 

@@ -1,7 +1,7 @@
 """Shared by the offload tests (tests/distributed on gloo at TP=2, tests/gpu on CUDA): the doctor's round trip
 (rl_megatron/doctor/offload_check.py) on every rank."""
 from helpers.parity import config
-from rl_megatron.config import read_hf_config
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.doctor.offload_check import LAYOUTS, round_trip, round_trip_batches
 from rl_megatron.workers.spawn import run_distributed
 

@@ -17,7 +17,7 @@ NEW_TOKENS = 5
 def sync_into_engine(cfg, channel: str, bucket_bytes: int):
     import torch.distributed as dist
 
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
@@ -57,7 +57,7 @@ def vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> li
 
 
 def build_actor(cfg):
-    from rl_megatron.config import read_hf_config
+    from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)

@@ -1,6 +1,6 @@
 """Shared by the weight-sync checks (tests/integration on CPU, tests/gpu over NCCL): the doctor's cycle
 (`rl_megatron.doctor.cycle`) on the tiny model, in the demo's layout with `overrides`; every check must hold."""
-from rl_megatron.config import load_config
+from rl_megatron.preflight import load_config
 from rl_megatron.doctor.cycle import cycle_config, weight_cycle
 
 

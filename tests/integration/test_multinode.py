@@ -58,7 +58,7 @@ def test_grpo_across_two_nodes_keeps_tensor_parallel_groups_within_a_node(two_no
     import ray
     from megatron.core.parallel_state import RankGenerator
 
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
     from rl_megatron.trainer.trainer import train
 
     tp = 2

@@ -36,7 +36,7 @@ def paused_worker_class() -> type:
 def project_ray(ray_session):
     """The test run's Ray (`ray_session`, started by `start_ray` as the trainer starts it), with RAY_DEBUG=legacy in the
     controller's environment for this module; what `start_ray` printed when called now, as the trainer calls it."""
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
     from rl_megatron.workers.cluster import start_ray
 
     with pytest.MonkeyPatch.context() as env:

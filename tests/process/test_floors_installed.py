@@ -31,7 +31,7 @@ def run_with_floors(tmp_path, packages: list[str], code: str) -> str:
     return done.stdout
 
 
-LOAD_DEMO = ("from rl_megatron.config import load_config\n"
+LOAD_DEMO = ("from rl_megatron.preflight import load_config\n"
              "cfg = load_config('configs/demo_cpu.yaml')\n"
              "print(cfg.trainer.logger)\n")
 

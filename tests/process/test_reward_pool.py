@@ -229,7 +229,7 @@ def test_a_batch_that_cannot_be_sent_fails_alone(user_module):
     ("reward.num_workers=0", "reward.num_workers=0 must be at least 1"),
 ])
 def test_config_validation_of_the_reward_keys(override, message):
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
 
     model = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
     with pytest.raises(ConfigError) as info:
@@ -238,7 +238,7 @@ def test_config_validation_of_the_reward_keys(override, message):
 
 
 def test_config_accepts_a_custom_fn_that_imports(user_module):
-    from rl_megatron.config import load_config
+    from rl_megatron.preflight import load_config
 
     model = os.path.join(REPO, "configs", "models", "tiny-qwen2-digits")
     cfg = load_config(os.path.join(REPO, "configs", "demo_cpu.yaml"), [f"model.path={model}",

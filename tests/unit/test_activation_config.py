@@ -7,7 +7,9 @@ import os
 import pytest
 from helpers.runs import REPO
 
-from rl_megatron.config import ConfigError, load_config, model_config
+from rl_megatron.config import ConfigError
+from rl_megatron.models.hf_config import model_config
+from rl_megatron.preflight import load_config
 from rl_megatron.models.activations import ActivationSettings, sequence_parallel_on
 from rl_megatron.models.gpt import transformer_config
 from rl_megatron.roles import Role

@@ -4,7 +4,8 @@ import pytest
 
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.cli import run_command
-from rl_megatron.config import ConfigError, one_line
+from rl_megatron.config import ConfigError
+from rl_megatron.errors import one_line
 
 
 def fail(err: Exception):

@@ -10,7 +10,8 @@ import shutil
 import pytest
 from helpers.runs import REPO
 
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.config.schema import ActorConfig, Config, OptimConfig, TrainerConfig
 
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")

@@ -8,7 +8,8 @@ import pytest
 from helpers.runs import REPO
 from transformers import AutoTokenizer
 
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.config.schema import DataConfig
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.data.section import check_data_section, resolve_data_section

@@ -7,7 +7,9 @@ import pytest
 import torch
 from helpers.runs import REPO
 
-from rl_megatron.config import ConfigError, load_config, model_config
+from rl_megatron.config import ConfigError
+from rl_megatron.models.hf_config import model_config
+from rl_megatron.preflight import load_config
 from rl_megatron.models.gpt import transformer_config
 from rl_megatron.platform.determinism import check_environment, make_process_deterministic
 from rl_megatron.trainer.workers import worker_env

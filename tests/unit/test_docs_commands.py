@@ -20,7 +20,7 @@ What counts as a command, and how each is checked (in this process, no training 
   none does; a test file named there must exist.
 - Placeholders, substituted before checking: `CONFIG` -> configs/demo_cpu.yaml; `[--flag]` -> `--flag`;
   `[key=value ...]`, `key=value` and `...` are dropped; `$NAME` -> SHELL_VARIABLES[NAME] (a loop's variable).
-- Configs: paths relative to the repository root. `rl_megatron.config.load_config` (every key known, typed, in its
+- Configs: paths relative to the repository root. `rl_megatron.preflight.load_config` (every key known, typed, in its
   range; derived values; the pre-flight checks of the model folder, data and the user's code) when the model folder
   is in the repository. A `model.path` outside it (a user's `/models/...` folder, not on this machine) is checked by
   `load` + `resolve` only: every key and value, not the folder's files. `my_pkg`, the guides' example of a user's
@@ -280,7 +280,8 @@ def repo_root(monkeypatch, tmp_path):
 
 
 def check_config(config: str, overrides: list[str]) -> None:
-    from rl_megatron.config import ConfigError, load, load_config, resolve
+    from rl_megatron.config import ConfigError, load
+    from rl_megatron.preflight import load_config, resolve
 
     assert os.path.isfile(config), f"--config {config}: no such file in the repository"
     try:

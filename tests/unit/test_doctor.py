@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.runs import REPO
-from rl_megatron.config import load_config
+from rl_megatron.preflight import load_config
 from rl_megatron.doctor import checks, model_checks
 from rl_megatron.doctor.__main__ import main
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, exit_code, gb_per_s, guarded, table

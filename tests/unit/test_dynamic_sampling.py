@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl_megatron.batch import Sample
-from rl_megatron.config import load_config
+from rl_megatron.preflight import load_config
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.tokenizer import load_tokenizer

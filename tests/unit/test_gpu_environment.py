@@ -5,7 +5,7 @@ import os
 import pytest
 
 from rl_megatron import platform
-from rl_megatron.config import load_config
+from rl_megatron.preflight import load_config
 from rl_megatron.models.gpt import initialization
 from rl_megatron.rollout.vllm_engine import (CPU_ENGINE_ENV, configure_engine_process, vllm_allocator_settings,
                                              without_expandable_segments)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from rl_megatron.config import ConfigError, check_model_layout
+from rl_megatron.config import ConfigError
+from rl_megatron.models.checks import check_model_layout
 from rl_megatron.models.family import COMMON_FIELDS, FAMILIES, ModelFamily, family_of, register, table_for
 from rl_megatron.models.weight_tables import MoeTable
 

@@ -14,8 +14,9 @@ from helpers.parity import family_model_dir
 from helpers.runs import REPO
 from safetensors.torch import save_file
 
-from rl_megatron.config import ConfigError, load_config
-from rl_megatron.config.model_files import end_of_sequence_ids
+from rl_megatron.config import ConfigError
+from rl_megatron.models.hf_config import end_of_sequence_ids
+from rl_megatron.preflight import load_config
 from rl_megatron.data.section import check_first_prompt_encodes, resolve_data_section
 from rl_megatron.config.schema import DataConfig
 from rl_megatron.models import tokenizer as tokenizer_module

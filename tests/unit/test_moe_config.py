@@ -6,7 +6,9 @@ import os
 import pytest
 from helpers.runs import REPO
 
-from rl_megatron.config import ConfigError, load_config, model_config, moe_hf_overrides
+from rl_megatron.config import ConfigError
+from rl_megatron.models.hf_config import model_config, moe_hf_overrides
+from rl_megatron.preflight import load_config
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.gpt import moe_settings, transformer_config
 

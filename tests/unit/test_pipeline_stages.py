@@ -9,7 +9,8 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.launch import format_plan
 from rl_megatron.launch.memory import (ModelShape, RankParameters, RolePasses, activation_bytes, in_flight,
                                        rank_parameters)

@@ -14,7 +14,8 @@ from helpers.runs import REPO
 
 from rl_megatron.algorithms import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, LossScale, cispo_loss,
                                     clip_cov_loss, gspo_loss, kl_cov_loss, ppo_loss)
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.bench.host_syncs import HostSyncCounter
 from rl_megatron.config.schema import ActorConfig
 

@@ -10,7 +10,8 @@ import torch
 from helpers.runs import REPO
 
 from rl_megatron import platform
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.roles import Role
 from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.workers.phases import GENERATE, SYNC, forward, train

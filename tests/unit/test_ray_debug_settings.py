@@ -1,5 +1,6 @@
-"""RAY_DEBUG, read in one place (rl_megatron/workers/debugging.py): the workers get it, the timeouts a paused
-worker would run into are lifted while it is on, and what the debugger needs is checked before Ray starts."""
+"""RAY_DEBUG, read in one place (rl_megatron/platform/debugger.py; rl_megatron/workers/debugging.py acts on it): the
+workers get it, the timeouts a paused worker would run into are lifted while it is on, and what the debugger needs is
+checked before Ray starts."""
 import datetime
 from importlib import metadata
 
@@ -10,8 +11,8 @@ from rl_megatron.errors import LaunchError
 from rl_megatron.launch.__main__ import plan_node
 from rl_megatron.trainer.workers import worker_env
 from rl_megatron.workers import debugging
-from rl_megatron.workers.debugging import (attach_hint, collective_timeout, controller_wait_s, ray_debugger,
-                                           setup_problem)
+from rl_megatron.platform.debugger import collective_timeout
+from rl_megatron.workers.debugging import attach_hint, controller_wait_s, ray_debugger, setup_problem
 
 THIRTY_MINUTES = datetime.timedelta(minutes=30)
 

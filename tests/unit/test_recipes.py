@@ -15,7 +15,8 @@ from helpers.model_folders import write_header_only_weights, write_text_tokenize
 from helpers.runs import REPO
 
 from rl_megatron.algorithms import overlong_penalty
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.data import prepare as data_prepare
 from rl_megatron.launch import build_plan, format_plan
 from rl_megatron.launch.memory import GIB

@@ -7,7 +7,8 @@ import torch
 from helpers.runs import REPO
 
 from rl_megatron.algorithms import overlong_penalty
-from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config import ConfigError
+from rl_megatron.preflight import load_config
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, check_fields
 from rl_megatron.config.schema import RULES, Config
 

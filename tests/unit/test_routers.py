@@ -3,7 +3,8 @@ refused because Megatron's router would compute something else than transformers
 against transformers in tests/distributed/test_moe.py where it is supported)."""
 import pytest
 
-from rl_megatron.config import ConfigError, check_model_layout
+from rl_megatron.config import ConfigError
+from rl_megatron.models.checks import check_model_layout
 from rl_megatron.models.family import FAMILIES
 from rl_megatron.models.moe import first_k_dense_layers, qwen_sparse_layers
 

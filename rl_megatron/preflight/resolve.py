@@ -4,8 +4,9 @@ from __future__ import annotations
 import copy
 
 from rl_megatron.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, needs_critic
+from rl_megatron.config.choices import SINGLE_TURN
 from rl_megatron.config.fields import check_fields
-from rl_megatron.config.schema import RULES, SINGLE_TURN, Config
+from rl_megatron.config.schema import RULES, Config
 from rl_megatron.data.section import resolve_data_section
 from rl_megatron.errors import ConfigError
 from rl_megatron.plugins import import_user_modules

@@ -1,13 +1,13 @@
 """The pre-flight check: everything about a resolved config that can be checked before a process starts.
 
 The trainer (through `load_config`), `python -m rl_megatron.launch prepare [--dry-run]` and configs built in code
-all go through `preflight`. Each value has been checked against its rule in schema.py by `resolve`; here come the
-checks of keys together, and each package checks its own part: the loggers' optional libraries
-(`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code (`rl_megatron.plugins`:
-trainer.imports, rollout.function, reward.custom_fn), the model against the layouts (`rl_megatron.models.checks`),
-and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with
-the first prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
-the files' headers).
+all go through `preflight`. Each value has been checked against its rule in config/schema.py by `resolve`; here come
+the checks of keys together (the parallel layouts in `layout.py`), and each package checks its own part: the
+loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code
+(`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the layouts
+(`rl_megatron.models.checks`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first
+prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will
+load (`rl_megatron.models.hf_weights`, from the files' headers).
 """
 from __future__ import annotations
 
@@ -15,24 +15,24 @@ import os
 
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
-from rl_megatron.config.layout import check_activations, check_actor_layout, check_model_against_layouts, \
-    check_moe_knobs, check_role_layouts
-from rl_megatron.config.model_files import end_of_sequence_ids, model_config
 from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
 from rl_megatron.roles import roles_name
+from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
 from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
+from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
+    check_moe_knobs, check_role_layouts
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.tracking import check_loggers_installed
 
 
 def preflight(cfg: Config) -> None:
-    """Check a resolved config (`rl_megatron.config.resolve`); raise ConfigError on the first problem, naming the
+    """Check a resolved config (`rl_megatron.preflight.resolve`); raise ConfigError on the first problem, naming the
     key and the fix."""
     _check_trainer(cfg)
     check_data_section(cfg.data)

@@ -1,4 +1,5 @@
-"""The model a config names: model.path's config.json, with the moe section's overrides applied."""
+"""The model a config names: model.path's config.json, with the moe section's overrides applied (each family's
+keys: `models.family`), and the token ids its generation stops at."""
 from __future__ import annotations
 
 import json
