@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from helpers.runs import assert_same_metrics, start_until, train, train_command
-from rl_megatron.checkpoint.run import LATEST_FILE, ROLLOUTS_FILE, step_dir
+from helpers.runs import assert_same_metrics, latest_checkpoint, start_until, train, train_command
+from rl_megatron.checkpoint.run import ROLLOUTS_FILE, step_dir
 
 ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
                 "trainer.rollout_staleness=1")
@@ -40,8 +40,7 @@ def test_a_killed_one_step_off_run_continues_exactly_where_it_stopped(one_step_o
     expected = {r["step"]: r for r in one_step_off[1]}
     run = (*ONE_STEP_OFF, "trainer.save_every=2", "trainer.total_steps=4", "trainer.target_reward=null")
     checkpoints = os.path.join(tmp_path, "demo_cpu", "checkpoints")
-    latest = os.path.join(checkpoints, LATEST_FILE)
-    killed = start_until(train_command(tmp_path, *run), lambda: os.path.exists(latest) and open(latest).read().strip() == "2",
+    killed = start_until(train_command(tmp_path, *run), lambda: latest_checkpoint(tmp_path, "demo_cpu") == 2,
                          start_new_session=True)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()

@@ -1,21 +1,29 @@
-"""Checkpoints through the user's command, on the PPO demo with a critic, a reference (saved: it is randomly
-initialised) and an adaptive in-reward KL coefficient: a run killed with SIGKILL and started again continues
-exactly as if never stopped; a run resumed at another parallel layout reproduces the next step; SIGTERM stops a
-run cleanly with a checkpoint; damaged checkpoints are refused, and `resume=auto` falls back past them."""
+"""Checkpoints and runs that die, through the user's command, on the PPO demo with a critic, a reference (saved: it is
+randomly initialised) and an adaptive in-reward KL coefficient: a run that finds only the records of one killed
+before its first checkpoint starts them afresh; a controller SIGKILLed mid-run leaves no process behind (the reaper),
+and the same command continues exactly as if never stopped; a run resumed at another parallel layout reproduces the
+next steps; a worker killed mid-run stops the controller with a report (which role, rank and node, why, its log,
+the checkpoint to resume from) and exit code 3; SIGTERM stops a run cleanly with a checkpoint; damaged checkpoints
+are refused, and `resume=auto` falls back past them. (Workers killed by Ray's memory monitor:
+tests/e2e/test_memory_killed_worker.py.)"""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
+from helpers import runs
 from helpers.runs import REPO, assert_same_metrics, start_until as run_until, train
 from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.checkpoint.run import (LATEST_FILE, CheckpointWarning, choose_resume, finish_save, saved_steps,
                                         start_save, step_dir)
 from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.train import WORKER_DIED
 
 CONFIG = "demo_cpu_ppo"
 RUN = ("trainer.target_reward=null", "trainer.save_every=2", "algorithm.use_kl_in_reward=true",
@@ -30,10 +38,11 @@ def command(log_dir, *overrides) -> list[str]:
 
 
 def read_rows(log_dir) -> dict[int, dict]:
-    with open(os.path.join(log_dir, CONFIG, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert len({r["step"] for r in rows}) == len(rows), "a step was logged twice"
-    return {r["step"]: r for r in rows}
+    return runs.read_rows(log_dir, CONFIG)
+
+
+def read_rows_if_any(log_dir) -> dict[int, dict]:
+    return runs.read_rows_if_any(log_dir, CONFIG)
 
 
 def start_until(log_dir, until, *overrides) -> subprocess.Popen:
@@ -43,20 +52,30 @@ def start_until(log_dir, until, *overrides) -> subprocess.Popen:
 
 
 def latest(log_dir) -> int | None:
-    path = os.path.join(log_dir, CONFIG, "checkpoints", LATEST_FILE)
-    return int(open(path).read()) if os.path.exists(path) else None
+    return runs.latest_checkpoint(log_dir, CONFIG)
+
+
+def worker_processes(controller_pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(controller_pid).children(recursive=True)
+            if p.name().startswith("ray::HybridWorker")]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Four steps without interruption, saved at steps 2 and 4."""
+    """Four steps without interruption, saved at steps 2 and 4, started where a run killed before its first
+    checkpoint left its records (steps 1-3, no checkpoint): nothing to resume, so they are started afresh."""
     log_dir = tmp_path_factory.mktemp("uninterrupted")
+    os.makedirs(os.path.join(log_dir, CONFIG))
+    with open(os.path.join(log_dir, CONFIG, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": step, "left_by_the_killed_run": 1.0}) + "\n" for step in (1, 2, 3))
     train(log_dir, *RUN, "trainer.total_steps=4", config=CONFIG)
     return log_dir
 
 
-def test_a_killed_run_continues_exactly_where_it_stopped(uninterrupted, tmp_path):
+def test_a_killed_controller_is_reaped_and_the_same_command_continues_exactly(uninterrupted, tmp_path):
     expected = read_rows(uninterrupted)
+    # The stale records of the run killed before its first checkpoint are gone: each step logged once, afresh.
+    assert sorted(expected) == [1, 2, 3, 4] and not any("left_by_the_killed_run" in r for r in expected.values())
     # Every PPO stage ran and reported, and the trainer and vLLM computed the same distribution.
     assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0
                for r in expected.values())
@@ -71,11 +90,17 @@ def test_a_killed_run_continues_exactly_where_it_stopped(uninterrupted, tmp_path
     assert sorted(os.listdir(step_dir(checkpoints, 2))) == ["actor", "config.yaml", "critic", "ref", "rng",
                                                             "trainer_state.json"]
 
-    # Killed (the whole process tree, like a lost node) once step 2's checkpoint is complete.
-    killed = start_until(tmp_path, lambda: latest(tmp_path) == 2, "trainer.total_steps=4")
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
-    # The same command again.
+    # The controller alone is SIGKILLed once step 3 is logged (after step 2's checkpoint): its reaper takes down
+    # the local Ray, its agents, the workers and the scorers.
+    killed = start_until(tmp_path, lambda: 3 in read_rows_if_any(tmp_path), "trainer.total_steps=4")
+    tree = psutil.Process(killed.pid).children(recursive=True)
+    assert worker_processes(killed.pid)
+    killed.kill()
+    killed.communicate()
+    assert latest(tmp_path) == 2
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert not alive, f"still running 20 s after the controller was killed: {alive}"
+    # The same command again: step 3's record (after the checkpoint) is dropped and logged again.
     stdout, rows, _ = train(tmp_path, *RUN, "trainer.total_steps=4", config=CONFIG)
     assert f"Resumed from {step_dir(os.path.join(tmp_path, CONFIG, 'checkpoints'), 2)} (step 2)" in stdout
     rows = read_rows(tmp_path)
@@ -84,28 +109,37 @@ def test_a_killed_run_continues_exactly_where_it_stopped(uninterrupted, tmp_path
         assert_same_metrics(expected[step], rows[step], tolerance=1e-6)
 
 
-def test_resuming_at_another_layout_reproduces_the_next_step_and_sigterm_saves(uninterrupted, tmp_path):
-    """Saved at TP=2 in two workers, resumed at TP=1 x PP=2; stopped by SIGTERM once step 3 is logged."""
+def test_resumed_at_another_layout_a_dead_worker_is_reported_and_sigterm_saves(uninterrupted, tmp_path):
+    """Saved at TP=2 in two workers, resumed at TP=1 x PP=2: the next step is reproduced. Once it has saved step 4
+    (at the new layout), a worker is killed: the controller stops with a report. The same command then resumes from
+    that checkpoint and is stopped by SIGTERM once step 5 is logged."""
     expected = read_rows(uninterrupted)
     resume = step_dir(os.path.join(uninterrupted, CONFIG, "checkpoints"), 2)
-    running = start_until(tmp_path, lambda: 3 in read_rows_if_any(tmp_path), "trainer.total_steps=50",
-                          f"trainer.resume={resume}", "actor.tensor_model_parallel_size=1",
-                          "actor.pipeline_model_parallel_size=2")
+    layout = ("actor.tensor_model_parallel_size=1", "actor.pipeline_model_parallel_size=2", "trainer.total_steps=50")
+    running = start_until(tmp_path, lambda: latest(tmp_path) == 4, f"trainer.resume={resume}", *layout)
+    victim = max(worker_processes(running.pid), key=lambda p: p.pid)
+    victim.kill()
+    output = running.communicate(timeout=120)[0]
+    assert running.returncode == WORKER_DIED, output[-4000:]
+    assert "saved under another parallel layout" in output
+    # Step 3 within rounding of another summation order (later steps drift further: clip fractions jump).
+    assert_same_metrics(expected[3], read_rows(tmp_path)[3], tolerance=1e-5)
+    report = output[output.index("error: "):]
+    assert "error: The actor+rollout+ref+critic worker rank" in report and f"pid {victim.pid}) died: its process was " \
+        "killed" in report and "node 0 = " in report, report
+    # Its log in the run's folder, named, with its last lines (every worker writes some while it starts).
+    assert re.search(rf"Last lines of its log \S+/{CONFIG}/logs/worker_actor_[01]\.log:\n    \S", report), report
+    assert "The last checkpoint is step 4" in report and "the same command resumes from it" in report, report
+    assert "Traceback" not in report and "Unhandled error" not in report, report
+
+    running = start_until(tmp_path, lambda: 5 in read_rows_if_any(tmp_path), *layout)
     running.send_signal(signal.SIGTERM)  # to the trainer only, as a scheduler's preemption notice
     output = running.communicate(timeout=300)[0]
     assert running.returncode == 0, output[-4000:]
-    assert "saved under another parallel layout" in output
+    assert f"Resumed from {step_dir(os.path.join(tmp_path, CONFIG, 'checkpoints'), 4)} (step 4)" in output
     last = max(read_rows(tmp_path))
     assert f"Stopped by SIGTERM after step {last}" in output
-    assert latest(tmp_path) == last and saved_steps(os.path.join(tmp_path, CONFIG, "checkpoints")) == [last]
-    assert_same_metrics(expected[3], read_rows(tmp_path)[3], tolerance=1e-5)
-
-
-def read_rows_if_any(log_dir) -> dict[int, dict]:
-    try:
-        return read_rows(log_dir)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
+    assert latest(tmp_path) == last and saved_steps(os.path.join(tmp_path, CONFIG, "checkpoints"))[0] == last
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from helpers.demo_run import step_rows
 from helpers.runs import REPO, train
 
 STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_length/max", "response_length/min",
@@ -18,16 +19,12 @@ STEP_METRICS = {"reward/mean", "reward/std", "response_length/mean", "response_l
                 "perf/cpu_memory_used_gb", "perf/padding_ratio"}
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("demo"))
-
-
-def test_demo_learns_arithmetic_from_reward(demo):
+def test_demo_learns_arithmetic_from_reward(demo_run):
     """The `make demo` job, its config as it is: the mean reward climbs from chance to the 0.8 target, with its
     sequences packed (the default). (Token-budget micro-batches, packed and padded layouts compute the same
     log-probs, losses and updates: tests/distributed/test_micro_batching.py.)"""
-    stdout, rows, run_dir = demo
+    _, stdout, records, run_dir = demo_run
+    rows = step_rows(records)
     # Packed rows pad at most to a multiple of the TP size (sequence parallelism). (The demo's sequences are all
     # about as long, so padded rows waste little here; bench variable_length measures the difference.)
     assert all(r["perf/padding_ratio"] < 0.01 for r in rows)
@@ -52,7 +49,7 @@ def test_demo_learns_arithmetic_from_reward(demo):
     assert os.path.isfile(os.path.join(run_dir, "config.yaml"))
 
 
-def test_synchronous_rewards_are_bit_identical_to_those_before_asynchronous_rl(demo):
+def test_synchronous_rewards_are_bit_identical_to_those_before_asynchronous_rl(demo_run):
     """trainer.rollout_staleness=0 (the default) is the synchronous trainer as it was: the demo's first 20 rewards
     equal, bit for bit, those the code before asynchronous RL printed. The trace is a property of the machine's
     arithmetic (torch's CPU kernels), so it is compared where it was recorded: the same torch and CPU capability."""
@@ -62,7 +59,7 @@ def test_synchronous_rewards_are_bit_identical_to_those_before_asynchronous_rl(d
     if here != (recorded["torch"], recorded["cpu_capability"]):
         pytest.skip(f"the trace was recorded with torch {recorded['torch']} on {recorded['cpu_capability']}, this is "
                     f"torch {here[0]} on {here[1]}: other kernels, other rounding")
-    _, rows, _ = demo
+    rows = step_rows(demo_run[2])
     assert recorded["overrides"] == []
     assert [r["reward/mean"] for r in rows[:20]] == recorded["reward_mean"]
 

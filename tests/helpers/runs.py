@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from rl_megatron.checkpoint.run import LATEST_FILE
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -30,6 +32,28 @@ def train(tmp_path, *overrides, timeout=600, config="demo_cpu", env=None):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return done.stdout, rows, run_dir
+
+
+def read_rows(log_dir, experiment: str) -> dict[int, dict]:
+    """A run's metrics.jsonl by step; each step must be logged once."""
+    with open(os.path.join(log_dir, experiment, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len({r["step"] for r in rows}) == len(rows), "a step was logged twice"
+    return {r["step"]: r for r in rows}
+
+
+def read_rows_if_any(log_dir, experiment: str) -> dict[int, dict]:
+    """read_rows of a run that may not have logged yet (or is writing a line)."""
+    try:
+        return read_rows(log_dir, experiment)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def latest_checkpoint(log_dir, experiment: str) -> int | None:
+    """The step of a run's newest complete checkpoint, None before its first."""
+    path = os.path.join(log_dir, experiment, "checkpoints", LATEST_FILE)
+    return int(open(path).read()) if os.path.exists(path) else None
 
 
 def start_until(cmd: list[str], until, **popen) -> subprocess.Popen:
