@@ -138,7 +138,7 @@ def test_a_checkpoint_dir_that_cannot_be_created(run_train, tmp_path):
     assert_config_error(proc, seconds, "trainer.checkpoint_dir", f"'{blocker}' is a file")
 
 
-def test_a_ray_address_where_no_head_answers(run_train):
+def test_a_ray_address_where_no_head_answers(run_train, tmp_path):
     """Ray's own connect retries for minutes, printing its internals; the trainer gives up after
     ray.connect_timeout_s with one line naming the key and what it tried."""
     from rl_megatron.workers.distributed import free_port
@@ -146,7 +146,8 @@ def test_a_ray_address_where_no_head_answers(run_train):
     # A Ray already running in this process would be used instead (tests/conftest.py ends the suite's after its last
     # test).
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-    proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{free_port()}", "ray.connect_timeout_s=2")
+    proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{free_port()}", "ray.connect_timeout_s=2",
+                              f"trainer.log_dir={tmp_path}")  # the run's folder is made before Ray is joined
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error, = proc.stderr.strip().splitlines()
     assert error.startswith("error: ray.address='127.0.0.1:") and "ray.connect_timeout_s=2 s" in error, error
