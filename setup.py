@@ -11,14 +11,14 @@ setup(
     description="RL post-training of LLMs (GRPO, PPO) on Megatron-core 3D parallelism, Ray and vLLM",
     python_requires=">=3.11",
     # Every folder of code has an __init__.py: find_packages skips one without, and pip would install no code from
-    # it (tests/process/test_packaging.py).
+    # it (tests/unit/test_packaging.py).
     packages=find_packages(include=["rl_megatron", "rl_megatron.*"]),
     # The stack shared by CPU and GPU installs. torch is not listed: pip must never replace the
     # torch already installed (the CPU build here, the CUDA build in GPU images).
     install_requires=[
         "megatron-core>=0.16.1",
         "ray==2.60.0",
-        "omegaconf>=2.4,<2.5",  # 2.3 cannot hold the schema's Literal choices (tests/process/test_dependency_floors.py)
+        "omegaconf>=2.4,<2.5",  # 2.3 cannot hold the schema's Literal choices (tests/unit/test_dependency_floors.py)
         "transformers>=5.16.1,<5.20",  # vLLM 0.32's own range; tokenizers and HF model folders are read directly
         "tensorboard>=2.16",
         "safetensors",
