@@ -166,51 +166,30 @@ def inline_spans():
 
 # --- the project's command-line tools ----------------------------------------------------------------------------
 
-def _train(argv):
-    from rl_megatron.train import parse_args
-    return parse_args(argv)
-
-
-def _doctor(argv):
-    from rl_megatron.doctor.__main__ import parse_args
-    return parse_args(argv)
-
-
-def _convert(argv):
-    from rl_megatron.convert import parser
-    return parser().parse_args(argv)
-
-
-def _prepare(argv):
-    from rl_megatron.data.prepare import parse_args
-    return parse_args(argv)
-
-
-def _bench(argv):
-    from rl_megatron.bench.__main__ import parse_args
-    return parse_args(argv)
-
-
-def _tiny(argv):
-    from rl_megatron.models.tiny import build_parser
-    return build_parser().parse_args(argv)
-
-
-def _launch(argv):
-    from rl_megatron.launch.__main__ import parse_args
-    return parse_args(argv)
-
-
 def _no_arguments(argv):
     if argv:
         raise AssertionError(f"takes no arguments, given {argv}")
     return argparse.Namespace()
 
 
-# module -> its own argument parsing (what `python -m module ARGS` runs first)
-CLIS = {"rl_megatron.train": _train, "rl_megatron.doctor": _doctor, "rl_megatron.convert": _convert,
-        "rl_megatron.data.prepare": _prepare, "rl_megatron.bench": _bench, "rl_megatron.models.tiny": _tiny,
-        "rl_megatron.launch": _launch, "rl_megatron.platform.stack": _no_arguments}
+# module -> (the module holding its argument parsing, the function that parses argv): what `python -m module ARGS`
+# runs first. A function named build_parser or parser returns the parser instead.
+CLIS = {"rl_megatron.train": ("rl_megatron.train", "parse_args"),
+        "rl_megatron.doctor": ("rl_megatron.doctor.__main__", "parse_args"),
+        "rl_megatron.convert": ("rl_megatron.convert", "parser"),
+        "rl_megatron.data.prepare": ("rl_megatron.data.prepare", "parse_args"),
+        "rl_megatron.bench": ("rl_megatron.bench.__main__", "parse_args"),
+        "rl_megatron.models.tiny": ("rl_megatron.models.tiny", "build_parser"),
+        "rl_megatron.launch": ("rl_megatron.launch.__main__", "parse_args"),
+        "rl_megatron.platform.stack": None}  # takes no arguments
+
+
+def _parse_with(module: str, argv: list[str]) -> argparse.Namespace:
+    if CLIS[module] is None:
+        return _no_arguments(argv)
+    holder, name = CLIS[module]
+    function = getattr(importlib.import_module(holder), name)
+    return function().parse_args(argv) if name in ("parser", "build_parser") else function(argv)
 
 
 def parse(module: str, argv: list[str]) -> argparse.Namespace | None:
@@ -220,7 +199,7 @@ def parse(module: str, argv: list[str]) -> argparse.Namespace | None:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            return CLIS[module](argv)
+            return _parse_with(module, argv)
     except SystemExit as exit_:
         if exit_.code in (0, None):
             return None
@@ -241,7 +220,7 @@ def parser_of(module: str) -> argparse.ArgumentParser:
     original = argparse.ArgumentParser.parse_args
     argparse.ArgumentParser.parse_args = catch
     try:
-        CLIS[module]([])
+        _parse_with(module, [])
     except Caught:
         pass
     finally:
