@@ -69,12 +69,9 @@ def local_rank() -> int:
 def init_distributed(rank: int, world_size: int, store: dist.TCPStore, tp: int, pp: int, seed: int, vpp: int = 1,
                      cp: int = 1, ep: int = 1, etp: int | None = None) -> None:
     """torch.distributed (NCCL on GPU, gloo on CPU) meeting at `store` (`connect_store`; in a world of one rank, its
-    `listen_store`, which the process group then keeps alive) + Megatron parallel_state (`vpp` model chunks per
-    pipeline stage, sequences split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp`
-    ranks, by default TP) + Megatron's RNG seeds. With Ray's debugger on, the groups' collectives wait a day (a peer
+    `listen_store`, which the process group then keeps alive) + Megatron's parallel state and seeds
+    (`init_model_parallel`). With Ray's debugger on, the groups' collectives wait a day (a peer
     may be paused at a breakpoint)."""
-    from megatron.core import parallel_state, tensor_parallel
-
     platform.setup()
     # The variables of a torchrun launch, which vLLM's external launcher reads; the group meets at `store`.
     os.environ.update(MASTER_ADDR=store.host, MASTER_PORT=str(store.port), RANK=str(rank),
@@ -83,6 +80,18 @@ def init_distributed(rank: int, world_size: int, store: dist.TCPStore, tp: int, 
         torch.cuda.set_device(local_rank())
     dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size,
                             timeout=collective_timeout(None))
+    init_model_parallel(tp, pp, seed, vpp=vpp, cp=cp, ep=ep, etp=etp)
+
+
+def init_model_parallel(tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, ep: int = 1,
+                        etp: int | None = None) -> None:
+    """Megatron's parallel_state over the process group's world (`vpp` model chunks per pipeline stage, sequences
+    split over `cp` ranks, routed experts split over `ep` ranks and each expert over `etp` ranks, by default TP),
+    laid out anew: a layout left by an earlier call is taken down first. Then Megatron's RNG seeds."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,

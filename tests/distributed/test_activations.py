@@ -12,7 +12,7 @@ import torch
 
 from helpers.parity import SEQ, config, family_model_dir, make_batch
 from rl_megatron.batch import TrainBatch
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 FULL_UNIFORM_1 = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 RECOMPUTE_MODES = {  # over a 4-layer model: groups of 2, and 3 of the 4 layers recomputed (the 4th kept)

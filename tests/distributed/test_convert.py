@@ -15,7 +15,7 @@ from helpers.ranks import vllm_greedy
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint, stored_hf_config
 from rl_megatron.convert import main
 from rl_megatron.doctor.cycle import hf_greedy
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from rl_megatron.convert import main
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.models.tiny import LLAMA3_ROPE
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 
 def hf_tensors(folder) -> dict:

@@ -8,7 +8,7 @@ import torch
 from helpers.parity import config, family_model_dir
 from helpers.ranks import build_actor
 from rl_megatron.batch import TrainBatch
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 SAMPLES, SEQ = 16, 24
 # (layers, samples per micro-batch): 16 micro-batches of one span each, and one micro-batch of 16 spans

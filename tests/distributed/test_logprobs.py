@@ -4,7 +4,7 @@ the gradient of the log-probs), and at TP=2 (each rank a vocabulary slice, Megat
 figures within float32 rounding."""
 import torch
 
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 ROWS, VOCAB, PADDED = 37, 1000, 1024  # 24 padding entries at the end of the vocabulary
 TEMPERATURE = 0.7

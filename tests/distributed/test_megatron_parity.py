@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from helpers.parity import config, family_model_dir, hf_reference, make_batch
 from helpers.ranks import log_probs_and_export, update_and_export
 from rl_megatron.models.tiny import LLAMA3_ROPE, QWEN2_5_YARN
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 
 # Rope scaling with a short original context, so that most rotary dimensions are rescaled within 12 positions:

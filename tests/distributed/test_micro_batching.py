@@ -7,7 +7,7 @@ import torch
 
 from helpers.parity import config, family_model_dir, long_tailed_batch
 from helpers.ranks import build_actor
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 # reference first: (actor.max_tokens_per_micro_batch, actor.sequence_packing)
 GROUPINGS = [(None, False), (None, True), (40, False), (40, True)]

@@ -9,7 +9,7 @@ from helpers.parity import SEQ, config, family_model_dir, hf_reference, make_bat
 from helpers.ranks import (actor_log_probs_everywhere, build_actor, check_engines_hold_the_trainer_weights,
                            log_probs_and_export, saved_checkpoint, update_and_export)
 from rl_megatron.batch import TrainBatch
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 
 def odd_length_batch() -> TrainBatch:

@@ -10,7 +10,7 @@ import torch
 from helpers.offload import round_trips
 from helpers.parity import config
 from rl_megatron.doctor.offload_check import LAYOUTS, offload_problems, update_problems
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 TP = 2
 

@@ -13,7 +13,7 @@ import torch.distributed.distributed_c10d as c10d
 from rl_megatron.models.weight_tables import along, whole
 from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.plan import TensorSpec
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 WORLD = 4
 

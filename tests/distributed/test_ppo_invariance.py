@@ -7,7 +7,7 @@ import torch
 
 from helpers.parity import BATCH, config, family_model_dir, hf_reference, make_batch
 from rl_megatron.batch import TrainBatch
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 PPO_OPTIONS = {"actor.loss_agg_mode": "seq-mean-token-mean", "actor.entropy_coeff": 0.01,
                "actor.use_kl_loss": "true", "actor.kl_loss_coef": 0.1, "actor.clip_ratio_c": 3.0,

@@ -7,7 +7,7 @@ import torch
 from helpers.parity import config, family_model_dir
 from helpers.ranks import check_engines_hold_the_trainer_weights
 from rl_megatron.models.tiny import QWEN2_5_YARN
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 # (train TP, PP, VPP) -> engine TP, tied embeddings or not; auto reads peers' shards in place, the two channels
 # send buckets. Besides Qwen2: Llama 3.2 (tied, Llama 3.1's rope scaling), Mistral with a sliding window shorter

@@ -1,12 +1,14 @@
 """Local processes started by `run_distributed` (convert, bench reshard, these tests): each takes its own device, and
-they meet at a port no other process can take."""
+they meet at a port no other process can take; a `LocalWorld` kept between runs gives each run what fresh ranks would."""
 import os
 import socket
 
+import pytest
+import torch
 import torch.distributed as dist
 
 from rl_megatron.workers.distributed import local_rank
-from rl_megatron.workers.spawn import run_distributed
+from rl_megatron.workers.spawn import LocalWorld, run_distributed
 
 
 def _device_of_this_rank():
@@ -51,3 +53,39 @@ def test_each_spawned_rank_takes_its_own_device_index():
 def test_a_process_without_a_launcher_rank_uses_its_first_visible_device(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)  # a Ray worker: its one GPU is device 0
     assert local_rank() == 0
+
+
+def _layout_and_a_leftover_variable():
+    from megatron.core import parallel_state
+
+    seen = os.environ.get("SET_BY_AN_EARLIER_RUN")
+    os.environ["SET_BY_AN_EARLIER_RUN"] = "1"
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(), seen, torch.randint(1 << 30, ()).item())
+
+
+def _leave_the_world():
+    dist.destroy_process_group()  # as closing a vLLM engine in-process does
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one gives up")
+    dist.barrier()  # rank 0 waits for a peer that never comes: the world must still come down
+
+
+def test_a_kept_world_lays_out_each_run_anew_rejoins_a_lost_group_and_a_failure_takes_it_down():
+    world = LocalWorld(2)
+    try:
+        tp2 = world.run(_layout_and_a_leftover_variable, tp=2)
+        pp2 = world.run(_layout_and_a_leftover_variable, pp=2)
+        # The layout each run asked for, the environment and the seeds as fresh ranks have them.
+        assert [r[:3] for r in tp2] == [(2, 1, None)] * 2 and [r[:3] for r in pp2] == [(1, 2, None)] * 2
+        assert [r[3] for r in tp2] == [r[3] for r in pp2]
+        world.run(_leave_the_world)
+        assert world.run(_rank, tp=2) == [0, 1]  # the ranks joined the world again
+        with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*rank one gives up"):
+            world.run(_raise_on_rank_one, timeout=120)
+        assert not world.alive()
+    finally:
+        world.close(kill=True)

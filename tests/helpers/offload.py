@@ -3,7 +3,7 @@
 from helpers.parity import config
 from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.doctor.offload_check import LAYOUTS, round_trip, round_trip_batches
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 
 def round_trips(model_dir: str, tp: int, layouts=LAYOUTS) -> list[dict]:

@@ -8,7 +8,7 @@ import torch
 from helpers.parity import config, hf_model
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import saved_checkpoint
-from rl_megatron.workers.spawn import run_distributed
+from helpers.worlds import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
 NEW_TOKENS = 5
