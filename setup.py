@@ -35,7 +35,7 @@ setup(
         # docs/gpu.md, "GPU installs"). Transformer Engine is installed afterwards with --no-build-isolation, against
         # this torch (requirements-gpu.txt says how).
         "gpu": ["torch==2.13.0", "vllm==0.32.0"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "pytest-xdist>=3.6"],
         # The optional loggers of trainer.logger (the config check names the extra when one is missing); MLflow's
         # local store is SQLite through SQLAlchemy and alembic, which mlflow-skinny does not bring.
         "wandb": ["wandb>=0.19"],

@@ -14,12 +14,19 @@ The tiers, each a folder and a pytest marker of the same name (set here from the
 - gpu (tests/gpu): `pytest tests/gpu -m gpu` on a CUDA machine; elsewhere they skip, saying why.
 `slow` (any tier): minutes-long training runs, only with RL_MEGATRON_SLOW=1.
 
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, the scopes of
+helpers.xdist_scopes), heaviest tier first. The tests marked own_ray
+start a Ray in the pytest process or stop every Ray of the machine, so `-n` leaves them out and a second, serial
+`pytest tests --own-ray` runs them alone.
+
 What several files share lives in tests/helpers, imported as `helpers.<module>` (this folder is on sys.path through
 this conftest): REPO (the repository's root) and the run launchers in helpers.runs."""
 import os
 from pathlib import Path
 
 import pytest
+
+from helpers.xdist_scopes import misplaced, scope_of
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -44,7 +51,14 @@ MARKERS = {
                "run's Ray has ended",
 }
 RAY_SESSION = "ray_session"
+# The order `pytest -n` hands the tiers out in: the longest work first, so that no long run starts last.
+TIER_ORDER = ("e2e", "distributed", "integration", "process", "unit", "gpu")
 _last_ray_user = None  # the last test of the run that uses ray_session: Ray ends after it
+
+
+def pytest_addoption(parser):
+    parser.addoption("--own-ray", action="store_true",
+                     help="run only the tests marked own_ray: `pytest -n` leaves them out (make test runs them after)")
 
 
 def pytest_configure(config):
@@ -52,9 +66,13 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {description}")
 
 
+def relative_path(item) -> Path:
+    return Path(str(item.path)).resolve().relative_to(TESTS)
+
+
 def tiers(item) -> tuple[str, ...]:
     """The tier markers of a test, from where its file lies under tests/."""
-    relative = Path(str(item.path)).resolve().relative_to(TESTS)
+    relative = relative_path(item)
     if relative.parts[0] not in TIERS:
         raise pytest.UsageError(f"tests/{relative}: tests/{relative.parts[0]} is no tier; put the file in one of "
                                 f"{', '.join(f'tests/{folder}' for folder in TIERS)} (tests/conftest.py's TIERS)")
@@ -72,6 +90,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
+    if hasattr(config, "workerinput") or config.getoption("own_ray"):
+        # `ray stop` ends every Ray of the machine: own_ray tests never run beside another worker's runs.
+        wanted = config.getoption("own_ray")
+        deselected = [item for item in items if bool(item.get_closest_marker("own_ray")) != wanted]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item not in deselected]
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: TIER_ORDER.index(relative_path(item).parts[0]))  # stable: files keep their order
     # Tests with a Ray of their own run after the last test on the run's Ray (which ends then), never beside it.
     users = [index for index, item in enumerate(items) if RAY_SESSION in getattr(item, "fixturenames", ())]
     if users:
@@ -82,10 +109,35 @@ def pytest_collection_modifyitems(config, items):
             items[:] = rest[:last + 1] + own + rest[last + 1:]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` with this suite's scopes (helpers.xdist_scopes); other modes as xdist has them."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # only here: xdist is optional for a plain `pytest`
+
+    class SuiteScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid, config.rootpath)
+
+    return SuiteScopes(config, log)
+
+
+def pytest_runtest_setup(item):
+    # Failed here, where the report shows why: a worker's collection error would end it without a word.
+    if hasattr(item.config, "workerinput") and (problem := misplaced(item)):
+        pytest.fail(problem, pytrace=False)
+
+
 def pytest_collection_finish(session):
     global _last_ray_user
     users = [item for item in session.items if RAY_SESSION in getattr(item, "fixturenames", ())]
     _last_ray_user = users[-1] if users else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("own_ray") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK  # `-m unit --own-ray`: nothing of the kind selected is no failure
 
 
 @pytest.hookimpl(trylast=True)

@@ -27,7 +27,16 @@ def _serve(rank, world_size, tasks, results):
     # Every process sees every GPU of the machine: each takes its own (all on cuda:0, NCCL finds duplicate GPUs).
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
-    while (task := tasks.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # whoever started this world is gone without closing it
+                return
+            continue
+        if task is None:
+            return
         join_port, layout, fn, args = task
         try:
             if join_port is not None:
