@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -141,13 +142,17 @@ def test_a_checkpoint_dir_that_cannot_be_created(run_train, tmp_path):
 def test_a_ray_address_where_no_head_answers(run_train, tmp_path):
     """Ray's own connect retries for minutes, printing its internals; the trainer gives up after
     ray.connect_timeout_s with one line naming the key and what it tried."""
-    from rl_megatron.workers.distributed import free_port
-
     # A Ray already running in this process would be used instead (tests/conftest.py ends the suite's after its last
     # test).
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-    proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{free_port()}", "ray.connect_timeout_s=2",
-                              f"trainer.log_dir={tmp_path}")  # the run's folder is made before Ray is joined
+    closed = socket.socket()  # a port held without listening: no other process can take it meanwhile
+    closed.bind(("127.0.0.1", 0))
+    try:
+        proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{closed.getsockname()[1]}",
+                                  "ray.connect_timeout_s=2",
+                                  f"trainer.log_dir={tmp_path}")  # the run's folder is made before Ray is joined
+    finally:
+        closed.close()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error, = proc.stderr.strip().splitlines()
     assert error.startswith("error: ray.address='127.0.0.1:") and "ray.connect_timeout_s=2 s" in error, error
