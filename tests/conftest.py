@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.xdist_scopes import misplaced, scope_of
+from helpers.xdist_scopes import TESTS, misplaced, scope_of
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -34,7 +34,6 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TESTS = Path(__file__).resolve().parent
 # tests/<folder> -> its tier; tests/e2e/<file> -> tiers beside e2e.
 TIERS = {"unit": ("unit",), "process": ("component",), "distributed": ("component",),
          "integration": ("integration",), "e2e": ("e2e",), "gpu": ("gpu",)}

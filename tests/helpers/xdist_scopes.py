@@ -13,7 +13,7 @@ TIER_SCOPES = {"distributed": "distributed", "integration": "ray_session", "gpu"
 # The files whose tests read the e2e tier's demo run (tests/e2e/conftest.py's demo_run).
 DEMO_RUN_FILES = ("e2e/test_train_cli.py", "e2e/test_observability.py")
 SHARED_SCOPES = ("module", "class", "package")
-_SHARED_FIXTURE = re.compile(r"scope=[\"'](?:module|class|package)[\"']")
+_SHARED_FIXTURE = re.compile(rf"scope=[\"'](?:{'|'.join(SHARED_SCOPES)})[\"']")
 
 
 @functools.cache
