@@ -60,9 +60,10 @@ class CudaToCpuMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def device_mode_off():
-    """The CUDA-to-CPU mode (patch 4) off for code that never runs Megatron, the vLLM engine's steps: every torch call
-    there then skips the mode's Python hook (~10% of a CPU engine's generation time). Left on where another mode was
-    entered after it (it can only leave the top of the thread's mode stack)."""
+    """The CUDA-to-CPU mode (patch 4) off for code without CUDA literals: the vLLM engine's steps, and the model's
+    forward and the losses inside Megatron's schedule. Every torch call there then skips the mode's Python hook (~10%
+    of a CPU engine's generation time, a third of a tiny model's update). Left on where another mode was entered after
+    it (it can only leave the top of the thread's mode stack)."""
     on_top = (_device_mode is not None and torch._C._len_torch_function_stack() > 0
               and torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is _device_mode)
     if not on_top:

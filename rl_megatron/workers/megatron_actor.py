@@ -38,6 +38,7 @@ from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_tab
 from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
 from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_metrics import RouterMetrics
+from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.roles import Role
 from rl_megatron.sequences import (MicroBatch, context_chunks, fixed_bins, micro_batch, outputs_to_host, round_up,
@@ -202,7 +203,12 @@ class MegatronModel:
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
-            return self._forward(micro, model), partial(loss_func, micro)
+            # The model's layers and the losses have no CUDA literals: on a CPU, they run without the CUDA-to-CPU
+            # mode's Python hook on every op (a third of a tiny model's update time). The schedule around them,
+            # the backward and the optimizer step keep it.
+            with device_mode_off():
+                output = self._forward(micro, model)
+            return output, partial(_without_device_mode, loss_func, micro)
 
         for chunk in self.model:
             chunk.train(not forward_only)
@@ -401,3 +407,8 @@ class MegatronCritic(MegatronModel):
         metrics = self.train(batch, critic.ppo_mini_batch_size * self.cfg.rollout.n, critic.ppo_epochs,
                              self.cfg.rollout.max_tokens, self._token_outputs, loss_of)
         return {f"critic/{key}": value for key, value in metrics.items()}
+
+
+def _without_device_mode(loss_func, micro, output):
+    with device_mode_off():
+        return loss_func(micro, output)
