@@ -29,10 +29,10 @@ demo-tools: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu_tools.yaml
 
 # Every tier (tests/conftest.py describes them); `make test PYTEST_ARGS='-m "not e2e"'` selects by tier. Two
-# workers, then the own_ray tests alone (their `ray stop` would end the other worker's runs).
+# workers, then the stops_ray tests alone (their `ray stop` would end the other worker's runs).
 test: install
 	$(PY) -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
-	$(PY) -m pytest tests --own-ray --durations=5 $(PYTEST_ARGS)
+	$(PY) -m pytest tests --stops-ray --durations=5 $(PYTEST_ARGS)
 
 # The unit tier alone, in under 2 minutes: what to run after each change.
 test-fast: install

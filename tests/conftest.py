@@ -15,9 +15,9 @@ The tiers, each a folder and a pytest marker of the same name (set here from the
 `slow` (any tier): minutes-long training runs, only with RL_MEGATRON_SLOW=1.
 
 `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, the scopes of
-helpers.xdist_scopes), heaviest tier first. The tests marked own_ray
-start a Ray in the pytest process or stop every Ray of the machine, so `-n` leaves them out and a second, serial
-`pytest tests --own-ray` runs them alone.
+helpers.xdist_scopes), heaviest tier first. A test marked own_ray starts a Ray in the pytest process: it runs after
+the last test on the test run's Ray, on the same worker. The tests marked stops_ray stop every Ray of the machine, so
+`-n` leaves them out and a second, serial `pytest tests --stops-ray` runs them alone.
 
 What several files share lives in tests/helpers, imported as `helpers.<module>` (this folder is on sys.path through
 this conftest): REPO (the repository's root) and the run launchers in helpers.runs."""
@@ -46,18 +46,20 @@ MARKERS = {
     "bench": "one smoke run of each benchmark (tests/e2e/test_bench_cli.py)",
     "gpu": "needs a CUDA GPU (torch, megatron-core and transformers; no vLLM or Ray)",
     "slow": "minutes-long training runs; run with RL_MEGATRON_SLOW=1",
-    "own_ray": "starts a Ray of its own in this process, or stops every Ray of the machine: runs after the test "
-               "run's Ray has ended",
+    "own_ray": "starts a Ray of its own in this process: runs after the test run's Ray has ended",
+    "stops_ray": "stops every Ray of the machine: runs alone, after the rest (pytest --stops-ray)",
 }
 RAY_SESSION = "ray_session"
-# The order `pytest -n` hands the tiers out in: the longest work first, so that no long run starts last.
-TIER_ORDER = ("e2e", "distributed", "integration", "process", "unit", "gpu")
+# The order `pytest -n` hands the tiers out in: the longest work first, so that no long run starts last. The
+# distributed tier is one scope (its kept ranks), the longest of all (~8 min): one worker runs it while the other
+# starts on the e2e runs, and the many short tests at the end even the two out.
+TIER_ORDER = ("distributed", "e2e", "integration", "process", "unit", "gpu")
 _last_ray_user = None  # the last test of the run that uses ray_session: Ray ends after it
 
 
 def pytest_addoption(parser):
-    parser.addoption("--own-ray", action="store_true",
-                     help="run only the tests marked own_ray: `pytest -n` leaves them out (make test runs them after)")
+    parser.addoption("--stops-ray", action="store_true",
+                     help="run only the tests marked stops_ray: `pytest -n` leaves them out (make test runs them after)")
 
 
 def pytest_configure(config):
@@ -89,10 +91,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
-    if hasattr(config, "workerinput") or config.getoption("own_ray"):
-        # `ray stop` ends every Ray of the machine: own_ray tests never run beside another worker's runs.
-        wanted = config.getoption("own_ray")
-        deselected = [item for item in items if bool(item.get_closest_marker("own_ray")) != wanted]
+    if hasattr(config, "workerinput") or config.getoption("stops_ray"):
+        # `ray stop` ends every Ray of the machine: stops_ray tests never run beside another worker's runs.
+        wanted = config.getoption("stops_ray")
+        deselected = [item for item in items if bool(item.get_closest_marker("stops_ray")) != wanted]
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [item for item in items if item not in deselected]
@@ -101,7 +103,8 @@ def pytest_collection_modifyitems(config, items):
     # Tests with a Ray of their own run after the last test on the run's Ray (which ends then), never beside it.
     users = [index for index, item in enumerate(items) if RAY_SESSION in getattr(item, "fixturenames", ())]
     if users:
-        own = [item for item in items[users[0]:users[-1]] if item.get_closest_marker("own_ray")]
+        own = [item for item in items[users[0]:users[-1]]
+               if item.get_closest_marker("own_ray") or item.get_closest_marker("stops_ray")]
         if own:
             rest = [item for item in items if item not in own]
             last = rest.index(items[users[-1]])
@@ -135,8 +138,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if session.config.getoption("own_ray") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
-        session.exitstatus = pytest.ExitCode.OK  # `-m unit --own-ray`: nothing of the kind selected is no failure
+    if session.config.getoption("stops_ray") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK  # `-m unit --stops-ray`: nothing of the kind selected is no failure
 
 
 @pytest.hookimpl(trylast=True)
@@ -159,7 +162,7 @@ def tiny_model_dir(tmp_path_factory):
 def ray_session():
     """The test run's one local Ray, started as the trainer starts it (`start_ray`): three CPU slots, for a two-worker
     actor and, for separate placement, an engine worker beside it. It ends after the last test that uses it (tests
-    marked own_ray come after that one)."""
+    marked own_ray or stops_ray come after that one)."""
     import ray
 
     from helpers.runs import REPO

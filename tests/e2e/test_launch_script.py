@@ -96,7 +96,7 @@ def test_bad_cluster_fails_before_ray_starts(tmp_path, env, overrides, expected)
     assert "ray" not in done.stdout.lower() and not os.path.exists(tmp_path / "demo_cpu")
 
 
-@pytest.mark.own_ray  # its `ray stop` would end the test run's Ray: after it
+@pytest.mark.stops_ray  # its `ray stop` would end every other run's Ray: alone, after them
 def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
     """Node 1 waits for the head and joins its Ray; node 0 starts the head, waits for both nodes, trains, saves
     and stops Ray; node 1 then leaves. (Each node's `ray stop` ends every Ray process of this machine.) Token
@@ -153,7 +153,7 @@ def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
     assert (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().count('"step": 1') == 1
 
 
-@pytest.mark.own_ray
+@pytest.mark.stops_ray
 def test_check_starts_the_cluster_and_runs_the_doctor_on_the_head(tmp_path):
     """`--check` on one node: Ray's head starts, node 0 runs the doctor against it instead of training (every check
     that applies on CPU passes, the GPU-only ones say why they skip), and Ray stops."""
