@@ -2,6 +2,7 @@
 transformers, and the trainer's experts resharded into real vLLM engines."""
 import dataclasses
 
+import psutil
 import pytest
 import torch
 
@@ -132,6 +133,11 @@ def updates_around_a_checkpoint(cfg, batch, ckpt: str, save: bool):
     if save:
         update()
         actor.save_checkpoint(ckpt)
+        # The torch_dist writer's results went through an in-process queue, not a spawned Manager's (checkpoint/
+        # model.py): no process of multiprocessing's spawn is left beside this rank.
+        helpers = [p.cmdline() for p in psutil.Process().children(recursive=True)
+                   if "multiprocessing.spawn" in " ".join(p.cmdline())]
+        assert not helpers, helpers
     else:
         actor.load_checkpoint(ckpt)
     return update(), actor.hf_state_dict()
