@@ -92,6 +92,7 @@ def init_model_parallel(tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, 
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+        destroy_subgroups()
     # None, not 1, selects Megatron's non-interleaved schedules.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -101,6 +102,19 @@ def init_model_parallel(tp: int, pp: int, seed: int, vpp: int = 1, cp: int = 1, 
                                              // datetime.timedelta(minutes=1))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+
+
+def destroy_subgroups() -> None:
+    """Every process group but the default one, destroyed. Megatron's `destroy_model_parallel` forgets its groups
+    without destroying them (all but its gloo data-parallel ones): each gloo group keeps a TCP thread polling, so
+    ranks that lay out a layout per run (`spawn.LocalWorld`) piled up a hundred of them, ~a quarter of a core per
+    idle rank."""
+    from torch.distributed import distributed_c10d
+
+    default = distributed_c10d._get_default_group()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
 
 
 def owns_dp_output() -> bool:

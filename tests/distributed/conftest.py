@@ -1,10 +1,9 @@
-import pytest
-
 from helpers.worlds import close_worlds
 
 
-@pytest.fixture(scope="package", autouse=True)
-def shared_worlds():
-    """The ranks this tier's tests share live until its last test, not into the tiers after it."""
-    yield
-    close_worlds()
+def pytest_runtest_teardown(item, nextitem):
+    """The ranks this tier's tests share live until its last test, not into the tiers after it. (A package-scoped
+    fixture would not do: without an __init__.py this folder is no package, and the fixture would live as long as the
+    session.)"""
+    if nextitem is None or nextitem.path.parent != item.path.parent:
+        close_worlds()
