@@ -11,13 +11,13 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers.ports import closed_port
 from helpers.runs import REPO
 
 from rl_megatron.train import main
@@ -145,14 +145,9 @@ def test_a_ray_address_where_no_head_answers(run_train, tmp_path):
     # A Ray already running in this process would be used instead (tests/conftest.py ends the suite's after its last
     # test).
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-    closed = socket.socket()  # a port held without listening: no other process can take it meanwhile
-    closed.bind(("127.0.0.1", 0))
-    try:
-        proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{closed.getsockname()[1]}",
-                                  "ray.connect_timeout_s=2",
+    with closed_port() as port:
+        proc, seconds = run_train("--config", DEMO, f"ray.address=127.0.0.1:{port}", "ray.connect_timeout_s=2",
                                   f"trainer.log_dir={tmp_path}")  # the run's folder is made before Ray is joined
-    finally:
-        closed.close()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     error, = proc.stderr.strip().splitlines()
     assert error.startswith("error: ray.address='127.0.0.1:") and "ray.connect_timeout_s=2 s" in error, error

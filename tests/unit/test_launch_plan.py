@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from helpers.ports import closed_port
 from rl_megatron.config import ConfigError
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.preflight import load_config
@@ -362,15 +363,10 @@ def test_wait_for_head_sees_a_listening_port_and_times_out_on_a_closed_one():
     accept.start()
     wait_for_head("127.0.0.1", port, timeout_s=5)
     server.close()
-    # A port held without listening: closed, and no other process (the suite runs two workers) can take it meanwhile.
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    try:
-        assert not port_open("127.0.0.1", closed.getsockname()[1])
+    with closed_port() as closed:
+        assert not port_open("127.0.0.1", closed)
         with pytest.raises(LaunchError, match="did not come up within 0.2 s"):
-            wait_for_head("127.0.0.1", closed.getsockname()[1], timeout_s=0.2, poll_s=0.1)
-    finally:
-        closed.close()
+            wait_for_head("127.0.0.1", closed, timeout_s=0.2, poll_s=0.1)
 
 
 def test_ray_auth_is_on_by_default_and_takes_the_token_where_ray_would(tmp_path):
