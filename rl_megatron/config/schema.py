@@ -192,6 +192,7 @@ class RolloutConfig:
     top_p: float = checked(1.0, within(0, 1, low_open=True), "use 1.0 to disable nucleus sampling")  # nucleus sampling
     top_k: int = checked(-1, at_least(1, also=(-1,)), "-1 disables top-k sampling")
     max_tokens: int = checked(16, POSITIVE)  # maximum new tokens per sample (per model turn with a multi-turn agent loop)
+    ignore_eos: bool = False  # generate max_tokens tokens every time, past the end-of-sequence tokens (vLLM's and verl's ignore_eos): fixed-length samples for benchmarks and tests
     val_n: int = checked(1, POSITIVE)  # samples per validation prompt: 1 = greedy; more = sampled at rollout.temperature, with pass@k
     max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens, or + multi_turn.max_response_length with an agent loop)
     partial_rollout: bool = False  # with trainer.rollout_staleness > 0: when new weights arrive mid-generation, the engines pause, load them and continue the unfinished samples (each token keeps the version and log-prob it was sampled with) instead of finishing them with the old weights first

@@ -278,8 +278,9 @@ class VLLMEngine:
         return [completion_of(sample) for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
 
     def _sampling(self, **settings) -> dict:
-        return dict(top_p=self.cfg.top_p, top_k=self.cfg.top_k, stop_token_ids=self.stop_token_ids, logprobs=0,
-                    detokenize=False, **settings)
+        return dict(top_p=self.cfg.top_p, top_k=self.cfg.top_k, ignore_eos=self.cfg.ignore_eos,
+                    stop_token_ids=[] if self.cfg.ignore_eos else self.stop_token_ids, logprobs=0, detokenize=False,
+                    **settings)
 
     def serve(self, requests: list[TurnRequest], max_steps: int | None = None) -> list[tuple[str, Completion]]:
         """Continuous batching, driven by the controller: add `requests` to what the engine is decoding, then decode

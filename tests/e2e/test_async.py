@@ -54,10 +54,12 @@ def test_a_killed_one_step_off_run_continues_exactly_where_it_stopped(one_step_o
 
 
 def test_partial_rollouts_continue_samples_across_updates_with_each_tokens_version(tmp_path):
-    """Answers of up to 48 tokens, so that updates land mid-sample; token-level TIS corrects the lag."""
+    """Answers of exactly 48 tokens (rollout.ignore_eos: a batch's generation takes ~3x its update however short
+    the model's answers become), so that every update lands mid-sample; token-level TIS corrects the lag."""
     _, rows, _ = train(tmp_path, *ONE_STEP_OFF, "rollout.partial_rollout=true", "rollout.max_tokens=48",
-                       "algorithm.rollout_correction.level=token", "trainer.total_steps=5",
-                       "trainer.target_reward=null")
+                       "rollout.ignore_eos=true", "algorithm.rollout_correction.level=token",
+                       "trainer.total_steps=5", "trainer.target_reward=null")
+    assert all(r["response_length/mean"] == 48 for r in rows)
     assert all(r["async/staleness/max"] <= 1 and not r["async/dropped"] for r in rows)
     # Samples continued after an update: their later tokens come from the trainer's current version, and those
     # tokens' log-probs are the trainer's (the continuation's KV cache was recomputed with the new weights) while
