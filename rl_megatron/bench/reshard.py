@@ -83,7 +83,7 @@ def measure_rank(cfg, repeats: int) -> dict:
                 "seconds_in_place": statistics.median(s.seconds_in_place for s in stats),
                 "bytes_in_place": stats[-1].bytes_in_place}
     finally:
-        engine.close()
+        engine.release_process_groups()  # the rank exits next (run_distributed)
 
 
 def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
@@ -143,7 +143,7 @@ def receive_rank(cfg, syncs: int, host: str, port: int, size: int) -> dict:
         return {"mismatches": engine_mismatches(engine.model(), received),
                 "checksums": {name: checksum(t) for name, t in received.items()}}
     finally:
-        engine.close()
+        engine.release_process_groups()  # the rank exits next (run_distributed)
 
 
 def run_separate(args, cfg) -> dict:

@@ -363,11 +363,16 @@ class VLLMEngine:
         drop_prefix_cache(self.llm)
         rederive_after_sync(self.model())
 
-    def close(self) -> None:
-        """Free the engine and its process groups; a sharded engine's groups own /dev/shm segments that are
-        only unlinked here (a killed process leaves them behind)."""
+    def release_process_groups(self) -> None:
+        """What would outlive the process: a sharded engine's groups own /dev/shm segments that are only unlinked
+        here (a killed process leaves them behind). A worker about to end needs only this; freeing the engine
+        (`close`) costs seconds of garbage collection there (vLLM's shutdown collects twice, over Megatron's heap)."""
         from vllm.distributed.parallel_state import destroy_model_parallel
 
-        del self.llm
         destroy_model_parallel()
+
+    def close(self) -> None:
+        """Free the engine and its process groups, in a process that goes on (e.g. to start another engine)."""
+        self.release_process_groups()
+        del self.llm
         gc.collect()

@@ -130,7 +130,7 @@ class HybridWorker(EngineHost):
     def close(self) -> None:
         if self.resharder is not None:
             self.resharder.close()
-            self.engine.close()
+            self.engine.release_process_groups()  # the process ends next
         if self.sender is not None:
             self.sender.close()
         unlink_shared_parameters()

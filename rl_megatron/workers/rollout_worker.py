@@ -61,4 +61,4 @@ class RolloutWorker(EngineHost):
 
     def close(self) -> None:
         leave_weight_group(self.weight_group)
-        self.engine.close()
+        self.engine.release_process_groups()  # the process ends next
