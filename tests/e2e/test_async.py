@@ -10,8 +10,9 @@ import pytest
 from helpers.runs import assert_same_metrics, latest_checkpoint, start_until, train, train_command
 from rl_megatron.checkpoint.run import ROLLOUTS_FILE, step_dir
 
+# With token-level TIS (docs/async.md's recipe): the demo then learns in ~135 steps (~300 without the correction).
 ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
-                "trainer.rollout_staleness=1")
+                "trainer.rollout_staleness=1", "algorithm.rollout_correction.level=token")
 # float32 on both sides, summed in different orders (the synchronous demo's bound: tests/e2e/test_train_cli.py).
 SAME_WEIGHTS_LOGPROB_DIFF = 5e-5
 
@@ -23,7 +24,7 @@ def one_step_off(tmp_path_factory):
 
 def test_one_step_off_learns_the_demo_within_its_bound(one_step_off):
     stdout, rows, _ = one_step_off
-    assert "Target mean reward 0.8 reached." in stdout and len(rows) < 400
+    assert "Target mean reward 0.8 reached." in stdout and len(rows) < 250
     assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
     # Batch 1 comes from the initial weights; every later batch from the weights one update behind the trainer.
     assert [r["async/staleness/max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
@@ -57,8 +58,7 @@ def test_partial_rollouts_continue_samples_across_updates_with_each_tokens_versi
     """Answers of exactly 48 tokens (rollout.ignore_eos: a batch's generation takes ~3x its update however short
     the model's answers become), so that every update lands mid-sample; token-level TIS corrects the lag."""
     _, rows, _ = train(tmp_path, *ONE_STEP_OFF, "rollout.partial_rollout=true", "rollout.max_tokens=48",
-                       "rollout.ignore_eos=true", "algorithm.rollout_correction.level=token",
-                       "trainer.total_steps=5", "trainer.target_reward=null")
+                       "rollout.ignore_eos=true", "trainer.total_steps=5", "trainer.target_reward=null")
     assert all(r["response_length/mean"] == 48 for r in rows)
     assert all(r["async/staleness/max"] <= 1 and not r["async/dropped"] for r in rows)
     # Samples continued after an update: their later tokens come from the trainer's current version, and those
