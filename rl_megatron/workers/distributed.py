@@ -7,6 +7,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from rl_megatron import platform
 from rl_megatron.platform.debugger import collective_timeout
@@ -109,8 +110,6 @@ def destroy_subgroups() -> None:
     without destroying them (all but its gloo data-parallel ones): each gloo group keeps a TCP thread polling, so
     ranks that lay out a layout per run (`spawn.LocalWorld`) piled up a hundred of them, ~a quarter of a core per
     idle rank."""
-    from torch.distributed import distributed_c10d
-
     default = distributed_c10d._get_default_group()
     for group in list(distributed_c10d._world.pg_map):
         if group is not default:

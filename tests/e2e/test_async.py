@@ -55,7 +55,7 @@ def test_a_killed_one_step_off_run_continues_exactly_where_it_stopped(one_step_o
 
 
 def test_partial_rollouts_continue_samples_across_updates_with_each_tokens_version(tmp_path):
-    """Answers of exactly 48 tokens (rollout.ignore_eos: a batch's generation takes ~3x its update however short
+    """Answers of exactly 48 tokens (rollout.ignore_eos: a batch's generation takes ~2.5x its update however short
     the model's answers become), so that every update lands mid-sample; token-level TIS corrects the lag."""
     _, rows, _ = train(tmp_path, *ONE_STEP_OFF, "rollout.partial_rollout=true", "rollout.max_tokens=48",
                        "rollout.ignore_eos=true", "trainer.total_steps=5", "trainer.target_reward=null")
