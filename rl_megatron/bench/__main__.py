@@ -34,13 +34,14 @@ import dataclasses
 import json
 import os
 import tempfile
+import weakref
 
 import torch
 
 from rl_megatron import platform
 from rl_megatron.bench.host_syncs import count_syncs
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, peak_extra_memory, timed
-from rl_megatron.bench.peer import TransformersPeer
+from rl_megatron.bench.peer import TransformersPeer, project_freed
 from rl_megatron.models.tiny import build_tokenizer
 
 BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn",
@@ -268,6 +269,9 @@ def run(args, model_dir: str) -> dict:
                    # the target's unit: fp32 logits of one micro-batch's response tokens
                    "response_logits_gib": micro_response * hf["vocab_size"] * 4 / 2**30}
         if args.peer == "transformers":
+            model = weakref.ref(actor.chunks[0])
+            del actor
+            figures["project_freed_before_peer"] = project_freed(model)
             peer = TransformersPeer(cfg, model_dir, args.dtype)
             peer_seconds = timed(lambda: peer.log_probs(batch), repeats=3)
             figures.update(peer="transformers", peer_tokens_per_s=tokens / peer_seconds,

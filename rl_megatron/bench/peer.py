@@ -9,6 +9,8 @@ sampling temperature, as the project's do. Random weights: the figures are speed
 """
 from __future__ import annotations
 
+import gc
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -18,6 +20,16 @@ from rl_megatron import platform
 from rl_megatron.algorithms import POLICY_LOSSES, LossScale
 from rl_megatron.batch import TrainBatch
 from rl_megatron.config.schema import Config
+
+
+def project_freed(model: weakref.ref) -> bool:
+    """Collects what the project's run left (its model, optimizer state and gradient buffers, once the caller has
+    dropped them) and returns the device's cached blocks, so that the peer runs on the whole device: at a 7B width the
+    two models with their Adam states do not fit on one 80 GB GPU together. True when `model` was collected."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model() is None
 
 
 class TransformersPeer:

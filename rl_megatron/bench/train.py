@@ -25,12 +25,14 @@ the same device, dtype and run (`ratio`, as every benchmark reports), and the de
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rl_megatron import platform
 from rl_megatron.bench.host_syncs import count_syncs, gpu_sync_warnings
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, timed
-from rl_megatron.bench.peer import TransformersPeer
+from rl_megatron.bench.peer import TransformersPeer, project_freed
 from rl_megatron.models.family import head_dim
 from rl_megatron.models.gpt import uses_transformer_engine
 from rl_megatron.platform.device_stats import nominal_bf16_flops
@@ -97,15 +99,20 @@ def run(args, model_dir: str) -> dict:
                "micro_batches": len(actor.micro_batches(batch))}
     if platform.has_cuda():  # what CUDA itself reports, to check the count against
         figures["cuda_sync_warnings_per_update"] = gpu_sync_warnings(lambda: actor.update(batch))
+    cfg, micro_batch = actor.cfg, actor.batching.micro_batch_size
+    params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
     if args.peer == "transformers":
-        peer = TransformersPeer(actor.cfg, model_dir, args.dtype)
+        model = weakref.ref(actor.chunks[0])
+        del actor
+        figures["project_freed_before_peer"] = project_freed(model)
+        peer = TransformersPeer(cfg, model_dir, args.dtype)
         peer_seconds = timed(lambda: peer.update(batch), repeats=args.repeats, warmup=2)
         figures.update(peer="transformers", peer_tokens_per_s=tokens / peer_seconds, peer_seconds=peer_seconds,
                        ratio_to_peer=peer_seconds / seconds)
     flops_per_token = training_flops_per_token(hf, args.seq)
     value = flops_per_token * tokens / seconds
 
-    micro_tokens = actor.batching.micro_batch_size * args.seq
+    micro_tokens = micro_batch * args.seq
     gemm = (min(micro_tokens, 8192), *largest_gemm(hf))
     limit = matmul_flops_per_s(*gemm, device=platform.device(), dtype=getattr(torch, args.dtype))
     peak, device_name = nominal_peak(args.dtype)
@@ -113,7 +120,7 @@ def run(args, model_dir: str) -> dict:
             "limit_name": "matmul FLOP/s", "limit": limit, "tokens_per_s": tokens / seconds, "seconds": seconds,
             "mfu": value / peak if peak else None, "nominal_peak_flops": peak, "device": device_name,
             "dtype": args.dtype, "layers_impl": "transformer_engine" if uses_transformer_engine() else "local",
-            "batch": args.batch, "seq": args.seq, "micro_batch": actor.batching.micro_batch_size,
+            "batch": args.batch, "seq": args.seq, "micro_batch": micro_batch,
             "flops_per_token": flops_per_token, "matmul_weights": matmul_weights(hf),
-            "params": sum(p.numel() for chunk in actor.chunks for p in chunk.parameters()),
+            "params": params,
             "matmul_shape": list(gemm), **figures}

@@ -60,8 +60,9 @@ def assert_vllm_peer(result: dict, tokens_per_s: float, sequences: int) -> None:
 
 def test_train_bench_reports_tokens_per_s_and_mfu():
     """Training steps of a small model on the CPU: both limits are reported, and the FLOP count is PaLM's
-    6 * N + 12 * L * Hq * S per token (N: the weights of the matrix multiplies)."""
-    result = bench("train", *SMALL_ARGS, "--repeats", "2")
+    6 * N + 12 * L * Hq * S per token (N: the weights of the matrix multiplies). transformers' step on the same work
+    follows once the project's model is freed (at a 7B width the two did not fit on an 80 GB GPU together)."""
+    result = bench("train", *SMALL_ARGS, "--repeats", "2", "--peer", "transformers")
     assert result["bench"] == "train" and result["dtype"] == "float32" and result["layers_impl"] == "local"
     assert_positive(result, "value", "limit", "ratio", "tokens_per_s", "seconds", "flops_per_token")
     # SMALL_MODEL_WEIGHTS' matrices (no biases, no norms): QKV 128x256, output 128x128, MLP 128x704 + 352x128, head
@@ -72,6 +73,9 @@ def test_train_bench_reports_tokens_per_s_and_mfu():
     assert result["tokens_per_s"] * result["seconds"] == pytest.approx(4 * 32)  # one step takes the whole batch
     # No nominal peak on a CPU: MFU is unknown, not a guess.
     assert result["mfu"] is None and result["nominal_peak_flops"] is None
+    assert result["peer"] == "transformers" and result["project_freed_before_peer"] is True
+    assert_positive(result, "peer_tokens_per_s", "peer_seconds", "ratio_to_peer")
+    assert result["ratio_to_peer"] == pytest.approx(result["peer_seconds"] / result["seconds"])
 
 
 # The shared_memory bucket channel moves the same buckets as process_group (exactness of both:
