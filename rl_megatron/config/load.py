@@ -29,6 +29,12 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
 
 _SECTIONS: set[str] = set()  # dotted keys that hold a section (trainer, actor.optim, ...), filled by _schema_keys
 _KEYS = _schema_keys(Config)
+# YAML 1.1 reads these words unquoted as booleans; a text key (trainer.resume=off) means the word.
+_YAML_BOOLEAN_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off"}
+
+
+def _text_key(key: str) -> bool:
+    return _KEYS.get(key) in ("str", "Optional[str]")
 
 
 def _omegaconf_reason(err: OmegaConfBaseException) -> str:
@@ -98,6 +104,8 @@ def _parse_override(item: str) -> list[tuple[str, Any, str]]:
     except Exception as err:
         raise ConfigError(f"Override '{item}': the value of '{key}' is not valid YAML "
                           f"({getattr(err, 'problem', None) or one_line(err)}). Quote it or fix its brackets.") from None
+    if _text_key(key) and value.strip().lower() in _YAML_BOOLEAN_WORDS:
+        return [(key, value.strip(), where)]
     return _leaves(tree, where)
 
 
@@ -109,6 +117,9 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
         settings += _parse_override(item)
     merged = OmegaConf.structured(Config)
     for key, value, where in settings:  # one key at a time, so that a bad value is reported with its key
+        if _text_key(key) and isinstance(value, bool):  # only a YAML file's unquoted off/on/yes/no gets here
+            raise ConfigError(f"Config key '{key}' (in {where}) takes text, but YAML read an unquoted word as the "
+                              f"boolean {value}: quote it, e.g. {key.rsplit('.', 1)[-1]}: 'off'.")
         try:
             OmegaConf.update(merged, key, value, merge=False)
             continue

@@ -107,6 +107,19 @@ def test_override_value_may_contain_equals_sign():
     assert load_demo("trainer.experiment_name=a=b").trainer.experiment_name == "a=b"
 
 
+def test_yaml_boolean_words_stay_text_for_text_keys(tmp_path):
+    """YAML 1.1 reads unquoted off/on/yes/no as booleans: an override of a text key keeps the word as typed (the
+    docs' `trainer.resume=off`), and a YAML file's unquoted one is refused, naming the key and the quoting fix."""
+    assert load_demo("trainer.resume=off").trainer.resume == "off"
+    assert load_demo("trainer.experiment_name=yes").trainer.experiment_name == "yes"
+    assert load_demo("trainer.progress_bar=off").trainer.progress_bar is False  # a bool key still reads a bool
+    path = write(tmp_path, "c.yaml", f"trainer:\n  resume: off\nmodel:\n  path: {DEMO_MODEL}\n")
+    message = config_error(path=path)
+    assert "'trainer.resume'" in message and "boolean False" in message and "resume: 'off'" in message
+    quoted = f"trainer:\n  resume: 'off'\nmodel:\n  path: {DEMO_MODEL}\n  random_init: true\n"
+    assert load_config(write(tmp_path, "d.yaml", quoted), []).trainer.resume == "off"
+
+
 def test_no_yaml_at_all_uses_the_schema_defaults_plus_overrides():
     cfg = load_config(None, [f"model.path={DEMO_MODEL}", "model.random_init=true"])  # the demo model has no weights
     assert cfg.actor.optim.lr == 1e-6 and cfg.trainer.total_steps == 100
