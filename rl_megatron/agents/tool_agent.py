@@ -64,5 +64,5 @@ class ToolAgentLoop(AgentLoop):
     def _kept(self, text: str) -> str:
         """A tool's reply cut to rollout.multi_turn.max_tool_response_length tokens (marked as cut)."""
         tokenizer, limit = self.context.tokenizer, self.context.rollout.multi_turn.max_tool_response_length
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)  # as ChatDeltas encodes it
         return text if len(ids) <= limit else tokenizer.decode(ids[:limit]) + TRUNCATION_NOTE

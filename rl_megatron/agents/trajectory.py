@@ -42,11 +42,40 @@ class ChatDeltas:
     def after_turn(self, messages: list[dict], turn_ended: bool) -> list[int]:
         """The tokens that follow an assistant turn: the end-of-turn token if the model did not write it (the turn
         ran into its token limit), the template's separator, `messages` (tool replies, a user's next message), and
-        the next assistant turn's opening."""
+        the next assistant turn's opening.
+
+        The messages' contents are text from outside the model (a tool's output may be written by model code): they
+        are encoded with special-token strings as ordinary characters, so that a reply holding `<|im_end|>` cannot
+        end the turn or open a forged one. Only the template's own markup becomes control tokens."""
+        holders = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
+        text = self._rendered([dict(m, content=holder) for m, holder in zip(messages, holders)])
+        rendered = self._rendered(messages)
+        ids = [] if turn_ended else [self.end_of_turn_id]
+        for holder, message in zip(holders, messages):
+            markup, _, text = text.partition(holder)
+            rendered = rendered[len(markup):]
+            content = self._as_written(message["content"], rendered, text)
+            rendered = rendered[len(content):]
+            ids += self._encode(markup) + self._encode(content, split_special_tokens=True)
+        return ids + self._encode(text)
+
+    def _rendered(self, messages: list[dict]) -> str:
+        """The template's text for `messages` after the anchor's end-of-turn token, with the next turn's opening."""
         text = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False, add_generation_prompt=True)
-        end = text.find(self.end_of_turn, text.rindex(_ANCHOR)) + len(self.end_of_turn)
-        ids = self.tokenizer.encode(text[end:], add_special_tokens=False)
-        return ids if turn_ended else [self.end_of_turn_id] + ids
+        return text[text.find(self.end_of_turn, text.rindex(_ANCHOR)) + len(self.end_of_turn):]
+
+    def _encode(self, text: str, **options) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, **options) if text else []
+
+    @staticmethod
+    def _as_written(content: str, rendered: str, markup_after: str) -> str:
+        """A message's content as the template wrote it into `rendered` (as given, or stripped: `| trim`), known by
+        the template's markup that follows it."""
+        for written in (content, content.strip()):
+            if rendered.startswith(written) and rendered[len(written):].startswith(markup_after.split("\ue000")[0]):
+                return written
+        raise ValueError("the chat template rewrites a tool reply's content (beyond stripping it): a multi-turn "
+                         "agent loop needs a template that writes message contents as given")
 
 
 @dataclass
