@@ -3,7 +3,8 @@
 The layers, each independent of the others:
   - a fresh process per call (this interpreter, `-I`: no user site, no PYTHON* variables, no cwd on sys.path),
     in a fresh temporary working directory (also HOME and TMPDIR) that is removed afterwards, with a minimal
-    environment (a fixed PATH, LANG, HOME, TMPDIR: nothing inherited that could hold a secret), stdin empty;
+    environment (a fixed PATH, LANG, HOME, TMPDIR: nothing inherited that could hold a secret). The code comes in
+    over stdin, read to its end before it runs: no file holds it, so no other call can rewrite it before it is read;
   - resource limits set by the launcher before the code runs: CPU time (RLIMIT_CPU), address space (RLIMIT_AS),
     size of a written file (RLIMIT_FSIZE), no core files. RLIMIT_NPROC is not set: it counts all of the user's
     processes (a trainer's many would fail a low limit at once) and root ignores it; process creation is blocked
@@ -45,7 +46,8 @@ logger = logging.getLogger(__name__)
 # Runs in the child: limits, then the hook, then the code (compiled as "<code>", its lines kept for tracebacks).
 _LAUNCHER = r'''
 import linecache, resource, sys, traceback, _posixsubprocess
-path, cpu_s, memory_bytes, file_bytes = sys.argv[1], *map(int, sys.argv[2:5])
+cpu_s, memory_bytes, file_bytes = map(int, sys.argv[1:4])
+source = sys.stdin.buffer.read().decode("utf-8")  # to its end: the code then reads an empty stdin
 
 def limit(which, soft, hard):
     ceiling = resource.getrlimit(which)[1]  # a limit can only be lowered: stay under the one inherited
@@ -57,8 +59,6 @@ limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKI
 limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
 limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
 limit(resource.RLIMIT_CORE, 0, 0)
-with open(path, encoding="utf-8") as file:
-    source = file.read()
 linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
 code = compile(source, "<code>", "exec")
 
@@ -134,20 +134,17 @@ class PythonTool(Tool):
 
     async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
         limits = self.limits
-        with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as root:
-            workdir = os.path.join(root, "work")
-            os.mkdir(workdir)
-            code_path = os.path.join(root, "code.py")  # outside the working directory the code sees
-            with open(code_path, "w", encoding="utf-8") as file:
-                file.write(arguments["code"])
-            command = [*self._unshare, sys.executable, "-I", "-u", "-X", "utf8", "-c", _LAUNCHER, code_path,
+        with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as workdir:
+            command = [*self._unshare, sys.executable, "-I", "-u", "-X", "utf8", "-c", _LAUNCHER,
                        str(math.ceil(limits.cpu_time_s)), str(int(limits.memory_mb * 2**20)),
                        str(int(limits.file_size_mb * 2**20))]
             environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
                            "TMPDIR": workdir}
             process = await asyncio.create_subprocess_exec(
-                *command, cwd=workdir, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                *command, cwd=workdir, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True)
+            process.stdin.write(arguments["code"].encode("utf-8"))
+            process.stdin.close()  # the launcher reads to this end before the code runs
             stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
             tasks = [asyncio.create_task(stdout.read(process.stdout)), asyncio.create_task(stderr.read(process.stderr)),
                      asyncio.create_task(process.wait())]

@@ -240,9 +240,18 @@ def test_python_runs_in_a_fresh_directory_that_is_removed_with_a_minimal_environ
     first, second = (json.loads(_run(python_tool, code).text) for _ in range(2))
     assert first["files"] == ["notes.txt"] and second["files"] == ["notes.txt"]
     assert first["cwd"] != second["cwd"]
-    assert not os.path.exists(first["cwd"]) and not os.path.exists(os.path.dirname(first["cwd"]))
+    assert not os.path.exists(first["cwd"]) and os.path.basename(first["cwd"]).startswith("rl-megatron-python-")
     assert "RL_MEGATRON_TEST_SECRET" not in first["env"] and first["env"]["HOME"] == first["cwd"]
     assert set(first["env"]) == {"PATH", "LANG", "HOME", "TMPDIR"}
+
+
+def test_python_code_comes_over_stdin_and_is_in_no_file(python_tool):
+    """No file holds the code (a concurrent call could rewrite it before it is read): it comes over stdin, read to
+    its end before it runs, also past a pipe's buffer; the code's own stdin is then empty."""
+    marker = "x" * 200_000  # more than a pipe holds: the launcher reads while it is written
+    code = (f"import os, sys\nmarker = {marker!r}\nprint(len(marker), repr(sys.stdin.read()))\n"
+            "print(os.listdir('.'), all(arg.isdigit() for arg in sys.argv[1:]))")  # the limits are its only arguments
+    assert _run(python_tool, code).text == "200000 ''\n[] True\n"
 
 
 def test_python_output_flood_is_capped(python_tool):
