@@ -1,52 +1,55 @@
 """A Python tool: runs the model's code in a sandboxed subprocess and returns what it printed.
 
-The layers, each independent of the others:
-  - a fresh process per call (this interpreter, `-I`: no user site, no PYTHON* variables, no cwd on sys.path),
-    in a fresh temporary working directory (also HOME and TMPDIR) that is removed afterwards, with a minimal
-    environment (a fixed PATH, LANG, HOME, TMPDIR: nothing inherited that could hold a secret). The code comes in
+Code the model writes is hostile. The layers, each independent of the others:
+  - a kernel boundary (`rl_megatron/tools/sandbox.py`, `isolation: namespaces`, the default): fresh user, PID, mount,
+    network, IPC and UTS namespaces, the code's interpreter as PID 1 of its own PID namespace (everything it starts
+    dies with it; nothing outside is visible or signalable), a private root (a size-limited tmpfs with /work, /tmp
+    and /dev/shm, gone with the call; read-only /usr and the interpreter's standard library; no /etc, home, project
+    or checkpoints; no Unix sockets of the host), no network but loopback, no capabilities, no new privileges, and
+    a parent-death signal: a trainer that dies takes its sandboxes with it. Where the machine cannot set it up, the
+    tool refuses to start (pre-flight names the key); `isolation: none` runs without it, and is unsafe: the code
+    can then read and write what the trainer's user can;
+  - a fresh interpreter per call, stdlib only (`-I -S`: no site-packages, no .pth files, no PYTHON* variables), with
+    a minimal environment (PATH, LANG, HOME, TMPDIR: nothing inherited that could hold a secret). The code comes in
     over stdin, read to its end before it runs: no file holds it, so no other call can rewrite it before it is read;
   - resource limits set by the launcher before the code runs: CPU time (RLIMIT_CPU), address space (RLIMIT_AS),
-    size of a written file (RLIMIT_FSIZE), no core files. RLIMIT_NPROC is not set: it counts all of the user's
-    processes (a trainer's many would fail a low limit at once) and root ignores it; process creation is blocked
-    by the audit hook below instead;
+    size of a written file (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), processes (RLIMIT_NPROC, counted in the
+    call's own user namespace), no core files;
   - a wall-clock limit: on timeout (or cancellation) the whole process group (start_new_session) is killed, and it
-    is killed after every call too, so nothing the code left behind survives;
-  - no network: the child runs in a fresh, empty network namespace (`unshare --user --net`, util-linux, no root
-    needed) where the kernel allows unprivileged user namespaces (probed once; a warning when not);
-  - an audit hook (sys.addaudithook, which the code cannot remove) installed before the code runs that raises
-    PermissionError on network use (connect, bind, sendto, name lookups), process creation (subprocess, os.system,
-    os.exec*, os.posix_spawn, os.fork), signals to other processes, raising the resource limits, native calls
-    through ctypes, and changes to the hook itself. It is a guard for well-meaning code and gives
-    the model a clear message; the hard layers are the namespace, the limits and the process group.
-The filesystem is not isolated: the code can read what the trainer's user can, and write where it may.
+    is killed after every call too;
+  - an audit hook (sys.addaudithook) installed before the code runs that raises PermissionError on network use,
+    process creation, signals, raising the limits, native calls through ctypes, and changes to the hook itself. It
+    gives well-meaning code a clear message; it is not the boundary (code can get around an audit hook).
 
-The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, max_output_bytes,
-network_namespace; see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
+The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, disk_mb, max_open_files,
+max_output_bytes, isolation; see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
 incrementally: a flood costs no memory); stderr follows stdout in the text.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
+from rl_megatron.tools import sandbox
 from rl_megatron.tools.base import Tool, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
 # Runs in the child: limits, then the hook, then the code (compiled as "<code>", its lines kept for tracebacks).
 _LAUNCHER = r'''
-import linecache, resource, sys, traceback, _posixsubprocess
-cpu_s, memory_bytes, file_bytes = map(int, sys.argv[1:4])
+import linecache, os, resource, signal, sys, traceback, _posixsubprocess
+cpu_s, memory_bytes, file_bytes, open_files = map(int, sys.argv[1:5])
+os.chdir(os.environ["HOME"])  # the working folder (isolated: /work in the call's own root)
+# The CPU limit's signal as an exit status: `unshare --fork` does not pass SIGXCPU on (it reports its own error).
+signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
 source = sys.stdin.buffer.read().decode("utf-8")  # to its end: the code then reads an empty stdin
 
 def limit(which, soft, hard):
@@ -59,6 +62,8 @@ limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKI
 limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
 limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
 limit(resource.RLIMIT_CORE, 0, 0)
+limit(resource.RLIMIT_NOFILE, open_files, open_files)
+limit(resource.RLIMIT_NPROC, 16, 16)  # counted in the call's user namespace (the trainer's user is exempt as root)
 linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
 code = compile(source, "<code>", "exec")
 
@@ -97,6 +102,9 @@ except BaseException as error:
 '''
 
 
+ISOLATIONS = ("namespaces", "none")
+
+
 @dataclass(frozen=True)
 class PythonLimits:
     """The tool's `config` keys."""
@@ -104,20 +112,21 @@ class PythonLimits:
     cpu_time_s: float = 5.0  # RLIMIT_CPU, in whole seconds (rounded up)
     memory_mb: int = 512  # RLIMIT_AS: the address space, so a little above what the code may allocate
     file_size_mb: int = 64  # RLIMIT_FSIZE: the largest file the code may write
+    disk_mb: int = 64  # the call's private tmpfs (/work, /tmp and /dev/shm together; counts towards RAM)
+    max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 65536  # kept of stdout, and of stderr
-    network_namespace: bool = True  # run in an empty network namespace where `unshare --user --net` works
+    isolation: str = "namespaces"  # the kernel boundary (sandbox.py); none: no boundary (unsafe)
 
     @classmethod
     def from_config(cls, config: dict) -> PythonLimits:
-        defaults = cls()
         unknown = sorted(set(config) - {field.name for field in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)}; the keys are "
                              f"{', '.join(field.name for field in dataclasses.fields(cls))}")
         for name, value in config.items():
-            if isinstance(getattr(defaults, name), bool):
-                if not isinstance(value, bool):
-                    raise ValueError(f"{name}={value!r} must be true or false")
+            if name == "isolation":
+                if value not in ISOLATIONS:
+                    raise ValueError(f"isolation={value!r} must be one of {', '.join(ISOLATIONS)}")
             elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive number")
         return cls(**config)
@@ -127,22 +136,32 @@ class PythonTool(Tool):
     def __init__(self, config: dict, schema: dict):
         super().__init__(config, schema)
         self.limits = PythonLimits.from_config(config)
-        self._unshare = _unshare_command() if self.limits.network_namespace else []
-        if self.limits.network_namespace and not self._unshare:
-            logger.warning("%s: `unshare --user --net` does not work here; the code runs without a network namespace "
-                           "(the audit hook still blocks network use)", self.name)
+        self.isolated = self.limits.isolation == "namespaces"
+        if self.isolated and not sandbox.available():
+            raise ValueError("isolation: namespaces (the default) cannot be set up here: `unshare --user "
+                             "--map-root-user --pid --mount --net` fails (unprivileged user namespaces are off, e.g. "
+                             "under Docker's default seccomp profile: run the container with --security-opt "
+                             "seccomp=unconfined, or enable kernel.unprivileged_userns_clone). To run model code "
+                             "without a kernel boundary, set isolation: none in this tool's config (unsafe)")
+        if not self.isolated:
+            logger.warning("%s: isolation: none: the model's code runs without a kernel boundary and can read and "
+                           "write what this user can", self.name)
 
     async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
         limits = self.limits
-        with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as workdir:
-            command = [*self._unshare, sys.executable, "-I", "-u", "-X", "utf8", "-c", _LAUNCHER,
+        # Isolated: the folder is only the mount point of the call's private root (it stays empty out here).
+        with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as folder:
+            interpreter = os.path.realpath(sys._base_executable) if self.isolated else sys.executable
+            command = [interpreter, "-I", "-S", "-u", "-X", "utf8", "-c", _LAUNCHER,
                        str(math.ceil(limits.cpu_time_s)), str(int(limits.memory_mb * 2**20)),
-                       str(int(limits.file_size_mb * 2**20))]
-            environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
-                           "TMPDIR": workdir}
+                       str(int(limits.file_size_mb * 2**20)), str(int(limits.max_open_files))]
+            home, tmp = ("/work", "/tmp") if self.isolated else (folder, folder)
+            environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": tmp}
+            if self.isolated:
+                command = sandbox.isolated(command, folder, int(limits.disk_mb))
             process = await asyncio.create_subprocess_exec(
-                *command, cwd=workdir, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True)
+                *command, cwd=folder, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sandbox.die_with_parent)
             process.stdin.write(arguments["code"].encode("utf-8"))
             process.stdin.close()  # the launcher reads to this end before the code runs
             stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
@@ -184,7 +203,7 @@ class _Capture:
 def _outcome(stdout: _Capture, stderr: _Capture, returncode: int, timed_out: bool,
              limits: PythonLimits) -> ToolOutcome:
     text = _with_note(stdout.text("stdout"), stderr.text("stderr")) if stderr.data else stdout.text("stdout")
-    if timed_out or returncode == -signal.SIGXCPU:
+    if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         limit = f"{limits.timeout_s:g} s of wall time" if timed_out else f"{math.ceil(limits.cpu_time_s)} s of CPU time"
         note = f"Error: the code ran past its limit of {limit} and was killed."
         return ToolOutcome.failure(_with_note(text, note), timed_out=True)
@@ -207,17 +226,3 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # gone already (its id perhaps reused by another user's group)
         pass
-
-
-@functools.cache
-def _unshare_command() -> list[str]:
-    """["unshare", "--user", "--net"] where that works for this user, else []."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return []
-    command = [unshare, "--user", "--net"]
-    try:
-        probe = subprocess.run([*command, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return command if probe.returncode == 0 else []
