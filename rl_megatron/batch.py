@@ -42,12 +42,14 @@ class SampleStatus(str, enum.Enum):
 @dataclass
 class ToolStats:
     """What a trajectory's tool calls did: calls made (well-formed or not), the failed ones (errors, which include the
-    timed-out ones), the tokens the tools' replies added to the response, and the seconds spent waiting on tools."""
+    timed-out ones), the tokens the tools' replies added to the response, and the seconds spent waiting on tools (and
+    of those calls, for a free slot)."""
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    slot_wait_seconds: float = 0.0  # of the calls' time, waiting for a tool's slot (its rate_limit), summed
     by_tool: dict[str, int] = field(default_factory=dict)  # well-formed calls per tool name
 
 

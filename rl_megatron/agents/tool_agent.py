@@ -57,6 +57,7 @@ class ToolAgentLoop(AgentLoop):
         stats.calls += len(outcomes)
         stats.errors += sum(outcome.error for outcome in outcomes)
         stats.timeouts += sum(outcome.timed_out for outcome in outcomes)
+        stats.slot_wait_seconds += sum(outcome.slot_wait_s for outcome in outcomes)
         for call in calls:
             stats.by_tool[call.name] = stats.by_tool.get(call.name, 0) + 1
         return [{"role": "tool", "content": self._kept(outcome.text)} for outcome in outcomes]

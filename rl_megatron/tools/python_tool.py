@@ -22,7 +22,8 @@ Code the model writes is hostile. The layers, each independent of the others:
     gives well-meaning code a clear message; it is not the boundary (code can get around an audit hook).
 
 The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, disk_mb, max_open_files,
-max_output_bytes, isolation; see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
+max_output_bytes, isolation, rate_limit (calls at once in the process running the agent loops: by default one per
+CPU core; the rest wait for a slot, outside their time limit, counted in tool/slot_wait_s); see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
 incrementally: a flood costs no memory); stderr follows stdout in the text.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rl_megatron.tools import sandbox
 from rl_megatron.tools.base import Tool, ToolOutcome
@@ -116,6 +117,7 @@ class PythonLimits:
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 65536  # kept of stdout, and of stderr
     isolation: str = "namespaces"  # the kernel boundary (sandbox.py); none: no boundary (unsafe)
+    rate_limit: int = field(default_factory=os.cpu_count)  # calls at once (verl's key); the rest wait for a slot
 
     @classmethod
     def from_config(cls, config: dict) -> PythonLimits:
@@ -136,6 +138,7 @@ class PythonTool(Tool):
     def __init__(self, config: dict, schema: dict):
         super().__init__(config, schema)
         self.limits = PythonLimits.from_config(config)
+        self.rate_limit = int(self.limits.rate_limit)
         self.isolated = self.limits.isolation == "namespaces"
         if self.isolated and not sandbox.available():
             raise ValueError("isolation: namespaces (the default) cannot be set up here: `unshare --user "

@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
+import time
 
 import jsonschema
 import yaml
@@ -27,6 +30,7 @@ class ToolSet:
     def __init__(self, tools: list[Tool]):
         self._tools: dict[str, Tool] = {}
         self._validators = {}
+        self._slots: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = {}  # per tool with a rate_limit
         for tool in tools:
             if tool.name in self._tools:
                 raise ValueError(f"two tools are named {tool.name!r}; give each tool a unique function.name")
@@ -69,15 +73,27 @@ class ToolSet:
             return ToolOutcome.failure(f"Error: invalid arguments for {call.name}{' at ' + at if at else ''}: "
                                        f"{problem.message}")
         state = (tools_kwargs or {}).get(call.name) or {}
-        try:
-            outcome = await asyncio.wait_for(tool.execute(call.arguments, state), timeout_s)
-        except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
-            return ToolOutcome.failure(f"Error: {call.name} timed out after {timeout_s:g} s", timed_out=True)
-        except Exception as err:  # a tool's bug or bad input must not stop the run: the model sees it, it is counted
-            return ToolOutcome.failure(f"Error: {type(err).__name__}: {err}")
+        start = time.perf_counter()
+        async with self._slot(tool):
+            waited = time.perf_counter() - start
+            try:
+                outcome = await asyncio.wait_for(tool.execute(call.arguments, state), timeout_s)
+            except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
+                outcome = ToolOutcome.failure(f"Error: {call.name} timed out after {timeout_s:g} s", timed_out=True)
+            except Exception as err:  # a tool's bug or bad input must not stop the run: the model sees it, it counts
+                outcome = ToolOutcome.failure(f"Error: {type(err).__name__}: {err}")
         if not isinstance(outcome, ToolOutcome):
-            return ToolOutcome.failure(f"Error: {call.name} returned a {type(outcome).__name__}, not a ToolOutcome")
-        return outcome
+            outcome = ToolOutcome.failure(f"Error: {call.name} returned a {type(outcome).__name__}, not a ToolOutcome")
+        return dataclasses.replace(outcome, slot_wait_s=waited)
+
+    def _slot(self, tool: Tool):
+        """One of `tool`'s rate_limit slots in this event loop (each batch's rollout runs a loop of its own)."""
+        if tool.rate_limit is None:
+            return contextlib.nullcontext()
+        loop = asyncio.get_running_loop()
+        if tool.name not in self._slots or self._slots[tool.name][0] is not loop:
+            self._slots[tool.name] = (loop, asyncio.Semaphore(tool.rate_limit))
+        return self._slots[tool.name][1]
 
 
 def _read_entries(path: str, where: str) -> list:

@@ -99,7 +99,8 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
             "tool/call_rate": sum(t.calls > 0 for t in tools) / len(samples),
             "tool/errors": float(sum(t.errors for t in tools)),
             "tool/timeouts": float(sum(t.timeouts for t in tools)),
-            "tool/seconds/mean": mean([t.seconds for t in tools])}
+            "tool/seconds/mean": mean([t.seconds for t in tools]),
+            "tool/slot_wait_s/mean": mean([t.slot_wait_seconds for t in tools])}
 
 
 def window_mean(rewards: list[float]) -> float:

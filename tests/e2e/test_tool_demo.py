@@ -5,7 +5,7 @@ from helpers.runs import train
 
 MULTI_TURN_METRICS = {"multi_turn/turns/mean", "multi_turn/turns/max", "multi_turn/tool_tokens/mean",
                       "multi_turn/failed", "tool/calls/mean", "tool/call_rate", "tool/errors", "tool/timeouts",
-                      "tool/seconds/mean", "timing_s/gen"}
+                      "tool/seconds/mean", "tool/slot_wait_s/mean", "timing_s/gen"}
 
 
 def test_tool_demo_learns_to_call_the_tool(tmp_path):

@@ -81,5 +81,5 @@ def test_lengths_count_the_model_tokens_and_the_multi_turn_metrics():
     assert turns == pytest.approx({
         "multi_turn/turns/mean": 1.5, "multi_turn/turns/max": 2, "multi_turn/tool_tokens/mean": 2.0,
         "multi_turn/failed": 0.0, "tool/calls/mean": 0.5, "tool/call_rate": 0.5, "tool/errors": 0.0,
-        "tool/timeouts": 0.0, "tool/seconds/mean": 0.0})
+        "tool/timeouts": 0.0, "tool/seconds/mean": 0.0, "tool/slot_wait_s/mean": 0.0})
     assert multi_turn_metrics([single]) == {}

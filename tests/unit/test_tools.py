@@ -343,6 +343,39 @@ def test_toolset_turns_an_exception_into_an_error_outcome():
     assert outcome == ToolOutcome(text="Error: ValueError: boom", error=True)
 
 
+class CountingTool(Tool):
+    """Sleeps 0.2 s per call, counting the calls running at once."""
+    rate_limit = 2
+    running = peak = 0
+
+    async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
+        CountingTool.running += 1
+        CountingTool.peak = max(CountingTool.peak, CountingTool.running)
+        await asyncio.sleep(0.2)
+        CountingTool.running -= 1
+        return ToolOutcome(text="done")
+
+
+def test_a_tools_rate_limit_caps_its_calls_at_once_and_the_wait_is_not_timed():
+    """6 calls of 0.2 s at rate_limit 2: 2 at a time, in three waves; a call's 0.3 s time limit starts when it runs
+    (the last wave waited 0.4 s first), and each outcome says how long it waited. Batches run in event loops of their
+    own (asyncio.run per rollout): the slots follow."""
+    tools = ToolSet([CountingTool({}, _schema("counting"))])
+
+    async def batch():
+        return await asyncio.gather(*(tools.call(ToolCall("counting", {}), None, 0.3) for _ in range(6)))
+
+    for _ in range(2):
+        CountingTool.peak = 0
+        outcomes = asyncio.run(batch())
+        assert CountingTool.peak == 2 and all(outcome.text == "done" and not outcome.error for outcome in outcomes)
+        waits = sorted(outcome.slot_wait_s for outcome in outcomes)
+        assert waits[:2] == pytest.approx([0, 0], abs=0.05)
+        assert waits[2:4] == pytest.approx([0.2, 0.2], abs=0.1) and waits[4:] == pytest.approx([0.4, 0.4], abs=0.1)
+    assert PythonTool({"isolation": ISOLATION}, PYTHON_SCHEMA).rate_limit == os.cpu_count()
+    assert PythonTool({"isolation": ISOLATION, "rate_limit": 3}, PYTHON_SCHEMA).rate_limit == 3
+
+
 def test_toolset_enforces_the_timeout():
     start = time.perf_counter()
     outcome = _call(ToolSet([SleepingTool({}, _schema("sleeper"))]), "sleeper", {}, timeout_s=0.2)
