@@ -44,9 +44,9 @@ from rl_megatron.tools.base import Tool, ToolOutcome
 
 logger = logging.getLogger(__name__)
 
-# Runs in the child: limits, then the hook, then the code (compiled as "<code>", its lines kept for tracebacks).
+# Runs in the child: limits, then the hook, then the code (compiled as "<code>"; its lines show in a traceback).
 _LAUNCHER = r'''
-import linecache, os, resource, signal, sys, traceback, _posixsubprocess
+import os, resource, signal, sys, _posixsubprocess
 cpu_s, memory_bytes, file_bytes, open_files = map(int, sys.argv[1:5])
 os.chdir(os.environ["HOME"])  # the working folder (isolated: /work in the call's own root)
 # The CPU limit's signal as an exit status: `unshare --fork` does not pass SIGXCPU on (it reports its own error).
@@ -65,7 +65,6 @@ limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
 limit(resource.RLIMIT_CORE, 0, 0)
 limit(resource.RLIMIT_NOFILE, open_files, open_files)
 limit(resource.RLIMIT_NPROC, 16, 16)  # counted in the call's user namespace (the trainer's user is exempt as root)
-linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
 code = compile(source, "<code>", "exec")
 
 def _blocked_fork_exec(*args, **kwargs):
@@ -95,6 +94,8 @@ try:
 except SystemExit:
     raise
 except BaseException as error:
+    import linecache, traceback  # only now: their imports are a third of a trivial call's start-up
+    linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")  # the code's lines, shown
     report = traceback.TracebackException.from_exception(error)
     # the launcher's frames (its exec, the hook) are "<string>": the model sees its own code's frames only
     report.stack = traceback.StackSummary.from_list([frame for frame in report.stack if frame.filename != "<string>"])
@@ -151,36 +152,39 @@ class PythonTool(Tool):
                            "write what this user can", self.name)
 
     async def execute(self, arguments: dict, state: dict) -> ToolOutcome:
-        limits = self.limits
-        # Isolated: the folder is only the mount point of the call's private root (it stays empty out here).
+        if self.isolated:  # its folders are made inside its own namespaces: nothing on this machine to clean up
+            return await self._run(arguments["code"], "/work", "/tmp")
         with tempfile.TemporaryDirectory(prefix="rl-megatron-python-", ignore_cleanup_errors=True) as folder:
-            interpreter = os.path.realpath(sys._base_executable) if self.isolated else sys.executable
-            command = [interpreter, "-I", "-S", "-u", "-X", "utf8", "-c", _LAUNCHER,
-                       str(math.ceil(limits.cpu_time_s)), str(int(limits.memory_mb * 2**20)),
-                       str(int(limits.file_size_mb * 2**20)), str(int(limits.max_open_files))]
-            home, tmp = ("/work", "/tmp") if self.isolated else (folder, folder)
-            environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": tmp}
-            if self.isolated:
-                command = sandbox.isolated(command, folder, int(limits.disk_mb))
-            process = await asyncio.create_subprocess_exec(
-                *command, cwd=folder, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sandbox.die_with_parent)
-            process.stdin.write(arguments["code"].encode("utf-8"))
-            process.stdin.close()  # the launcher reads to this end before the code runs
-            stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
-            tasks = [asyncio.create_task(stdout.read(process.stdout)), asyncio.create_task(stderr.read(process.stderr)),
-                     asyncio.create_task(process.wait())]
-            try:
-                _, running = await asyncio.wait(tasks, timeout=limits.timeout_s)
-            finally:  # also on cancellation (ToolSet.call's own timeout)
-                _kill_group(process.pid)
-                await asyncio.wait(tasks, timeout=1.0)  # the output already in the pipes
-                for task in tasks:
-                    task.cancel()
-                await process.wait()
+            return await self._run(arguments["code"], folder, folder)
+
+    async def _run(self, code: str, home: str, tmp: str) -> ToolOutcome:
+        limits = self.limits
+        interpreter = os.path.realpath(sys._base_executable) if self.isolated else sys.executable
+        command = [interpreter, "-I", "-S", "-u", "-X", "utf8", "-c", _LAUNCHER, str(math.ceil(limits.cpu_time_s)),
+                   str(int(limits.memory_mb * 2**20)), str(int(limits.file_size_mb * 2**20)),
+                   str(int(limits.max_open_files))]
+        if self.isolated:
+            command = sandbox.isolated(command, int(limits.disk_mb))
+        environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": tmp}
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd="/" if self.isolated else home, env=environment, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sandbox.die_with_parent)
+        process.stdin.write(code.encode("utf-8"))
+        process.stdin.close()  # the launcher reads to this end before the code runs
+        stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
+        tasks = [asyncio.create_task(stdout.read(process.stdout)), asyncio.create_task(stderr.read(process.stderr)),
+                 asyncio.create_task(process.wait())]
+        try:
+            _, running = await asyncio.wait(tasks, timeout=limits.timeout_s)
+        finally:  # also on cancellation (ToolSet.call's own timeout)
+            _kill_group(process.pid)
+            await asyncio.wait(tasks, timeout=1.0)  # the output already in the pipes
             for task in tasks:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()
+                task.cancel()
+            await process.wait()
+        for task in tasks:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
         return _outcome(stdout, stderr, process.returncode, bool(running), limits)
 
 

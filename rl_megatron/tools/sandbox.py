@@ -9,9 +9,10 @@ root filesystem, no capabilities.
 - in an empty network namespace (loopback only): no IP networking; and a private root filesystem, so no Unix socket
   of the host (Ray's, Docker's) exists there either;
 - with a root of its own: a size-limited tmpfs holding `/work` (the working folder), `/tmp` and `/dev/shm`, gone with
-  the namespace; read-only binds of `/usr` (and the interpreter's prefix, when outside it) and of /dev/null,
-  /dev/zero, /dev/random, /dev/urandom; a /proc of its own PID namespace. No /etc, /home, /root, project,
-  checkpoints or other processes' command lines;
+  the namespace (and created in it: nothing on the host, nothing to leak); read-only binds of `/usr` (and the
+  interpreter's prefix, when outside it) with their package folders (site-packages, dist-packages) hidden, and of
+  /dev/null and /dev/urandom; a /proc of its own PID namespace. No /etc, /home, /root,
+  project, checkpoints or other processes' command lines;
 - with no new privileges and no capabilities (`setpriv`): it cannot remount, unmount or change its limits' ceiling.
 
 This is the pattern of bubblewrap and nsjail, built from util-linux alone so that it works wherever `unshare` does
@@ -22,35 +23,39 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import os
 import shutil
 import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1
-_DEVICES = ("null", "zero", "random", "urandom")
 
-# Runs as the user namespace's root, in the new mount and PID namespaces: builds the root, then hands over to the
-# command without capabilities. $1: chroot; $2: the new root's mount point; $3: its size in MiB; $4..: read-only
-# binds; after "--": the command.
+# Runs as the user namespace's root, in the new mount and PID namespaces: builds the root on a tmpfs mounted over
+# /tmp (in this mount namespace only: nothing is created on the host, so nothing can leak), then hands over to the
+# command without capabilities. $1: chroot; $2: the tmpfs's size in MiB; then read-only binds, "--hide" and folders
+# covered by an empty read-only tmpfs (site-packages), "--links" and the top-level links to copy (/bin -> usr/bin),
+# "--" and the command.
 _SETUP = r'''
 set -e
-chroot=$1; root=$2; size=$3; shift 3
+chroot=$1; size=$2; shift 2
+root=/tmp
 mount -t tmpfs -o "size=${size}m,mode=755,nosuid,nodev" sandbox "$root"
+# As few processes as it can (a trivial call's start-up is mostly these): the folders, the binds, the hidden
+# folders, the top-level links (/bin -> usr/bin, ...), two devices, /proc.
 mkdir -p "$root/work" "$root/tmp" "$root/dev/shm" "$root/proc"
-chmod 1777 "$root/tmp" "$root/dev/shm"
-while [ "$1" != "--" ]; do
+while [ "$1" != "--hide" ]; do
   mkdir -p "$root$1"
-  mount --bind "$1" "$root$1"
-  mount -o remount,bind,ro,nosuid,nodev "$root$1"
+  mount -o bind,ro,nosuid,nodev "$1" "$root$1"
   shift
 done
 shift
-for link in bin lib lib64 sbin; do
-  if [ -L "/$link" ]; then ln -s "$(readlink "/$link")" "$root/$link"; fi
-done
-for device in null zero random urandom; do
-  touch "$root/dev/$device"
+while [ "$1" != "--links" ]; do mount -t tmpfs -o ro,size=0,nosuid,nodev,noexec hidden "$root$1"; shift; done
+shift
+while [ "$1" != "--" ]; do cp -P "$1" "$root/"; shift; done
+shift
+for device in null urandom; do
+  : > "$root/dev/$device"
   mount --bind "/dev/$device" "$root/dev/$device"
 done
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
@@ -68,23 +73,31 @@ def _tools() -> tuple[str, ...] | None:
     return found
 
 
-def read_only_binds() -> list[str]:
+@functools.cache
+def read_only_binds() -> tuple[list[str], list[str]]:
     """What the new root shows of the host, read-only: /usr, and the interpreter's prefix when it lies elsewhere (a
-    pyenv or conda interpreter)."""
+    pyenv or conda interpreter); and the package folders inside them, which it hides (the interpreter runs with its
+    standard library only: no package of the trainer's environment is readable)."""
     binds = ["/usr"]
     prefix = os.path.realpath(sys.base_prefix)
     if not (prefix + "/").startswith("/usr/"):
         binds.append(prefix)
-    return binds
+    patterns = ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages",
+                "local/lib/python3*/site-packages", "local/lib/python3*/dist-packages")
+    hidden = sorted({os.path.realpath(found) for bind in binds for pattern in patterns
+                     for found in glob.glob(os.path.join(bind, pattern)) if os.path.isdir(found)})
+    return binds, [folder for folder in hidden if any((folder + "/").startswith(bind + "/") for bind in binds)]
 
 
-def isolated(command: list[str], root: str, size_mb: int) -> list[str]:
-    """`command` run inside the boundary, from / (it changes to /work itself); `root`: an empty folder the new root is
-    mounted on (outside the namespace it stays empty); `size_mb`: the tmpfs's size (/work, /tmp and /dev/shm)."""
+def isolated(command: list[str], size_mb: int) -> list[str]:
+    """`command` run inside the boundary, from / (it changes to /work itself); `size_mb`: the private tmpfs's size
+    (/work, /tmp and /dev/shm together)."""
     unshare, sh, chroot = _tools()
+    binds, hidden = read_only_binds()
+    links = [f"/{name}" for name in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{name}")]
     return [unshare, "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc",
-            "--uts", sh, "-c", _SETUP, "sandbox-setup", chroot, root, str(size_mb), *read_only_binds(), "--",
-            *command]
+            "--uts", sh, "-c", _SETUP, "sandbox-setup", chroot, str(size_mb), *binds, "--hide", *hidden, "--links",
+            *links, "--", *command]
 
 
 def die_with_parent() -> None:
@@ -98,13 +111,9 @@ def available() -> bool:
     if _tools() is None:
         return False
     interpreter = os.path.realpath(sys._base_executable)
-    root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rl-megatron-sandbox-probe-{os.getpid()}")
-    os.makedirs(root, exist_ok=True)
     try:
-        probe = subprocess.run(isolated([interpreter, "-I", "-S", "-c", "print('ok')"], root, 1),
-                               capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
+        probe = subprocess.run(isolated([interpreter, "-I", "-S", "-c", "print('ok')"], 1), capture_output=True,
+                               timeout=30, env={"PATH": "/usr/bin:/bin"}, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
         return False
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     return probe.returncode == 0 and probe.stdout == b"ok\n"

@@ -8,6 +8,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -15,11 +16,14 @@ import psutil
 import pytest
 from helpers.runs import REPO
 
-from rl_megatron.tools import ToolOutcome, sandbox
+from rl_megatron.errors import ConfigError
+from rl_megatron.tools import ToolOutcome, ToolSet, sandbox
 from rl_megatron.tools.python_tool import PythonTool
 
 pytestmark = pytest.mark.skipif(not sandbox.available(),
                                 reason="unprivileged user namespaces are off on this machine (the tool refuses to run)")
+# The interpreter's package folders: under the read-only binds, but hidden.
+SITE_PACKAGES = sandbox.read_only_binds()[1]
 SCHEMA = {"type": "function", "function": {"name": "python", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 
@@ -49,37 +53,43 @@ def test_the_host_is_not_there(tool):
     code = unhooked(textwrap.dedent(f"""
         import os
         print(sorted(os.listdir('/')))
-        print([os.path.exists(p) for p in ('/etc/shadow', '/etc/passwd', {REPO!r}, '/home')])
+        print([os.path.exists(p) for p in ('/etc/shadow', '/etc/passwd', {REPO!r}, '/home')] +
+              [os.listdir(p) for p in {SITE_PACKAGES!r} if os.path.isdir(p)])
         print([p for p in os.listdir('/proc') if p.isdigit()], os.getpid())
         print(sorted(os.environ))
     """))
     lines = run(tool, code).text.splitlines()
     assert set(eval(lines[0])) <= {"bin", "dev", "lib", "lib64", "proc", "sbin", "tmp", "usr", "work", "root", "opt"}
-    assert lines[1] == "[False, False, False, False]"
+    assert eval(lines[1]) == [False] * 4 + [[]] * len(SITE_PACKAGES) and SITE_PACKAGES  # the packages are hidden
     pids, own = eval(lines[2].rsplit(" ", 1)[0]), int(lines[2].rsplit(" ", 1)[1])
     assert own == 1 and set(pids) <= {"1", "2", "3"}  # the interpreter, and the shell os.system started
     assert eval(lines[3]) == ["HOME", "LANG", "PATH", "TMPDIR"]
 
 
 def test_the_trainer_cannot_be_signalled(tool):
-    """pidfd_open and kill raise no audit event: with the host's PIDs out of sight, they find nothing. This test's
-    own process stands in for the trainer and must survive."""
+    """pidfd_open and kill raise no audit event: with the host's PIDs out of sight, they find nothing, nor can the
+    trainer be reniced, pinned or have its memory written. This test's own process stands in for the trainer and
+    must survive."""
+    pid = os.getpid()
     code = unhooked(textwrap.dedent(f"""
         import os, signal
-        for attempt in (lambda: os.kill({os.getpid()}, signal.SIGKILL), lambda: os.pidfd_open({os.getpid()}),
-                        lambda: os.killpg({os.getpgid(0)}, signal.SIGKILL)):
+        for attempt in (lambda: os.kill({pid}, signal.SIGKILL), lambda: os.pidfd_open({pid}),
+                        lambda: os.killpg({os.getpgid(0)}, signal.SIGKILL),
+                        lambda: os.setpriority(os.PRIO_PROCESS, {pid}, 19), lambda: os.sched_setaffinity({pid}, {{0}}),
+                        lambda: open('/proc/{pid}/mem', 'wb'), lambda: open('/proc/{pid}/environ')):
             try:
                 attempt()
                 print('reached')
             except OSError as error:
                 print(type(error).__name__)
     """))
-    assert run(tool, code).text == "ProcessLookupError\nProcessLookupError\nProcessLookupError\n"
+    assert run(tool, code).text.splitlines() == ["ProcessLookupError"] * 5 + ["FileNotFoundError"] * 2
 
 
 def test_nothing_outlives_the_call():
     """A daemon (setsid, double fork) dies with the call's PID namespace, also when the trainer is killed mid-call:
-    the sandbox's processes die with it and its folder is left empty."""
+    the sandbox's processes die with it, and it leaves no folder behind (its root is made inside its namespaces)."""
+    folders = set(os.listdir(tempfile.gettempdir()))
     marker = f"{time.time_ns() % 10**6}.{os.getpid()}"
     daemon = unhooked(f"import os, time\nos.system('setsid sleep {marker} &')\ntime.sleep(60)")
     driver = textwrap.dedent(f"""
@@ -102,6 +112,7 @@ def test_nothing_outlives_the_call():
         while (_sleepers(marker) or any(_alive(pid) for pid in sandboxed)) and time.time() < deadline:
             time.sleep(0.1)
         assert not _sleepers(marker) and not any(_alive(pid) for pid in sandboxed)
+        assert not [name for name in set(os.listdir(tempfile.gettempdir())) - folders if "rl-megatron" in name]
     finally:
         trainer.kill()
         for pid in _sleepers(marker):
@@ -185,17 +196,21 @@ def test_the_private_disk_and_open_files_are_limited(tool):
 
 
 def test_a_machine_without_user_namespaces_refuses_rather_than_degrades(monkeypatch):
+    """Pre-flight stops the run, naming the tool's entry and the fix; `isolation: none` is the explicit opt-out."""
     monkeypatch.setattr(sandbox, "available", lambda: False)
     with pytest.raises(ValueError, match="set isolation: none in this tool's config"):
         PythonTool({}, SCHEMA)
+    with pytest.raises(ConfigError, match=r"tools\[1\]: building PythonTool failed.*set isolation: none"):
+        ToolSet.from_config_file(os.path.join(REPO, "configs", "tools", "python_calculator.yaml"))
     assert run(PythonTool({"isolation": "none"}, SCHEMA), "print(1)").text == "1\n"
 
 
 def test_a_trivial_call_takes_well_under_a_second(tool):
-    """The boundary's cost: the median of 10 trivial calls (~60 ms on 2 cores; docs/agentic-rl.md)."""
+    """The boundary's cost: the median of 10 trivial calls (76 ms on 2 idle cores, docs/sandbox.md; the bound leaves
+    room for the suite's other work on the same cores)."""
     seconds = []
     for _ in range(10):
         start = time.perf_counter()
         assert run(tool, "print(1)").text == "1\n"
         seconds.append(time.perf_counter() - start)
-    assert statistics.median(seconds) < 1.0
+    assert statistics.median(seconds) < 0.5
