@@ -14,7 +14,8 @@ Code the model writes is hostile. The layers, each independent of the others:
     over stdin, read to its end before it runs: no file holds it, so no other call can rewrite it before it is read;
   - resource limits set by the launcher before the code runs: CPU time (RLIMIT_CPU), address space (RLIMIT_AS),
     size of a written file (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), processes (RLIMIT_NPROC, counted in the
-    call's own user namespace), no core files;
+    call's own user namespace), no core files; and where this process can make cgroups, a pids and memory cgroup
+    for the whole call (cgroups.py: it also bounds a trainer running as root, which RLIMIT_NPROC exempts);
   - a wall-clock limit: on timeout (or cancellation) the whole process group (start_new_session) is killed, and it
     is killed after every call too;
   - an audit hook (sys.addaudithook) installed before the code runs that raises PermissionError on network use,
@@ -22,7 +23,7 @@ Code the model writes is hostile. The layers, each independent of the others:
     gives well-meaning code a clear message; it is not the boundary (code can get around an audit hook).
 
 The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, disk_mb, max_open_files,
-max_output_bytes, isolation, rate_limit (calls at once in the process running the agent loops: by default one per
+max_processes, max_output_bytes, isolation, rate_limit (calls at once in the process running the agent loops: by default one per
 CPU core; the rest wait for a slot, outside their time limit, counted in tool/slot_wait_s); see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
 incrementally: a flood costs no memory); stderr follows stdout in the text.
 """
@@ -40,6 +41,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from rl_megatron.tools import sandbox
+from rl_megatron.tools.cgroups import CallCgroup
 from rl_megatron.tools.base import Tool, ToolOutcome
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 # Runs in the child: limits, then the hook, then the code (compiled as "<code>"; its lines show in a traceback).
 _LAUNCHER = r'''
 import os, resource, signal, sys, _posixsubprocess
-cpu_s, memory_bytes, file_bytes, open_files = map(int, sys.argv[1:5])
+cpu_s, memory_bytes, file_bytes, open_files, processes = map(int, sys.argv[1:6])
 os.chdir(os.environ["HOME"])  # the working folder (isolated: /work in the call's own root)
 # The CPU limit's signal as an exit status: `unshare --fork` does not pass SIGXCPU on (it reports its own error).
 signal.signal(signal.SIGXCPU, lambda *_: os._exit(128 + signal.SIGXCPU))
@@ -64,7 +66,7 @@ limit(resource.RLIMIT_AS, memory_bytes, memory_bytes)
 limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
 limit(resource.RLIMIT_CORE, 0, 0)
 limit(resource.RLIMIT_NOFILE, open_files, open_files)
-limit(resource.RLIMIT_NPROC, 16, 16)  # counted in the call's user namespace (the trainer's user is exempt as root)
+limit(resource.RLIMIT_NPROC, processes, processes)  # in the call's user namespace (the cgroup also bounds root)
 code = compile(source, "<code>", "exec")
 
 def _blocked_fork_exec(*args, **kwargs):
@@ -116,6 +118,7 @@ class PythonLimits:
     file_size_mb: int = 64  # RLIMIT_FSIZE: the largest file the code may write
     disk_mb: int = 64  # the call's private tmpfs (/work, /tmp and /dev/shm together; counts towards RAM)
     max_open_files: int = 256  # RLIMIT_NOFILE
+    max_processes: int = 16  # RLIMIT_NPROC, and the call's pids cgroup where there is one (cgroups.py)
     max_output_bytes: int = 65536  # kept of stdout, and of stderr
     isolation: str = "namespaces"  # the kernel boundary (sandbox.py); none: no boundary (unsafe)
     rate_limit: int = field(default_factory=os.cpu_count)  # calls at once (verl's key); the rest wait for a slot
@@ -162,13 +165,32 @@ class PythonTool(Tool):
         interpreter = os.path.realpath(sys._base_executable) if self.isolated else sys.executable
         command = [interpreter, "-I", "-S", "-u", "-X", "utf8", "-c", _LAUNCHER, str(math.ceil(limits.cpu_time_s)),
                    str(int(limits.memory_mb * 2**20)), str(int(limits.file_size_mb * 2**20)),
-                   str(int(limits.max_open_files))]
+                   str(int(limits.max_open_files)), str(int(limits.max_processes))]
         if self.isolated:
             command = sandbox.isolated(command, int(limits.disk_mb))
         environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": tmp}
+        # Every process of the call together, where a cgroup can be made: its processes (the launcher's and the
+        # sandbox's setup's among them) and its memory (the private tmpfs's pages included).
+        cgroup = CallCgroup.create(int(limits.max_processes) + 4, int((limits.memory_mb + limits.disk_mb) * 2**20))
+        try:
+            return await self._supervise(command, code, "/" if self.isolated else home, environment, cgroup)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+
+    async def _supervise(self, command: list[str], code: str, cwd: str, environment: dict,
+                         cgroup: CallCgroup | None) -> ToolOutcome:
+        """Run `command` with `code` on its stdin to its end or its time limit, and what it printed."""
+        limits = self.limits
+
+        def before_exec() -> None:  # in the child: dies with the trainer, counted in the call's cgroup
+            sandbox.die_with_parent()
+            if cgroup is not None:
+                cgroup.join()
+
         process = await asyncio.create_subprocess_exec(
-            *command, cwd="/" if self.isolated else home, env=environment, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=sandbox.die_with_parent)
+            *command, cwd=cwd, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=before_exec)
         process.stdin.write(code.encode("utf-8"))
         process.stdin.close()  # the launcher reads to this end before the code runs
         stdout, stderr = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)

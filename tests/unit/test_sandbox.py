@@ -17,7 +17,7 @@ import pytest
 from helpers.runs import REPO
 
 from rl_megatron.errors import ConfigError
-from rl_megatron.tools import ToolOutcome, ToolSet, sandbox
+from rl_megatron.tools import ToolOutcome, ToolSet, cgroups, sandbox
 from rl_megatron.tools.python_tool import PythonTool
 
 pytestmark = pytest.mark.skipif(not sandbox.available(),
@@ -193,6 +193,29 @@ def test_the_private_disk_and_open_files_are_limited(tool):
             print(type(error).__name__, len(files) < 256)
     """)
     assert run(tool, code).text == "OSError True\nOSError True\n"
+
+
+@pytest.mark.skipif(cgroups.supported() is None, reason="this process cannot make cgroups here: the rlimits alone")
+def test_a_swarm_of_processes_stops_at_the_calls_cgroup(tool):
+    """Root is exempt from RLIMIT_NPROC: the call's pids cgroup bounds the processes of the whole call (max_processes
+    16, plus the launcher's few), and it is gone afterwards."""
+    swarm = unhooked(textwrap.dedent("""
+        import os
+        started = 0
+        for _ in range(60):
+            try:
+                os.posix_spawn('/usr/bin/sleep', ['sleep', '2'], {})
+                started += 1
+            except OSError as error:
+                print(error.strerror)
+                break
+        print(started)
+    """))
+    refused, started = run(tool, swarm).text.splitlines()
+    assert refused == "Resource temporarily unavailable" and 10 <= int(started) <= 16 + 4
+    parents = cgroups.supported().parents
+    assert not [name for parent in parents for name in os.listdir(parent)
+                if name.startswith(f"rl-megatron-call-{os.getpid()}-")]
 
 
 def test_a_machine_without_user_namespaces_refuses_rather_than_degrades(monkeypatch):
