@@ -156,8 +156,8 @@ class RowTensors:
         return self._with({k: to_device(v, device) for k, v in self.tensors().items()})
 
     def truncated(self: Rows, length: int) -> Rows:
-        """The first `length` positions of every per-token ([B, S]) tensor."""
-        return self._with({k: v[:, :length] for k, v in self.tensors().items() if v.dim() == 2})
+        """The first `length` positions of every per-token ([B, S, ...]) tensor."""
+        return self._with({k: v[:, :length] for k, v in self.tensors().items() if v.dim() >= 2})
 
 
 @dataclass
@@ -166,6 +166,7 @@ class TokenOutputs(RowTensors):
     log_probs: Tensor | None = None  # log p(token) under the sampling temperature
     entropy: Tensor | None = None  # the policy's entropy at each position
     values: Tensor | None = None  # the critic's value of the state before each token
+    routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to (R2 records)
 
 
 @dataclass
@@ -183,6 +184,8 @@ class TrainBatch(RowTensors):
     advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets
     importance_weights: Tensor | None = None  # rollout correction: p_train / p_rollout truncated or masked
+    routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to in the old
+    # log-prob pass, replayed by the update (actor.router_replay=R2; models/router_replay.py)
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -221,5 +224,6 @@ class TrainBatch(RowTensors):
         extra = -self.input_ids.shape[1] % multiple
         if not extra:
             return self
-        return self._with({k: F.pad(v, (0, extra), value=self.pad_id if k == "input_ids" else 0)
-                           for k, v in self.tensors().items() if v.dim() == 2})
+        return self._with({k: F.pad(v, (0, 0) * (v.dim() - 2) + (0, extra),
+                                    value=self.pad_id if k == "input_ids" else 0)
+                           for k, v in self.tensors().items() if v.dim() >= 2})

@@ -175,6 +175,8 @@ def check_model_against_layouts(cfg: Config, hf: dict) -> None:
 def _check_moe_section(cfg: Config, hf: dict) -> None:
     """The moe section and the expert layout against the (overridden) model config."""
     a = cfg.actor
+    if a.router_replay != "disabled":
+        check_router_replay(cfg, hf)
     if not moe_experts(hf):
         changed = [f.name for f in dataclasses.fields(MoeConfig) if getattr(cfg.moe, f.name) != f.default]
         if changed or a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size):
@@ -184,6 +186,21 @@ def _check_moe_section(cfg: Config, hf: dict) -> None:
         return
     check_moe_model(hf, ("actor.expert_tensor_parallel_size",
                          a.expert_tensor_parallel_size or a.tensor_model_parallel_size))
+
+
+def check_router_replay(cfg: Config, hf: dict) -> None:
+    """actor.router_replay: an MoE model, at the layouts it replays at so far (models/router_replay.py)."""
+    a = cfg.actor
+    if not moe_experts(hf):
+        raise ConfigError(f"actor.router_replay={a.router_replay} replays MoE routing, but model.path's config.json "
+                          f"has model_type={hf['model_type']!r}, a dense model without experts; set "
+                          "actor.router_replay=disabled.")
+    for key, size in (("actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
+                      ("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size),
+                      ("actor.context_parallel_size", a.context_parallel_size)):
+        if size > 1:
+            raise ConfigError(f"actor.router_replay={a.router_replay} runs at {key.split('.')[1]}=1 so far (any "
+                              f"expert parallelism); {key}={size}: set it to 1, or actor.router_replay=disabled.")
 
 
 def check_moe_knobs(cfg: Config) -> None:

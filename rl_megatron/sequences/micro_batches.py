@@ -90,7 +90,7 @@ class MicroBatch:
         return MicroBatch(self.samples, self.rows, self.lengths, ids, positions, cu_seqlens)
 
     def unpack(self, per_token: Tensor) -> Tensor:
-        """Model-layout [rows, tokens] -> [samples, longest], zero beyond each sample's tokens."""
+        """Model-layout [rows, tokens, ...] -> [samples, longest, ...], zero beyond each sample's tokens."""
         lengths, device = self.lengths, per_token.device
         longest = self.samples.input_ids.shape[1]
         if self.cu_seqlens is None:
@@ -100,6 +100,7 @@ class MicroBatch:
             out = per_token[0].index_select(0, to_device(index.clamp(max=per_token.shape[1] - 1), device))
             out = out.view(len(lengths), longest, *per_token.shape[2:])
         inside = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # built on the host
+        inside = inside.view(*inside.shape, *[1] * (out.dim() - 2))
         return torch.where(to_device(inside, device), out, torch.zeros((), dtype=out.dtype, device=device))
 
     def unpack_outputs(self, outputs: TokenOutputs) -> TokenOutputs:
@@ -153,7 +154,17 @@ def _pad_tokens(ids: Tensor, multiple: int, pad_id: int) -> Tensor:
 
 def outputs_to_host(outputs: list[TokenOutputs]) -> list[TokenOutputs]:
     """Per-micro-batch outputs ([samples, longest] each, float) copied to the host in one transfer: the host waits
-    for the device once per pass, not once per micro-batch and output."""
+    for the device once per pass, not once per micro-batch and output. The routing (R2's record) comes in a second."""
+    routing = [o.routed_experts for o in outputs]
+    if routing[0] is not None:
+        outputs = [dataclasses.replace(o, routed_experts=None) for o in outputs]
+        longest = max(r.shape[1] for r in routing)
+        host = torch.cat([F.pad(r, (0, 0, 0, 0, 0, longest - r.shape[1])) for r in routing]).to("cpu")
+        starts = [0]
+        for r in routing:
+            starts.append(starts[-1] + r.shape[0])
+        return [dataclasses.replace(o, routed_experts=host[start:start + r.shape[0], :r.shape[1]])
+                for o, start, r in zip(outputs_to_host(outputs), starts, routing)]
     names = list(outputs[0].tensors())
     shapes = [outputs_of.tensors()[names[0]].shape for outputs_of in outputs]
     longest = max(shape[1] for shape in shapes)
@@ -171,7 +182,7 @@ def scatter_rows(parts: list[tuple[list[int], TokenOutputs]], count: int, length
     """Per-sample outputs of micro-batches ((rows, outputs [samples, longest]) each) in the rank's row order, as
     [count, length] tensors (zero beyond each sample)."""
     first = parts[0][1].tensors()
-    out = {name: value.new_zeros(count, length) for name, value in first.items()}
+    out = {name: value.new_zeros(count, length, *value.shape[2:]) for name, value in first.items()}
     for rows, outputs in parts:
         for name, value in outputs.tensors().items():
             out[name][rows, :value.shape[1]] = value

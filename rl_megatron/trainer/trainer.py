@@ -222,7 +222,7 @@ class Trainer:
         step's sequences, before any update."""
         with self.timer("old_log_prob"):
             old = self.actor.log_probs(batch.select())
-        batch.old_log_probs = old.log_probs
+        batch.old_log_probs, batch.routed_experts = old.log_probs, old.routed_experts  # routing: R2's record
         if self.ref is not None:
             with self.timer("ref"):
                 batch.ref_log_probs = self.ref.ref_log_probs(batch.select()).log_probs
@@ -264,7 +264,7 @@ class Trainer:
             if updating_actor:
                 with self.timer("update_actor"):
                     metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
-                                                              "importance_weights"))[0]
+                                                              "importance_weights", "routed_experts"))[0]
         if updating_actor:
             self.policy_version += 1
             with self.rollouts.syncing(self.timer), self.timer("sync_weights"), self.profiles.phase(step, "sync"):

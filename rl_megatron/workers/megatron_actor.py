@@ -12,6 +12,7 @@ label predicted at t; the value of the state before that token).
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,7 @@ from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_tab
 from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
 from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_metrics import RouterMetrics
+from rl_megatron.models.router_replay import Pass, RoutingReplay
 from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.roles import Role
@@ -107,6 +109,8 @@ class MegatronModel:
         self.span_multiple = 2 * self.context_size * self.sequence_multiple if self.context_size > 1 else 1
         self.token_counts = [0, 0]  # real and computed tokens of the passes since the last update (padding ratio)
         self.output_positions: OutputPositions | None = None  # set where passes read the response tokens only
+        self.routing_replay: RoutingReplay | None = None  # the actor's, with actor.router_replay
+        self.recorded_routing: torch.Tensor | None = None  # the last micro-batch's, while a pass records it
         self.model = self.chunks
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -194,7 +198,13 @@ class MegatronModel:
         input_ids, position_ids = micro.model_inputs()
         if self.output_positions is not None:
             self.output_positions.index = micro.read_positions[1]
-        return model(input_ids, position_ids, None, packed_seq_params=packed)
+        if self.routing_replay is None:
+            return model(input_ids, position_ids, None, packed_seq_params=packed)
+        chunk = self.model.index(model)
+        self.routing_replay.before_forward(chunk, micro)
+        output = model(input_ids, position_ids, None, packed_seq_params=packed)
+        self.recorded_routing = self.routing_replay.after_forward(chunk, micro)
+        return output
 
     def run(self, micros: list[MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's pipeline schedule over `micros`; loss_func(micro, output) -> (loss, stats) runs on the last
@@ -308,6 +318,8 @@ class MegatronActor(MegatronModel):
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
+        if trainable and cfg.actor.router_replay == "R2":
+            self.routing_replay = RoutingReplay(self.chunks)
         if trainable and not platform.has_cuda() and not self.distributed_optimizer:
             # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
             # the distributed optimizer: moving the parameters out of DDP's buffer would cut them off from it).
@@ -334,8 +346,17 @@ class MegatronActor(MegatronModel):
 
     def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         """log p(token) and the policy's entropy under the sampling temperature, where `response_mask` is set (the
-        tokens the losses and metrics read; 0 elsewhere: the prompt's outputs are never computed)."""
-        return self.infer(batch.select(), partial(self._token_outputs, with_entropy=True))
+        tokens the losses and metrics read; 0 elsewhere: the prompt's outputs are never computed). With R2, also
+        each token's experts (`routed_experts`), which the update replays."""
+        if self.routing_replay is None:
+            return self.infer(batch.select(), partial(self._token_outputs, with_entropy=True))
+
+        def with_routing(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:
+            outputs = self._token_outputs(micro, output, with_entropy=True)
+            return dataclasses.replace(outputs, routed_experts=self.recorded_routing)
+
+        with self.routing_replay.running(Pass.RECORD):
+            return self.infer(batch.select(), with_routing)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
@@ -360,7 +381,8 @@ class MegatronActor(MegatronModel):
             return loss, stats
 
         tokens_of = partial(self._token_outputs, with_entropy=bool(actor.entropy_coeff))
-        with self.router_metrics.recording() if self.router_metrics else nullcontext():
+        replaying = self.routing_replay.running(Pass.REPLAY) if self.routing_replay else nullcontext()
+        with self.router_metrics.recording() if self.router_metrics else nullcontext(), replaying:
             metrics = self.train(batch, actor.ppo_mini_batch_size * self.cfg.rollout.n, actor.ppo_epochs,
                                  self.cfg.rollout.max_tokens, tokens_of, loss_of)
         return ({f"actor/{key}": value for key, value in metrics.items()}

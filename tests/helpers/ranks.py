@@ -110,3 +110,33 @@ def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp
         assert greedy == reference, f"rank {rank}"
         if same_layout:
             assert stats.bytes_received == 0 and stats.bytes_in_place > 0
+
+
+def routing_replay_passes(cfg, batch, forced):
+    """On one rank, with actor.router_replay=R2: the old log-prob pass's recorded routing and the routers' own
+    choices in it; log-probs of a forward pass replaying `forced` routing, and the routers' choices in it; and the
+    update replaying the recorded routing, with the routers' choices in its forward (metrics, exported weights)."""
+    from functools import partial
+
+    from rl_megatron.models.router_replay import Pass
+
+    actor = build_actor(cfg)
+    chosen = []  # each router call's [tokens, experts] map, per pass
+
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled() or not module.training:
+            chosen.append(output[1].clone())
+
+    for chunk in actor.chunks:
+        for layer in chunk.decoder.layers:
+            layer.mlp.router.register_forward_hook(hook)
+    old = actor.log_probs(batch)
+    recorded_choices, chosen[:] = list(chosen), []
+    with actor.routing_replay.running(Pass.REPLAY):
+        forced_pass = actor.infer(dataclasses.replace(batch.select(), routed_experts=forced),
+                                  partial(actor._token_outputs, with_entropy=False))
+    forced_choices, chosen[:] = list(chosen), []
+    replayed = dataclasses.replace(batch, old_log_probs=old.log_probs, routed_experts=old.routed_experts)
+    metrics = actor.update(replayed)
+    return (old, recorded_choices, forced_pass.log_probs, forced_choices, chosen, metrics, actor.hf_state_dict(),
+            actor.micro_batches(batch))

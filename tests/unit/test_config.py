@@ -388,6 +388,18 @@ def test_expert_parallelism_must_divide_the_experts(tmp_path):
     assert "actor.expert_model_parallel_size=2" in message and "3 experts" in message
 
 
+def test_router_replay_needs_an_moe_model_at_the_layouts_it_replays_at(tmp_path):
+    message = config_error("actor.router_replay=R2")
+    assert "actor.router_replay=R2" in message and "model_type='qwen2'" in message and "disabled" in message
+    moe = f"model.path={moe_folder(tmp_path / 'm')}"
+    message = config_error(moe, "actor.router_replay=R2")  # the demo's TP=2
+    assert "actor.tensor_model_parallel_size=2" in message and "actor.router_replay=disabled" in message
+    cfg = load_demo(moe, "actor.router_replay=R2", "actor.tensor_model_parallel_size=1",
+                    "actor.expert_model_parallel_size=2")
+    assert cfg.actor.router_replay == "R2"
+    assert "R3" in config_error(moe, "actor.router_replay=R3")  # not yet a choice: the message lists them
+
+
 def test_moe_models_with_dense_layers_load_unless_no_layer_routes(tmp_path):
     assert load_demo(f"model.path={moe_folder(tmp_path / 'm', mlp_only_layers=[1])}").model.path
     message = config_error(f"model.path={moe_folder(tmp_path / 'd', mlp_only_layers=[0, 1])}")

@@ -1,0 +1,110 @@
+"""MoE routing replay (actor.router_replay=R2) on a tiny Qwen3-MoE (4 experts, top-2), one rank on gloo: the old
+log-prob pass records each token's experts as the routers chose them; a forward pass replaying given experts uses
+exactly those, and its log-probs equal transformers' forced through the same experts; the update replaying the
+recorded routing goes through the recorded experts and computes what the update without replay computes (the same
+weights route the same way), to rounding."""
+import pytest
+import torch
+
+from helpers.parity import config, family_model_dir, hf_model, make_batch
+from helpers.ranks import routing_replay_passes, update_and_export
+from helpers.worlds import run_distributed
+from rl_megatron.doctor.parity import hf_token_log_probs
+from rl_megatron.models.router_replay import model_layout
+
+EXPERTS, TOP_K = 4, 2
+
+
+def forced_routing(batch) -> torch.Tensor:
+    """Top-2 experts per token and layer, drawn at random (distinct per token): rarely the routers' own choice."""
+    g = torch.Generator().manual_seed(7)
+    rows, tokens = batch.input_ids.shape
+    return torch.rand(rows, tokens, 2, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.int16)
+
+
+def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperature: float) -> torch.Tensor:
+    """transformers' log-probs with each MoE layer's router made to pick `routing`'s experts (their weights: the
+    router's own probabilities at those experts, renormalised as the model's config says)."""
+    model = hf_model(model_dir)
+    for index, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+        picked = routing[:, :, index].reshape(-1, TOP_K).long()  # transformers flattens batch-first
+
+        def forward(hidden, gate=gate, picked=picked):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            values = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, picked)
+            if gate.norm_topk_prob:
+                values = values / values.sum(-1, keepdim=True)
+            return logits, values.to(logits.dtype), picked
+
+        gate.forward = forward
+    with torch.no_grad():
+        return hf_token_log_probs(model, batch.input_ids, temperature)[0]
+
+
+def top_k_sets(choices: torch.Tensor) -> torch.Tensor:
+    """[tokens, experts] routing maps -> each token's experts, sorted: [tokens, k]."""
+    return choices.nonzero()[:, 1].view(choices.shape[0], TOP_K)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_r2_records_replays_and_matches_a_forced_reference(tmp_path, packing):
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
+    settings = {"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": 1, "actor.sequence_packing": packing}
+    batch = make_batch()
+    forced = forced_routing(batch)
+    cfg = config(model_dir, 1, 1, **settings, **{"actor.router_replay": "R2"})
+    old, recorded_choices, forced_log_probs, forced_choices, update_choices, metrics, weights, micros = \
+        run_distributed(routing_replay_passes, 1, args=(cfg, batch, forced))[0]
+    lengths = batch.sequence_lengths()
+    real = torch.arange(batch.input_ids.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+    # The record: per sample, each real token's experts in each layer, compact, as the routers chose them.
+    routing = old.routed_experts
+    assert routing.dtype == torch.int16 and routing.shape == (*batch.input_ids.shape, 2, TOP_K)
+    assert (routing[~real] == 0).all()
+    own = [top_k_sets(choice) for choice in recorded_choices]  # micro-batch by micro-batch, layer by layer
+    assert len(own) == 2 * len(micros)
+    per_router = [(micro, layer) for micro in micros for layer in range(2)]  # the order the routers ran in
+    for choice, (micro, layer) in zip(own, per_router):  # the record, laid out as those micro-batches were
+        real_here = _flat_real(micro)
+        assert torch.equal(choice[real_here], _laid_sorted(micro, routing, layer)[real_here])
+
+    # Replaying given experts: the routers used exactly those, and the log-probs are transformers' through them.
+    assert len(forced_choices) == len(per_router)
+    for choice, (micro, layer) in zip(forced_choices, per_router):
+        real_here = _flat_real(micro)
+        assert torch.equal(top_k_sets(choice)[real_here], _laid_sorted(micro, forced, layer)[real_here])
+    reference = hf_forced_log_probs(model_dir, batch, forced, cfg.rollout.temperature)
+    mask = batch.response_mask.bool()
+    assert (forced_log_probs[mask] - reference[mask]).abs().max() <= 1e-5
+    plain_reference = hf_token_log_probs(hf_model(model_dir), batch.input_ids, cfg.rollout.temperature)[0]
+    assert (old.log_probs[mask] - reference[mask]).abs().max() > 1e-3  # forcing changed them: the test can fail
+
+    # The update replayed the record: its routers went through the recorded experts, and replaying a pass's own
+    # routing changes nothing (the same weights route the same way): metrics and weights as without replay.
+    assert update_choices and all(c.sum(1).eq(TOP_K).all() for c in update_choices)
+    plain_cfg = config(model_dir, 1, 1, **settings)
+    plain_metrics, plain_weights = run_distributed(update_and_export, 1, args=(plain_cfg, batch))[0]
+    assert metrics["actor/pg_loss"] == plain_metrics["actor/pg_loss"]
+    assert metrics["actor/grad_norm"] == pytest.approx(plain_metrics["actor/grad_norm"], rel=1e-12)
+    differences = max((weights[name] - plain_weights[name]).abs().max().item() for name in plain_weights)
+    # Packed, the same to the bit. Right-padded rows' padding positions replay experts 0..k-1 instead of their own
+    # choice: an expert's matrix product then holds other rows beside the real tokens' and may round those in the
+    # last bit, which Adam's step scales up where a gradient is near zero (at most ~1e-5 here, at lr 1e-3).
+    assert differences == 0 if packing else differences <= 1e-4
+    assert (old.log_probs[mask] - plain_reference[mask]).abs().max() <= 1e-4
+
+
+def _flat_real(micro) -> torch.Tensor:
+    """`micro`'s real token positions as its routers see them (sequence-first, flattened)."""
+    real = torch.zeros(micro.input_ids.shape, dtype=torch.bool)
+    for i, length in enumerate(micro.lengths):
+        row, start = (i, 0) if micro.cu_seqlens is None else (0, micro.cu_seqlens[i])
+        real[row, start:start + length] = True
+    return real.transpose(0, 1).reshape(-1)
+
+
+def _laid_sorted(micro, routing, layer) -> torch.Tensor:
+    """`routing` (per sample) as `micro`'s routers see layer `layer`: each token's experts, sorted."""
+    return model_layout(micro, routing[micro.rows], TOP_K)[:, layer].long().sort(-1).values
