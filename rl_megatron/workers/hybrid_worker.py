@@ -57,7 +57,8 @@ class HybridWorker(EngineHost):
 
     def init(self, master_addr: str, master_port: int) -> None:
         # Megatron is imported here, in the worker: the controller names this class for Ray and never imports it.
-        from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
+        from rl_megatron.workers.megatron_actor import MegatronActor
+        from rl_megatron.workers.megatron_critic import MegatronCritic
 
         cfg = self.cfg
         # Every worker measures at once (on CPU), before anything else runs in the group: what each gets while its

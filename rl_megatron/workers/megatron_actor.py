@@ -2,7 +2,7 @@
 
 - `MegatronActor`, the policy: token log-probs of given sequences, and PPO updates. Frozen, it is the reference
   policy (a copy of the initial actor, or loaded from model.path).
-- `MegatronCritic`: the same trunk with a scalar value head; values of given sequences, and value updates.
+- `MegatronCritic` (megatron_critic.py): the same trunk with a scalar value head; values, and value updates.
 
 Batches (`TrainBatch`) here are this data-parallel rank's slice. Every pass cuts it into micro-batches (a sample
 count, or a token budget) whose samples are packed into one row or right-padded to the micro-batch's longest
@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron import platform
 from rl_megatron.algorithms import (POLICY_LOSSES, LossScale, LossStats, aggregate_loss, kl_divergence,
-                                    megatron_loss_factor, value_loss)
+                                    megatron_loss_factor)
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
 from rl_megatron.config.schema import Config, OptimConfig
@@ -395,40 +395,6 @@ class MegatronActor(MegatronModel):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return export_hf_state_dict(self.chunks, self.table)
-
-
-class MegatronCritic(MegatronModel):
-    """The value model: the policy's trunk (critic.model_path) with a new scalar head."""
-
-    def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0):
-        critic = cfg.critic
-        batching = Batching(critic.micro_batch_size, critic.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
-        super().__init__(cfg, hf_config, batching, optim=critic.optim, optimizer_steps=optimizer_steps,
-                         value_head=True, weights_path=None if cfg.model.random_init else critic.model_path,
-                         activations=ActivationSettings.of_role(cfg, Role.CRITIC),
-                         stages=StageLayers.of_role(cfg, Role.CRITIC))
-
-    @staticmethod
-    def _token_outputs(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:
-        return TokenOutputs(values=output.squeeze(-1).float())
-
-    def values(self, batch: TrainBatch) -> TokenOutputs | None:
-        return self.infer(batch.select(), self._token_outputs)
-
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """Clipped value-loss updates. `batch`: input_ids, response_mask, values (at rollout time), returns."""
-        critic = self.cfg.critic
-
-        def loss_of(samples, outputs, scale):
-            loss, stats = value_loss(outputs.values, samples.values, samples.returns, samples.response_mask,
-                                     cliprange_value=critic.cliprange_value, agg_mode=critic.loss_agg_mode,
-                                     scale=scale)
-            stats.losses["vf_loss"] = loss.detach()
-            return loss, stats
-
-        metrics = self.train(batch, critic.ppo_mini_batch_size * self.cfg.rollout.n, critic.ppo_epochs,
-                             self.cfg.rollout.max_tokens, self._token_outputs, loss_of)
-        return {f"critic/{key}": value for key, value in metrics.items()}
 
 
 def _without_device_mode(loss_func, micro, output):

@@ -56,7 +56,8 @@ def update_each_mode(batch: TrainBatch, runs: dict) -> dict:
     metrics, gradients and updated weights of one update (the whole batch: one mini-batch)."""
     from rl_megatron.bench.recompute import saved_activation_bytes
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
+    from rl_megatron.workers.megatron_actor import MegatronActor
+    from rl_megatron.workers.megatron_critic import MegatronCritic
 
     out = {}
     for run, (cfg, actor_modes, critic_modes) in runs.items():

@@ -38,7 +38,8 @@ def ppo_step(cfg, batch):
     from megatron.core import parallel_state
 
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.workers.megatron_actor import MegatronActor, MegatronCritic
+    from rl_megatron.workers.megatron_actor import MegatronActor
+    from rl_megatron.workers.megatron_critic import MegatronCritic
 
     hf = read_hf_config(cfg.model.path)
     actor, critic = MegatronActor(cfg, hf, optimizer_steps=10), MegatronCritic(cfg, hf, optimizer_steps=10)
