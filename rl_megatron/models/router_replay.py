@@ -7,8 +7,10 @@ is a [tokens, MoE layers, top-k] tensor of expert ids (int16), position t the ex
 `TrainBatch.routed_experts` from the old log-prob pass to the update, whatever the micro-batches of each.
 
 In Megatron's layout a router sees the micro-batch's tokens sequence-first ([tokens x rows] flattened, row fastest),
-packed or right-padded as `MicroBatch` lays them out. Padding positions replay experts 0..k-1 (their outputs join
-no loss). The layouts this covers so far: TP=1, PP=1, CP=1, any EP (pre-flight refuses the others).
+packed or right-padded as `MicroBatch` lays them out; with sequence parallelism (MoE at TP > 1) each TP rank's
+router sees its contiguous share of the tokens. Padding positions replay experts 0..k-1 (their outputs join no
+loss). The layouts this covers so far: PP=1 and CP=1, any TP (with sequence parallelism) and EP (pre-flight refuses
+the others).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from contextlib import contextmanager
 from enum import Enum
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from rl_megatron.sequences import MicroBatch
@@ -40,6 +44,9 @@ class RoutingReplay:
     def __init__(self, chunks: list):
         config = chunks[0].config
         self.top_k = config.moe_router_topk
+        # Sequence parallelism: this rank's routers see share `rank` of `shares` of every micro-batch's tokens.
+        self.shares = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+        self.share = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
         column = {layer: i for i, layer in enumerate(moe_layers(config))}
         self.layers = len(column)
         # Per chunk: (the layer's column in a routing tensor, its router's replay), in layer order.
@@ -77,6 +84,7 @@ class RoutingReplay:
                 raise ValueError("actor.router_replay=R2 replays the old log-prob pass's routing, but the batch has "
                                  "none (TrainBatch.routed_experts)")
             targets = model_layout(micro, micro.samples.routed_experts, self.top_k)
+            targets = targets.chunk(self.shares)[self.share]  # sequence-first: a share is a contiguous block
             for layer, replay in self.replays[chunk]:
                 replay.set_target_indices(targets[:, layer])
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -91,12 +99,17 @@ class RoutingReplay:
         if self.now is not Pass.RECORD:
             return None
         rows, tokens = micro.input_ids.shape
-        recorded = torch.zeros(tokens * rows, self.layers, self.top_k, dtype=ROUTING_DTYPE,
+        # int32 for the gather of the shares (gloo has no int16 collectives), int16 to keep
+        recorded = torch.zeros(tokens * rows // self.shares, self.layers, self.top_k, dtype=torch.int32,
                                device=micro.input_ids.device)
         for layer, replay in self.replays[chunk]:
-            recorded[:, layer] = replay.get_recorded_indices().to(ROUTING_DTYPE)
+            recorded[:, layer] = replay.get_recorded_indices()
             replay.clear_indices()
-        return recorded.view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
+        if self.shares > 1:
+            shares = [torch.empty_like(recorded) for _ in range(self.shares)]
+            dist.all_gather(shares, recorded, group=parallel_state.get_tensor_model_parallel_group())
+            recorded = torch.cat(shares)
+        return recorded.to(ROUTING_DTYPE).view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
 
 
 def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> torch.Tensor:

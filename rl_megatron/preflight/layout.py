@@ -195,8 +195,7 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"actor.router_replay={a.router_replay} replays MoE routing, but model.path's config.json "
                           f"has model_type={hf['model_type']!r}, a dense model without experts; set "
                           "actor.router_replay=disabled.")
-    for key, size in (("actor.tensor_model_parallel_size", a.tensor_model_parallel_size),
-                      ("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size),
+    for key, size in (("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size),
                       ("actor.context_parallel_size", a.context_parallel_size)):
         if size > 1:
             raise ConfigError(f"actor.router_replay={a.router_replay} runs at {key.split('.')[1]}=1 so far (any "

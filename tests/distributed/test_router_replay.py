@@ -1,4 +1,4 @@
-"""MoE routing replay (actor.router_replay=R2) on a tiny Qwen3-MoE (4 experts, top-2), one rank on gloo: the old
+"""MoE routing replay (actor.router_replay=R2) on a tiny Qwen3-MoE (4 experts, top-2) on gloo, at TP=1 and TP=2: the old
 log-prob pass records each token's experts as the routers chose them; a forward pass replaying given experts uses
 exactly those, and its log-probs equal transformers' forced through the same experts; the update replaying the
 recorded routing goes through the recorded experts and computes what the update without replay computes (the same
@@ -108,3 +108,20 @@ def _flat_real(micro) -> torch.Tensor:
 def _laid_sorted(micro, routing, layer) -> torch.Tensor:
     """`routing` (per sample) as `micro`'s routers see layer `layer`: each token's experts, sorted."""
     return model_layout(micro, routing[micro.rows], TOP_K)[:, layer].long().sort(-1).values
+
+
+def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_see_them(tmp_path):
+    """TP=2 with sequence parallelism (MoE at TP > 1): each rank's routers see their half of the tokens. The record
+    gathers the halves (the same routing as one rank records), and the forced replay hands each rank its half."""
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
+    batch = make_batch()
+    forced = forced_routing(batch)
+    settings = {"actor.optim.lr": 1e-3, "actor.router_replay": "R2"}
+    one = run_distributed(routing_replay_passes, 1, args=(
+        config(model_dir, 1, 1, **settings, **{"trainer.n_gpus_per_node": 1}), batch, forced))[0]
+    two = run_distributed(routing_replay_passes, 2, 2, args=(config(model_dir, 2, 1, **settings), batch, forced))[0]
+    assert torch.equal(two[0].routed_experts, one[0].routed_experts)
+    mask = batch.response_mask.bool()
+    reference = hf_forced_log_probs(model_dir, batch, forced, 0.7)
+    assert (two[2][mask] - reference[mask]).abs().max() <= 1e-5
+    assert two[5]["actor/pg_loss"] == pytest.approx(one[5]["actor/pg_loss"], abs=1e-6)

@@ -130,13 +130,18 @@ def routing_replay_passes(cfg, batch, forced):
     for chunk in actor.chunks:
         for layer in chunk.decoder.layers:
             layer.mlp.router.register_forward_hook(hook)
-    old = actor.log_probs(batch)
+    import torch.distributed as dist
+
+    owned = [None] * dist.get_world_size()  # the old pass's outputs, from the ranks that own them, on every rank
+    dist.all_gather_object(owned, actor.log_probs(batch))
+    old = next(x for x in owned if x is not None)
     recorded_choices, chosen[:] = list(chosen), []
     with actor.routing_replay.running(Pass.REPLAY):
         forced_pass = actor.infer(dataclasses.replace(batch.select(), routed_experts=forced),
                                   partial(actor._token_outputs, with_entropy=False))
+    forced_log_probs = forced_pass.log_probs if forced_pass is not None else None
     forced_choices, chosen[:] = list(chosen), []
     replayed = dataclasses.replace(batch, old_log_probs=old.log_probs, routed_experts=old.routed_experts)
     metrics = actor.update(replayed)
-    return (old, recorded_choices, forced_pass.log_probs, forced_choices, chosen, metrics, actor.hf_state_dict(),
+    return (old, recorded_choices, forced_log_probs, forced_choices, chosen, metrics, actor.hf_state_dict(),
             actor.micro_batches(batch))
