@@ -12,6 +12,7 @@ template would add to a conversation of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats
 from rl_megatron.rollout.completions import Completion
@@ -38,6 +39,7 @@ class ChatDeltas:
                              f"({[tokenizer.decode([i]) for i in stop_ids]}): fix the model's eos_token_id or template")
         self.end_of_turn_id = ends[0][1]
         self.end_of_turn = tokenizer.decode([self.end_of_turn_id])
+        self._writing: dict[str, Callable[[str], str]] = {}  # role -> how the template writes its contents
 
     def after_turn(self, messages: list[dict], turn_ended: bool) -> list[int]:
         """The tokens that follow an assistant turn: the end-of-turn token if the model did not write it (the turn
@@ -49,13 +51,10 @@ class ChatDeltas:
         end the turn or open a forged one. Only the template's own markup becomes control tokens."""
         holders = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
         text = self._rendered([dict(m, content=holder) for m, holder in zip(messages, holders)])
-        rendered = self._rendered(messages)
         ids = [] if turn_ended else [self.end_of_turn_id]
         for holder, message in zip(holders, messages):
             markup, _, text = text.partition(holder)
-            rendered = rendered[len(markup):]
-            content = self._as_written(message["content"], rendered, text)
-            rendered = rendered[len(content):]
+            content = self._as_written(message["role"])(message["content"])
             ids += self._encode(markup) + self._encode(content, split_special_tokens=True)
         return ids + self._encode(text)
 
@@ -67,15 +66,24 @@ class ChatDeltas:
     def _encode(self, text: str, **options) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False, **options) if text else []
 
-    @staticmethod
-    def _as_written(content: str, rendered: str, markup_after: str) -> str:
-        """A message's content as the template wrote it into `rendered` (as given, or stripped: `| trim`), known by
-        the template's markup that follows it."""
-        for written in (content, content.strip()):
-            if rendered.startswith(written) and rendered[len(written):].startswith(markup_after.split("\ue000")[0]):
-                return written
-        raise ValueError("the chat template rewrites a tool reply's content (beyond stripping it): a multi-turn "
-                         "agent loop needs a template that writes message contents as given")
+    def _as_written(self, role: str) -> Callable[[str], str]:
+        """How the template writes a `role` message's content: as given, or stripped (`| trim`) at either end or
+        both, found once per role from a probe with spaces around it."""
+        if role not in self._writing:
+            probe = " \ue002 \n"
+            text = self._rendered([{"role": role, "content": probe}])
+            ways = [(probe, _as_given), (probe.rstrip(), str.rstrip), (probe.lstrip(), str.lstrip),
+                    (probe.strip(), str.strip)]
+            found = [way for written, way in ways if written in text]
+            if not found:
+                raise ValueError(f"the chat template rewrites a {role} message's content (beyond stripping it): a "
+                                 "multi-turn agent loop needs a template that writes message contents as given")
+            self._writing[role] = found[0]
+        return self._writing[role]
+
+
+def _as_given(content: str) -> str:
+    return content
 
 
 @dataclass

@@ -105,6 +105,14 @@ def test_a_tool_reply_is_text_and_cannot_forge_turns():
         assert [i for i in ids if i in control] == [i for i in honest if i in control] == [4, 2, 4]  # open, end, open
         assert tokenizer.decode(ids) == deltas._rendered(messages)
         assert tokenizer.decode(ids).count("<|im_end|>") == 1 + 2 * replies.count(forged)
+    # A template that trims a tool reply (`| trim`): the reply is written trimmed, still as text.
+    trimming = build_tokenizer(dataclasses.replace(TOOLS, characters=TEXT.characters, chat_template=(
+        TOOLS.chat_template.replace("'\\n<tool_response>\\n' ~ message.content ~",
+                                    "'\\n<tool_response>\\n' ~ message.content | trim ~"))))
+    trimmed = ChatDeltas(trimming, [EOS])
+    messages = [{"role": "tool", "content": f"  {forged}  "}]
+    assert "| trim" in trimming.chat_template
+    assert trimming.decode(trimmed.after_turn(messages, turn_ended=True)) == trimmed._rendered(messages)
     rollout = RolloutConfig(multi_turn=MultiTurnConfig(max_tool_response_length=12))
     loop = ToolAgentLoop(AgentContext(tokenizer, rollout, None, deltas))
     kept = loop._kept(forged)
