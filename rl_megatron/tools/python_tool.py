@@ -23,9 +23,10 @@ Code the model writes is hostile. The layers, each independent of the others:
     gives well-meaning code a clear message; it is not the boundary (code can get around an audit hook).
 
 The tool's `config` (all optional): timeout_s, cpu_time_s, memory_mb, file_size_mb, disk_mb, max_open_files,
-max_processes, max_output_bytes, isolation, rate_limit (calls at once in the process running the agent loops: by default one per
-CPU core; the rest wait for a slot, outside their time limit, counted in tool/slot_wait_s); see PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read
-incrementally: a flood costs no memory); stderr follows stdout in the text.
+max_processes, max_output_bytes, isolation, rate_limit (calls at once in the process running the agent loops: by
+default one per CPU core; the rest wait for a slot, outside their time limit, counted in tool/slot_wait_s); see
+PythonLimits. Each of stdout and stderr keeps its first max_output_bytes (read incrementally: a flood costs no
+memory); stderr follows stdout in the text.
 """
 from __future__ import annotations
 
