@@ -19,9 +19,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+UNROUTED = -1  # a position without routing in `routed_experts` (the engine never fed it, or padding)
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Sample:
     # the trajectory's (its last assistant message is the final answer the reward reads)
     tool_stats: ToolStats | None = None  # multi-turn: its tool calls
     error: str | None = None  # why the rollout could not produce it (an agent loop's failure); it joins no loss
+    routed_experts: np.ndarray | None = None  # moe.engine_routing: the engine's experts of each position it fed,
+    # [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
 
     def model_tokens(self) -> int:
         """The response tokens the policy generated (the loss mask's ones), not a tool's or the template's."""
@@ -99,12 +104,34 @@ class Sample:
                    dict(prompt.extra_info), **fields)
 
 
+def known_routing_then(known: np.ndarray | None, later: np.ndarray | None) -> np.ndarray | None:
+    """The routing of a sequence from `known` where it has rows, then from `later` (a request that fed the sequence
+    again, further)."""
+    if known is None or later is None:
+        return later if known is None else known
+    return np.concatenate([known, later[known.shape[0]:]])
+
+
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     """A host tensor on the compute `device` without the host waiting: on a GPU the copy is queued from pinned
     memory (a copy from pageable memory makes the host wait for the GPU's queue)."""
     if device.type == "cuda" and tensor.device.type == "cpu":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+def _engine_routing(samples: list[Sample], length: int) -> Tensor | None:
+    """The samples' engine routing as [B, length, MoE layers, top-k] (UNROUTED where a sample has none)."""
+    shapes = {s.routed_experts.shape[1:] for s in samples if s.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"the samples' engine routing differs in (MoE layers, top-k): {sorted(shapes)}")
+    routing = torch.full((len(samples), length, *shapes.pop()), UNROUTED, dtype=torch.int16)
+    for row, s in enumerate(samples):
+        if s.routed_experts is not None:
+            routing[row, :s.routed_experts.shape[0]] = torch.from_numpy(s.routed_experts[:length])
+    return routing
 
 
 def pad_token_id(tokenizer) -> int:
@@ -184,8 +211,9 @@ class TrainBatch(RowTensors):
     advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets
     importance_weights: Tensor | None = None  # rollout correction: p_train / p_rollout truncated or masked
-    routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to in the old
-    # log-prob pass, replayed by the update (actor.router_replay=R2; models/router_replay.py)
+    routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to (UNROUTED
+    # where unknown): the engine's (moe.engine_routing), then under actor.router_replay=R2 the old log-prob pass's,
+    # replayed by the update (models/router_replay.py)
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -200,7 +228,8 @@ class TrainBatch(RowTensors):
             response_mask[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.loss_mask, dtype=torch.float)
             rollout_log_probs[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.rollout_log_probs)
         lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
-        return cls(input_ids, response_mask, pad_id, lengths, rollout_log_probs=rollout_log_probs)
+        return cls(input_ids, response_mask, pad_id, lengths, rollout_log_probs=rollout_log_probs,
+                   routed_experts=_engine_routing(samples, length))
 
     def select(self, *names: str) -> TrainBatch:
         """The sequences with only the computed fields `names` (what one worker call reads: less to send)."""
@@ -224,6 +253,6 @@ class TrainBatch(RowTensors):
         extra = -self.input_ids.shape[1] % multiple
         if not extra:
             return self
-        return self._with({k: F.pad(v, (0, 0) * (v.dim() - 2) + (0, extra),
-                                    value=self.pad_id if k == "input_ids" else 0)
+        fill = {"input_ids": self.pad_id, "routed_experts": UNROUTED}
+        return self._with({k: F.pad(v, (0, 0) * (v.dim() - 2) + (0, extra), value=fill.get(k, 0))
                            for k, v in self.tensors().items() if v.dim() >= 2})

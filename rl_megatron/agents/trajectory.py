@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats
+import numpy as np
+
+from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats, known_routing_then
 from rl_megatron.rollout.completions import Completion
 
 # An assistant message that no template rewrites, to find where the template's assistant turn ends.
@@ -99,6 +101,8 @@ class Trajectory:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     versions: list[int | None] = field(default_factory=list)  # partial rollouts: the policy version of each model
     # token (None elsewhere)
+    routed_experts: np.ndarray | None = None  # moe.engine_routing: each position's experts, from the turn that fed
+    # it first
 
     def __post_init__(self):
         self.messages = list(self.prompt.messages or [])
@@ -112,6 +116,7 @@ class Trajectory:
         self.versions += completion.versions or [None] * len(completion.response_ids)
         self.loss_mask += [1] * len(completion.response_ids)
         self.log_probs += completion.log_probs
+        self.routed_experts = known_routing_then(self.routed_experts, completion.routed_experts)
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
 
@@ -128,4 +133,4 @@ class Trajectory:
         versions = [min(known) if v is None else v for v in self.versions] if known else None
         return Sample.answering(self.prompt, self.response_ids, self.log_probs, loss_mask=self.loss_mask,
                                 status=status, turns=self.turns, messages=self.messages, tool_stats=self.tool_stats,
-                                token_versions=versions)
+                                token_versions=versions, routed_experts=self.routed_experts)

@@ -90,7 +90,7 @@ class ActorConfig:
     context_parallel_size: int = checked(1, POSITIVE)  # Megatron CP size of the policy: each sequence split over this many ranks (> 1 needs actor.sequence_packing and Transformer Engine on a CUDA device)
     expert_model_parallel_size: int = checked(1, POSITIVE)  # Megatron EP size: an MoE layer's experts split over this many ranks
     expert_tensor_parallel_size: Optional[int] = checked(None, POSITIVE)  # each expert's own TP size, at most TP (default: the TP)
-    router_replay: Literal["disabled", "R2"] = "disabled"  # MoE routing replay (verl's names): R2 = the update's forward and backward route each token through the experts the old log-prob pass chose (MoE models; so far at PP=1 and CP=1, any TP and EP)
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"  # MoE routing replay (verl's names): R2 = the update's forward and backward route each token through the experts the old log-prob pass chose; R3 = the old log-prob, reference and update passes route each token through the experts the rollout engine chose (needs moe.engine_routing); MoE models, so far at PP=1 and CP=1, any TP and EP
     ppo_mini_batch_size: int = checked(16, POSITIVE)  # prompts per optimizer step (each brings rollout.n samples)
     ppo_epochs: int = checked(1, POSITIVE)  # passes over each step's samples
     micro_batch_size: int = checked(4, POSITIVE)  # samples per forward/backward on one data-parallel rank (without a token budget)
@@ -132,6 +132,7 @@ class MoeConfig:
     freeze_router: bool = False  # keep the routers' weights fixed during training (requires_grad False)
     router_bias_update_rate: float = checked(0.0, NOT_NEGATIVE)  # routers with an expert bias (DeepSeek-V3, GLM-4.5: aux-loss-free balancing): its step per optimizer step towards even loads (DeepSeek's pretraining: 1e-3; 0: the bias stays as loaded)
     grouped_gemm: bool = False  # a layer's experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; GPU + TE)
+    engine_routing: Optional[bool] = None  # the rollout engine returns each token's experts (what actor.router_replay=R3 replays; gives moe/routing_agreement every step); None: on for MoE models
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError, one_line
-from rl_megatron.models.family import FAMILIES
+from rl_megatron.models.family import FAMILIES, moe_experts
 
 
 def read_hf_config(model_path: str) -> dict:
@@ -45,6 +45,11 @@ def moe_hf_overrides(cfg: Config, hf: dict) -> dict:
     if cfg.moe.top_k is not None:
         overrides["num_experts_per_tok"] = cfg.moe.top_k
     return overrides
+
+
+def engine_routing(cfg: Config, hf: dict) -> bool:
+    """Whether the rollout engines return each token's experts (moe.engine_routing; None: for MoE models)."""
+    return bool(moe_experts(hf)) if cfg.moe.engine_routing is None else cfg.moe.engine_routing
 
 
 def model_config(cfg: Config) -> dict:

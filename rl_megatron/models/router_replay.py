@@ -1,16 +1,23 @@
-"""MoE routing replay (`actor.router_replay`): the update's forward and backward go through the experts the old
-log-prob pass chose (R2, verl's name and meaning), so that the policy ratio compares the same computation.
+"""MoE routing replay (`actor.router_replay`, verl's names and meaning) and the routing agreement metric.
+
+- R2: the update's forward and backward go through the experts the old log-prob pass chose, so that the policy
+  ratio compares the same computation.
+- R3: the old log-prob, reference and update passes go through the experts the rollout engine chose for each token
+  (`TrainBatch.routed_experts` from `rollout/routing_capture.py`), so that the trainer computes what the engine did.
+- `moe/routing_agreement` (whenever the batch carries the engine's routing): in the old log-prob pass, the fraction
+  of (token, MoE layer, top-k slot) choices where the trainer's own router, unreplayed, picks the engine's experts.
 
 Megatron-core's `RouterReplay` (one per router; record, replay forward, replay backward) does the routing; this
 module drives it per micro-batch and moves the choices between Megatron's layout and the samples': a sample's routing
-is a [tokens, MoE layers, top-k] tensor of expert ids (int16), position t the experts token t went to, carried in
-`TrainBatch.routed_experts` from the old log-prob pass to the update, whatever the micro-batches of each.
+is a [tokens, MoE layers, top-k] tensor of expert ids (int16; UNROUTED where unknown), position t the experts token t
+went to, carried in `TrainBatch.routed_experts` whatever the micro-batches of each pass.
 
 In Megatron's layout a router sees the micro-batch's tokens sequence-first ([tokens x rows] flattened, row fastest),
 packed or right-padded as `MicroBatch` lays them out; with sequence parallelism (MoE at TP > 1) each TP rank's
-router sees its contiguous share of the tokens. Padding positions replay experts 0..k-1 (their outputs join no
-loss). The layouts this covers so far: PP=1 and CP=1, any TP (with sequence parallelism) and EP (pre-flight refuses
-the others).
+router sees its contiguous share of the tokens. Unrouted positions (padding, the last token, which the engine never
+fed) replay experts 0..k-1: no loss reads their outputs, and causal attention keeps them from every other token.
+The layouts this covers so far: PP=1 and CP=1, any TP (with sequence parallelism) and EP (pre-flight refuses the
+others).
 """
 from __future__ import annotations
 
@@ -22,14 +29,31 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from rl_megatron.batch import UNROUTED
 from rl_megatron.sequences import MicroBatch
 
 ROUTING_DTYPE = torch.int16  # expert ids below 32768
 
 
 class Pass(Enum):
-    RECORD = "record"  # the old log-prob pass: keep each token's experts
-    REPLAY = "replay"  # the update: route through the recorded experts, forward and (with recomputation) backward
+    RECORD = "record"  # route as the router chooses, and keep each token's experts (R2's old log-prob pass)
+    REPLAY = "replay"  # route through the batch's experts, forward and (with recomputation) backward
+
+
+class _Replay(RouterReplay):
+    """Megatron's replay of one router that, when `measuring` a replayed forward, also keeps the experts the router
+    would have chosen (`own`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.measuring = False
+        self.own: torch.Tensor | None = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.measuring and self.router_replay_action is RouterReplayAction.REPLAY_FORWARD:
+            with torch.no_grad():
+                self.own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
+        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
 
 def moe_layers(config) -> list[int]:
@@ -47,8 +71,8 @@ class RoutingReplay:
         # Sequence parallelism: this rank's routers see share `rank` of `shares` of every micro-batch's tokens.
         self.shares = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
         self.share = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
-        column = {layer: i for i, layer in enumerate(moe_layers(config))}
-        self.layers = len(column)
+        self.columns = {layer: i for i, layer in enumerate(moe_layers(config))}  # global layer -> its column
+        self.layers = len(self.columns)
         # Per chunk: (the layer's column in a routing tensor, its router's replay), in layer order.
         self.replays = []
         for chunk in chunks:
@@ -56,42 +80,57 @@ class RoutingReplay:
             for layer in chunk.decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
-                    router.router_replay = RouterReplay()
+                    router.router_replay = _Replay()
                     RouterReplay.global_router_replay_instances.remove(router.router_replay)  # ours, not global
-                    replays.append((column[layer.layer_number - 1], router.router_replay))
+                    replays.append((self.columns[layer.layer_number - 1], router.router_replay))
             self.replays.append(replays)
         self.now: Pass | None = None
+        self.measuring = False
+        self.targets: tuple[torch.Tensor, torch.Tensor] | None = None  # this share's (batch's experts, routed mask)
+        # Per MoE layer: top-k slots where the router's own choice is the batch's, and slots compared.
+        self.agreement = torch.zeros(2, self.layers, dtype=torch.float64,
+                                     device=next(chunks[0].parameters()).device)  # no host sync per layer
 
     @contextmanager
-    def running(self, mode: Pass):
-        """The passes inside record (RECORD) or replay (REPLAY) their routing."""
-        self.now = mode
+    def running(self, mode: Pass, measure: bool = False):
+        """The passes inside record (RECORD) or replay (REPLAY) their routing; `measure`: count where the routers'
+        own choices agree with the batch's routing (`agreement_metrics`)."""
+        self.now, self.measuring = mode, measure
+        for replays in self.replays:
+            for _, replay in replays:
+                replay.measuring = measure
         try:
             yield
         finally:
-            self.now = None
+            self.now, self.measuring, self.targets = None, False, None
             for replays in self.replays:
                 for _, replay in replays:
                     replay.clear_indices()
                     replay.clear_router_replay_action()
+                    replay.measuring, replay.own = False, None
 
     def before_forward(self, chunk: int, micro: MicroBatch) -> None:
-        if self.now is Pass.RECORD:
-            for _, replay in self.replays[chunk]:
+        routing = micro.samples.routed_experts
+        if self.now is Pass.REPLAY and routing is None:
+            raise ValueError("actor.router_replay replays the batch's routing, but the batch has none "
+                             "(TrainBatch.routed_experts: R2 records it in the old log-prob pass, R3 takes the "
+                             "engine's, moe.engine_routing)")
+        if routing is not None and (self.now is Pass.REPLAY or self.measuring):
+            experts, routed = model_layout(micro, routing, self.top_k)
+            # sequence-first: a share is a contiguous block
+            self.targets = experts.chunk(self.shares)[self.share], routed.chunk(self.shares)[self.share]
+        for layer, replay in self.replays[chunk]:
+            if self.now is Pass.RECORD:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
-        elif self.now is Pass.REPLAY:
-            if micro.samples.routed_experts is None:
-                raise ValueError("actor.router_replay=R2 replays the old log-prob pass's routing, but the batch has "
-                                 "none (TrainBatch.routed_experts)")
-            targets = model_layout(micro, micro.samples.routed_experts, self.top_k)
-            targets = targets.chunk(self.shares)[self.share]  # sequence-first: a share is a contiguous block
-            for layer, replay in self.replays[chunk]:
-                replay.set_target_indices(targets[:, layer])
+            elif self.now is Pass.REPLAY:
+                replay.set_target_indices(self.targets[0][:, layer])
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def after_forward(self, chunk: int, micro: MicroBatch) -> torch.Tensor | None:
         """Recording: this micro-batch's routing in the model's layout, [rows, tokens, MoE layers, top-k]. Replaying:
         the chunk's routers switch to the backward's replay (full recomputation routes again, in the same order)."""
+        if self.measuring and self.targets is not None:
+            self._count_agreement(chunk)
         if self.now is Pass.REPLAY:
             for _, replay in self.replays[chunk]:
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
@@ -112,13 +151,46 @@ class RoutingReplay:
         return recorded.to(ROUTING_DTYPE).view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
 
 
-def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> torch.Tensor:
+    def _count_agreement(self, chunk: int) -> None:
+        """Add this micro-batch's share to `agreement`: per layer, the routed tokens' top-k slots whose expert the
+        router's own choice (recorded, or kept beside the replay) holds too."""
+        experts, routed = self.targets
+        for layer, replay in self.replays[chunk]:
+            own = replay.get_recorded_indices() if self.now is Pass.RECORD else replay.own
+            target = experts[:, layer][routed]
+            held = (target.unsqueeze(-1) == own[routed].to(target.device).unsqueeze(-2)).any(-1)
+            self.agreement[0, layer] += held.sum()
+            self.agreement[1, layer] += held.numel()
+        self.targets = None
+
+    def agreement_metrics(self) -> dict[str, float]:
+        """moe/routing_agreement (and per layer, moe/layer{i}/routing_agreement) over the data-parallel ranks (and
+        the sequence-parallel shares) since the last call; {} when nothing was compared."""
+        counts = self.agreement.clone()
+        self.agreement.zero_()
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        if self.shares > 1:
+            dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+        held, compared = counts.tolist()  # the one read-back
+        if not sum(compared):
+            return {}
+        out = {"moe/routing_agreement": sum(held) / sum(compared)}
+        out.update({f"moe/layer{layer}/routing_agreement": held[column] / compared[column]
+                    for layer, column in self.columns.items() if compared[column]})
+        return out
+
+
+def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample routing ([samples, longest, layers, k]) as the routers of `micro` see their tokens:
-    [tokens x rows, layers, k] (long), sequence-first; padding positions route to experts 0..k-1."""
+    ([tokens x rows, layers, k] long, sequence-first; [tokens x rows] bool, where the routing is known). Unknown
+    positions (padding, UNROUTED) route to experts 0..k-1."""
     rows, tokens = micro.input_ids.shape
     layers = routing.shape[2]
-    laid = torch.arange(top_k, device=routing.device).expand(rows, tokens, layers, top_k).clone()
+    laid = torch.full((rows, tokens, layers, top_k), UNROUTED, dtype=torch.long, device=routing.device)
     for i, length in enumerate(micro.lengths):
         row, start = (i, 0) if micro.cu_seqlens is None else (0, micro.cu_seqlens[i])
         laid[row, start:start + length] = routing[i, :length]
-    return laid.transpose(0, 1).reshape(tokens * rows, layers, top_k)
+    laid = laid.transpose(0, 1).reshape(tokens * rows, layers, top_k)
+    routed = laid[:, 0, 0] != UNROUTED
+    laid[~routed] = torch.arange(top_k, device=laid.device)
+    return laid, routed

@@ -189,12 +189,17 @@ def _check_moe_section(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay: an MoE model, at the layouts it replays at so far (models/router_replay.py)."""
+    """actor.router_replay: an MoE model, at the layouts it replays at so far (models/router_replay.py); R3 with
+    the engines' routing."""
     a = cfg.actor
     if not moe_experts(hf):
         raise ConfigError(f"actor.router_replay={a.router_replay} replays MoE routing, but model.path's config.json "
                           f"has model_type={hf['model_type']!r}, a dense model without experts; set "
                           "actor.router_replay=disabled.")
+    if a.router_replay == "R3" and cfg.moe.engine_routing is False:
+        raise ConfigError("actor.router_replay=R3 replays the rollout engine's routing, but moe.engine_routing=false "
+                          "keeps the engines from returning it: remove moe.engine_routing (or set it to true), or "
+                          "use actor.router_replay=R2.")
     for key, size in (("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size),
                       ("actor.context_parallel_size", a.context_parallel_size)):
         if size > 1:

@@ -20,6 +20,7 @@ import torch
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
+from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
@@ -165,9 +166,12 @@ def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[in
 
 
 def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
-                     load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None) -> dict:
+                     load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None,
+                     routing: bool = False) -> dict:
     """vLLM's `LLM(...)` arguments (fields of its EngineArgs) for an engine of `model_path` on a CUDA device or not;
-    `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's)."""
+    `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's);
+    `routing`: return each token's experts (`rollout/routing_capture.py`: vLLM's own on CUDA, which wants prefix
+    caching; captured here on CPU, which wants every position computed by its own request)."""
     device = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cuda
               else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
                     # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator, which
@@ -200,7 +204,8 @@ def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int,
         # work (outputs, freed KV blocks) when it returns, as the CPU suite checks: off until a GPU test covers it.
         async_scheduling=False,
         logprobs_mode="processed_logprobs",
-        enable_prefix_caching=True,
+        enable_prefix_caching=cuda or not routing,
+        enable_return_routed_experts=cuda and routing,
         # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
         enable_sleep_mode=cuda,
         distributed_timeout_seconds=group_timeout_s,
@@ -220,11 +225,12 @@ def drop_prefix_cache(llm) -> None:
 
 class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
-                 load_format: str = "dummy"):
+                 load_format: str = "dummy", routing: bool = False):
         """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
         model has them. `load_format`: "dummy" (the trainer writes every weight before the first generation) or
         "auto" (the folder's own safetensors, as any vLLM user loads it). Generation stops at the folder's
-        end-of-sequence ids (`end_of_sequence_ids`: the engine has no tokenizer to take them from)."""
+        end-of-sequence ids (`end_of_sequence_ids`: the engine has no tokenizer to take them from). `routing`: each
+        completion carries the experts of every position (moe.engine_routing)."""
         configure_engine_process()
         from vllm import LLM  # after the environment is set: vLLM reads some of it at import
         from vllm.platforms import current_platform
@@ -255,7 +261,8 @@ class VLLMEngine:
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
             self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
                                               cuda=platform.has_cuda(), mla=family_of(hf).mla,
-                                              group_timeout_s=group_timeout_s))
+                                              group_timeout_s=group_timeout_s, routing=routing))
+        self.routing = EngineRouting(self.llm, captured=not platform.has_cuda()) if routing else None
 
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -275,7 +282,14 @@ class VLLMEngine:
         with device_mode_off():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
                                         use_tqdm=False)
-        return [completion_of(sample) for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
+        return [completion_of(sample, self._routing(output, sample))
+                for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
+
+    def _routing(self, output, sample):
+        """The routing of `sample` (a CompletionOutput of the RequestOutput `output`), with moe.engine_routing."""
+        if self.routing is None:
+            return None
+        return self.routing.of(output, sample)
 
     def _sampling(self, **settings) -> dict:
         return dict(top_p=self.cfg.top_p, top_k=self.cfg.top_k, ignore_eos=self.cfg.ignore_eos,
@@ -304,7 +318,8 @@ class VLLMEngine:
                 outputs = engine.step()
             for output in outputs:
                 if output.finished:
-                    finished.append((output.request_id, completion_of(output.outputs[0])))
+                    finished.append((output.request_id, completion_of(output.outputs[0],
+                                                                      self._routing(output, output.outputs[0]))))
                     self.unfinished.pop(output.request_id, None)
                 else:  # its tokens so far (vLLM's outputs are cumulative), for `interrupt`
                     self.unfinished[output.request_id] = output
@@ -317,9 +332,12 @@ class VLLMEngine:
         so their KV cache is recomputed with the new weights."""
         if self.unfinished:
             self.llm.llm_engine.abort_request(list(self.unfinished))
-        cut = [(request_id, completion_of(output.outputs[0]) if output is not None else
-                Completion([], [], SampleStatus.ABORTED)) for request_id, output in self.unfinished.items()]
+        cut = [(request_id, completion_of(output.outputs[0], self._routing(output, output.outputs[0]))
+                if output is not None else Completion([], [], SampleStatus.ABORTED))
+               for request_id, output in self.unfinished.items()]
         self.unfinished = {}
+        if self.routing is not None:
+            self.routing.forget()  # the aborted requests' rows past what their outputs show
         for _, completion in cut:
             completion.status = SampleStatus.ABORTED
         return cut

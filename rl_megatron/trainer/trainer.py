@@ -220,12 +220,16 @@ class Trainer:
     def forward_passes(self, batch: TrainBatch) -> torch.Tensor:
         """The policy's log-probs (and entropy, returned), the reference's log-probs and the critic's values of the
         step's sequences, before any update."""
+        replay = self.cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
         with self.timer("old_log_prob"):
-            old = self.actor.log_probs(batch.select())
-        batch.old_log_probs, batch.routed_experts = old.log_probs, old.routed_experts  # routing: R2's record
+            old = self.actor.log_probs(batch.select("routed_experts"))
+        batch.old_log_probs = old.log_probs
+        if replay != "R3":
+            batch.routed_experts = old.routed_experts  # R2's record; None otherwise
         if self.ref is not None:
             with self.timer("ref"):
-                batch.ref_log_probs = self.ref.ref_log_probs(batch.select()).log_probs
+                ref_batch = batch.select("routed_experts") if replay == "R3" else batch.select()
+                batch.ref_log_probs = self.ref.ref_log_probs(ref_batch).log_probs
         if self.critic is not None:
             with self.timer("values"):
                 batch.values = self.critic.values(batch.select()).values

@@ -8,7 +8,7 @@ import os
 
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config.schema import Config
-from rl_megatron.models.hf_config import moe_hf_overrides
+from rl_megatron.models.hf_config import engine_routing, moe_hf_overrides
 from rl_megatron.platform.determinism import make_process_deterministic
 from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches
@@ -48,7 +48,8 @@ class EngineHost:
         # The shards of one engine must sample alike: they share a seed.
         self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
                                  seed=cfg.trainer.seed + self.engine_index,
-                                 hf_overrides=moe_hf_overrides(cfg, self.hf_config))
+                                 hf_overrides=moe_hf_overrides(cfg, self.hf_config),
+                                 routing=engine_routing(cfg, self.hf_config))
 
     def _rollout_axis(self) -> tuple[int, int, bool]:
         """(engine index, engines, whether this rank returns its engine's samples: the engine's first rank)."""
@@ -58,7 +59,8 @@ class EngineHost:
     def generate(self, prompts: list[Prompt], seeds: list[int], *, n: int, temperature: float) -> list[Sample]:
         """`n` samples per prompt, prompt-major; prompt i's are drawn from seeds[i] (see `VLLMEngine.generate`)."""
         completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds)
-        return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status)
+        return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status,
+                                 routed_experts=c.routed_experts)
                 for i, c in enumerate(completions)]
 
     @dispatch(axis=None, phase=GENERATE)

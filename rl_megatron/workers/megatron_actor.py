@@ -36,6 +36,7 @@ from rl_megatron.config.schema import Config, OptimConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights, weight_table
+from rl_megatron.models.hf_config import engine_routing
 from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
 from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_metrics import RouterMetrics
@@ -318,7 +319,10 @@ class MegatronActor(MegatronModel):
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
-        if trainable and cfg.actor.router_replay == "R2":
+        # Routing replay (actor.router_replay; the reference replays under R3 only), and the policy's routing
+        # agreement with the engine's wherever the engines return it.
+        self.replay_mode = cfg.actor.router_replay if trainable or cfg.actor.router_replay == "R3" else "disabled"
+        if self.replay_mode != "disabled" or (moe and engine_routing(cfg, hf_config)):
             self.routing_replay = RoutingReplay(self.chunks)
         if trainable and not platform.has_cuda() and not self.distributed_optimizer:
             # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
@@ -347,16 +351,21 @@ class MegatronActor(MegatronModel):
     def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         """log p(token) and the policy's entropy under the sampling temperature, where `response_mask` is set (the
         tokens the losses and metrics read; 0 elsewhere: the prompt's outputs are never computed). With R2, also
-        each token's experts (`routed_experts`), which the update replays."""
+        each token's experts (`routed_experts`), which the update replays; with R3, through the experts of
+        `batch.routed_experts` (the engine's). The policy counts its routing's agreement with the batch's."""
+        tokens_of = partial(self._token_outputs, with_entropy=True)
+        batch = batch.select("routed_experts")
         if self.routing_replay is None:
-            return self.infer(batch.select(), partial(self._token_outputs, with_entropy=True))
+            return self.infer(batch, tokens_of)
+        if self.replay_mode == "R3":
+            with self.routing_replay.running(Pass.REPLAY, measure=self.router_metrics is not None):
+                return self.infer(batch, tokens_of)
 
         def with_routing(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:
-            outputs = self._token_outputs(micro, output, with_entropy=True)
-            return dataclasses.replace(outputs, routed_experts=self.recorded_routing)
+            return dataclasses.replace(tokens_of(micro, output), routed_experts=self.recorded_routing)
 
-        with self.routing_replay.running(Pass.RECORD):
-            return self.infer(batch.select(), with_routing)
+        with self.routing_replay.running(Pass.RECORD, measure=True):
+            return self.infer(batch, with_routing if self.replay_mode == "R2" else tokens_of)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
@@ -381,13 +390,15 @@ class MegatronActor(MegatronModel):
             return loss, stats
 
         tokens_of = partial(self._token_outputs, with_entropy=bool(actor.entropy_coeff))
-        replaying = self.routing_replay.running(Pass.REPLAY) if self.routing_replay else nullcontext()
+        replaying = (self.routing_replay.running(Pass.REPLAY) if self.replay_mode != "disabled"
+                     else nullcontext())
         with self.router_metrics.recording() if self.router_metrics else nullcontext(), replaying:
             metrics = self.train(batch, actor.ppo_mini_batch_size * self.cfg.rollout.n, actor.ppo_epochs,
                                  self.cfg.rollout.max_tokens, tokens_of, loss_of)
         return ({f"actor/{key}": value for key, value in metrics.items()}
                 | {"perf/padding_ratio": self.padding_ratio()}
-                | (self.router_metrics.metrics() if self.router_metrics else {}))
+                | (self.router_metrics.metrics() if self.router_metrics else {})
+                | (self.routing_replay.agreement_metrics() if self.routing_replay else {}))
 
     def weight_sources(self):
         """This rank's shards as resharding sources (and any mismatch with the weight table)."""

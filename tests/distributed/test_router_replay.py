@@ -1,14 +1,17 @@
-"""MoE routing replay (actor.router_replay=R2) on a tiny Qwen3-MoE (4 experts, top-2) on gloo, at TP=1 and TP=2: the old
-log-prob pass records each token's experts as the routers chose them; a forward pass replaying given experts uses
-exactly those, and its log-probs equal transformers' forced through the same experts; the update replaying the
-recorded routing goes through the recorded experts and computes what the update without replay computes (the same
-weights route the same way), to rounding."""
+"""MoE routing replay (actor.router_replay) on a tiny Qwen3-MoE (4 experts, top-2) on gloo, at TP=1 and TP=2.
+R2: the old log-prob pass records each token's experts as the routers chose them; a forward pass replaying given
+experts uses exactly those, and its log-probs equal transformers' forced through the same experts; the update
+replaying the recorded routing goes through the recorded experts and computes what the update without replay
+computes (the same weights route the same way), to rounding. R3: the old log-prob, reference and update passes go
+through the engine's experts, and moe/routing_agreement counts where the routers' own choice holds them."""
 import pytest
 import torch
 
 from helpers.parity import config, family_model_dir, hf_model, make_batch
 from helpers.ranks import routing_replay_passes, update_and_export
 from helpers.worlds import run_distributed
+from helpers.ranks import r3_passes
+from rl_megatron.batch import UNROUTED
 from rl_megatron.doctor.parity import hf_token_log_probs
 from rl_megatron.models.router_replay import model_layout
 
@@ -22,9 +25,11 @@ def forced_routing(batch) -> torch.Tensor:
     return torch.rand(rows, tokens, 2, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.int16)
 
 
-def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperature: float) -> torch.Tensor:
+def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperature: float,
+                        own: list | None = None) -> torch.Tensor:
     """transformers' log-probs with each MoE layer's router made to pick `routing`'s experts (their weights: the
-    router's own probabilities at those experts, renormalised as the model's config says)."""
+    router's own probabilities at those experts, renormalised as the model's config says); `own` gets each layer's
+    own top-k choice on the hidden states it sees ([rows, tokens, k], sorted)."""
     model = hf_model(model_dir)
     for index, layer in enumerate(model.model.layers):
         gate = layer.mlp.gate
@@ -32,6 +37,8 @@ def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperatur
 
         def forward(hidden, gate=gate, picked=picked):
             logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            if own is not None:
+                own.append(logits.topk(TOP_K).indices.sort(-1).values.view(*batch.input_ids.shape, TOP_K))
             values = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, picked)
             if gate.norm_topk_prob:
                 values = values / values.sum(-1, keepdim=True)
@@ -107,7 +114,53 @@ def _flat_real(micro) -> torch.Tensor:
 
 def _laid_sorted(micro, routing, layer) -> torch.Tensor:
     """`routing` (per sample) as `micro`'s routers see layer `layer`: each token's experts, sorted."""
-    return model_layout(micro, routing[micro.rows], TOP_K)[:, layer].long().sort(-1).values
+    return model_layout(micro, routing[micro.rows], TOP_K)[0][:, layer].sort(-1).values
+
+
+def test_r3_replays_the_engines_routing_in_every_pass_and_measures_the_agreement(tmp_path):
+    """The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
+    never fed it) and padding. The old log-prob pass goes through exactly those experts (its log-probs are
+    transformers' forced through them), the reference computes the same, the update's forward too (its first
+    mini-batch's log-probs equal the old ones: ppo_kl 0), and moe/routing_agreement is the share of the engine's
+    (token, layer, slot) choices that the routers' own choice holds."""
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
+    batch = make_batch()
+    engine = forced_routing(batch)
+    for row, length in enumerate(batch.sequence_lengths()):
+        engine[row, length - 1:] = UNROUTED
+    cfg = config(model_dir, 1, 1, **{"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": 1,
+                                     "actor.router_replay": "R3"})
+    old, replayed, own, reference, metrics, update_choices, micros = \
+        run_distributed(r3_passes, 1, args=(cfg, batch, engine))[0]
+    per_router = [(micro, layer) for micro in micros for layer in range(2)]
+    assert len(replayed) == len(own) == len(update_choices) == len(per_router)
+    first_held = []
+    for replay, mine, update, (micro, layer) in zip(replayed, own, update_choices, per_router):
+        experts, routed = model_layout(micro, engine[micro.rows], TOP_K)
+        theirs = experts[:, layer].sort(-1).values[routed]
+        assert torch.equal(top_k_sets(replay)[routed], theirs) and torch.equal(top_k_sets(update)[routed], theirs)
+        if layer == 0:  # the first layer's input is the same replayed or not: its own choice, unreplayed
+            first_held.append((theirs.unsqueeze(-1) == top_k_sets(mine)[routed].unsqueeze(-2)).any(-1))
+    mask = batch.response_mask.bool()
+    filled = torch.where(engine == UNROUTED, torch.arange(TOP_K, dtype=torch.int16), engine)
+    hf_own = []  # each layer's own choice on the hidden states of the replayed pass
+    forced_reference = hf_forced_log_probs(model_dir, batch, filled, cfg.rollout.temperature, own=hf_own)
+    assert (old.log_probs[mask] - forced_reference[mask]).abs().max() <= 1e-5
+    assert torch.equal(reference.log_probs, old.log_probs)
+    assert metrics["actor/ppo_kl"] == 0.0  # one mini-batch: the update's forward is the old pass's
+
+    # The agreement: per layer, the engine's slots that the router's own choice holds, on the hidden states of the
+    # replayed pass (the layers below routed as the engine did), at the positions the engine fed.
+    routed = engine[..., 0, 0] != UNROUTED
+    expected = []
+    for layer in range(2):
+        theirs = engine[:, :, layer].long().sort(-1).values[routed]
+        expected.append((theirs.unsqueeze(-1) == hf_own[layer][routed].unsqueeze(-2)).any(-1).double().mean().item())
+        assert metrics[f"moe/layer{layer}/routing_agreement"] == pytest.approx(expected[layer], abs=1e-12)
+    assert metrics["moe/routing_agreement"] == pytest.approx(sum(expected) / 2, abs=1e-12)
+    assert 0 < metrics["moe/routing_agreement"] < 1
+    unreplayed = torch.cat(first_held).double().mean().item()
+    assert metrics["moe/layer0/routing_agreement"] == pytest.approx(unreplayed, abs=1e-12)
 
 
 def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_see_them(tmp_path):

@@ -112,6 +112,53 @@ def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp
             assert stats.bytes_received == 0 and stats.bytes_in_place > 0
 
 
+def _router_choices(chunks) -> list:
+    """Each call of the routers of `chunks` (forward passes only: recomputation would repeat them): its [tokens,
+    experts] routing map, appended to the list returned."""
+    chosen = []
+
+    def hook(module, inputs, output):
+        if torch.is_grad_enabled() or not module.training:
+            chosen.append(output[1].clone())
+
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.mlp.router.register_forward_hook(hook)
+    return chosen
+
+
+def _owned(outputs):
+    """A DP pass's outputs, from the rank that owns them, on every rank."""
+    import torch.distributed as dist
+
+    owned = [None] * dist.get_world_size()
+    dist.all_gather_object(owned, outputs)
+    return next(x for x in owned if x is not None)
+
+
+def r3_passes(cfg, batch, engine):
+    """On one rank, with actor.router_replay=R3 and `engine` as the batch's engine routing: the old log-prob pass's
+    outputs and the routers' choices in it; the routers' own choices on the same batch (recorded, unreplayed); the
+    reference's log-probs (it replays too); the update's metrics and the routers' choices in its forward."""
+    from functools import partial
+
+    from rl_megatron.models.hf_config import read_hf_config
+    from rl_megatron.models.router_replay import Pass
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    actor = build_actor(cfg)
+    chosen = _router_choices(actor.chunks)
+    routed = dataclasses.replace(batch.select(), routed_experts=engine)
+    old = _owned(actor.log_probs(routed))
+    replayed, chosen[:] = list(chosen), []
+    with actor.routing_replay.running(Pass.RECORD):
+        actor.infer(batch.select(), partial(actor._token_outputs, with_entropy=False))
+    own, chosen[:] = list(chosen), []
+    reference = _owned(MegatronActor(cfg, read_hf_config(cfg.model.path), trainable=False).log_probs(routed))
+    metrics = actor.update(dataclasses.replace(routed, old_log_probs=old.log_probs, advantages=batch.advantages))
+    return old, replayed, own, reference, metrics, chosen, actor.micro_batches(batch)
+
+
 def routing_replay_passes(cfg, batch, forced):
     """On one rank, with actor.router_replay=R2: the old log-prob pass's recorded routing and the routers' own
     choices in it; log-probs of a forward pass replaying `forced` routing, and the routers' choices in it; and the

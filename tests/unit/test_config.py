@@ -398,7 +398,11 @@ def test_router_replay_needs_an_moe_model_at_the_layouts_it_replays_at(tmp_path)
     cfg = load_demo(moe, "actor.router_replay=R2", "actor.tensor_model_parallel_size=1",
                     "actor.expert_model_parallel_size=2")
     assert cfg.actor.router_replay == "R2"
-    assert "R3" in config_error(moe, "actor.router_replay=R3")  # not yet a choice: the message lists them
+    message = config_error(moe, "actor.router_replay=R3", "moe.engine_routing=false")
+    assert "moe.engine_routing=false" in message and "actor.router_replay=R2" in message
+    assert load_demo(moe, "actor.router_replay=R3", "actor.tensor_model_parallel_size=1").actor.router_replay == "R3"
+    message = config_error("moe.engine_routing=true")  # the demo's model is dense
+    assert "moe.engine_routing" in message and "dense" in message
 
 
 def test_moe_models_with_dense_layers_load_unless_no_layer_routes(tmp_path):
