@@ -4,13 +4,14 @@ experts uses exactly those, and its log-probs equal transformers' forced through
 replaying the recorded routing goes through the recorded experts and computes what the update without replay
 computes (the same weights route the same way), to rounding. R3: the old log-prob, reference and update passes go
 through the engine's experts, and moe/routing_agreement counts where the routers' own choice holds them."""
+import numpy as np
 import pytest
 import torch
 
 from helpers.parity import config, family_model_dir, hf_model, make_batch
 from helpers.ranks import routing_replay_passes, update_and_export
 from helpers.worlds import run_distributed
-from helpers.ranks import r3_passes
+from helpers.ranks import PROMPTS, engine_routing_replayed, r3_passes
 from rl_megatron.batch import UNROUTED
 from rl_megatron.doctor.parity import hf_token_log_probs
 from rl_megatron.models.router_replay import model_layout
@@ -178,3 +179,31 @@ def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_
     reference = hf_forced_log_probs(model_dir, batch, forced, 0.7)
     assert (two[2][mask] - reference[mask]).abs().max() <= 1e-5
     assert two[5]["actor/pg_loss"] == pytest.approx(one[5]["actor/pg_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_replays_it(tmp_path, family):
+    """A real vLLM engine (moe.engine_routing) on the model's weights: every completion carries the experts of every
+    position it fed (prompt and response: P + R - 1 rows), for each MoE layer (DeepSeek-V3's first layer is dense:
+    one column), as distinct valid ids; with actor.router_replay=R3 the old log-prob pass routes each of those
+    positions through exactly those experts; on the same weights in fp32 the trainer's own routers agree with the
+    engine's almost everywhere, and its log-probs are the engine's."""
+    model_dir = family_model_dir(tmp_path / family, family, tied=False)
+    cfg = config(model_dir, 1, 1, **{"trainer.n_gpus_per_node": 1, "actor.router_replay": "R3"})
+    completions, batch, chosen, micros, metrics, log_probs = \
+        run_distributed(engine_routing_replayed, 1, args=(cfg, PROMPTS, 5))[0]
+    layers = 1 if family == "deepseek_v3" else 2
+    for i, completion in enumerate(completions):
+        routing = completion.routed_experts
+        fed = len(PROMPTS[i // 2]) + len(completion.response_ids) - 1
+        assert routing.dtype == np.int16 and routing.shape == (fed, layers, TOP_K)
+        assert ((routing >= 0) & (routing < EXPERTS)).all()
+        assert (np.sort(routing, -1)[..., 1:] != np.sort(routing, -1)[..., :-1]).all()  # distinct per token
+    assert len(chosen) == layers * len(micros)
+    for choice, (micro, layer) in zip(chosen, [(m, layer) for m in micros for layer in range(layers)]):
+        experts, routed = model_layout(micro, batch.routed_experts[micro.rows], TOP_K)
+        assert routed.sum() == sum(length - 1 for length in micro.lengths)  # every position the engine fed
+        assert torch.equal(top_k_sets(choice)[routed], experts[:, layer].sort(-1).values[routed])
+    assert metrics["moe/routing_agreement"] >= 0.95
+    mask = batch.response_mask.bool()
+    assert (log_probs[mask] - batch.rollout_log_probs[mask]).abs().max() <= 1e-4

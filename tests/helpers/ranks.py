@@ -123,7 +123,8 @@ def _router_choices(chunks) -> list:
 
     for chunk in chunks:
         for layer in chunk.decoder.layers:
-            layer.mlp.router.register_forward_hook(hook)
+            if hasattr(layer.mlp, "router"):  # not a dense layer of a mixed model
+                layer.mlp.router.register_forward_hook(hook)
     return chosen
 
 
@@ -168,20 +169,8 @@ def routing_replay_passes(cfg, batch, forced):
     from rl_megatron.models.router_replay import Pass
 
     actor = build_actor(cfg)
-    chosen = []  # each router call's [tokens, experts] map, per pass
-
-    def hook(module, inputs, output):
-        if torch.is_grad_enabled() or not module.training:
-            chosen.append(output[1].clone())
-
-    for chunk in actor.chunks:
-        for layer in chunk.decoder.layers:
-            layer.mlp.router.register_forward_hook(hook)
-    import torch.distributed as dist
-
-    owned = [None] * dist.get_world_size()  # the old pass's outputs, from the ranks that own them, on every rank
-    dist.all_gather_object(owned, actor.log_probs(batch))
-    old = next(x for x in owned if x is not None)
+    chosen = _router_choices(actor.chunks)
+    old = _owned(actor.log_probs(batch))
     recorded_choices, chosen[:] = list(chosen), []
     with actor.routing_replay.running(Pass.REPLAY):
         forced_pass = actor.infer(dataclasses.replace(batch.select(), routed_experts=forced),
@@ -192,3 +181,29 @@ def routing_replay_passes(cfg, batch, forced):
     metrics = actor.update(replayed)
     return (old, recorded_choices, forced_log_probs, forced_choices, chosen, metrics, actor.hf_state_dict(),
             actor.micro_batches(batch))
+
+
+def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
+    """On one rank: a vLLM engine on the model folder's own weights (those the actor loads) samples two answers per
+    prompt with moe.engine_routing; the actor's old log-prob pass replays the samples' engine routing (R3). Returns
+    the completions, the batch, the routers' choices in that pass, its micro-batches, the agreement metrics and the
+    pass's log-probs."""
+    from rl_megatron.batch import Sample, TrainBatch
+    from rl_megatron.config.schema import RolloutConfig
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    actor = build_actor(cfg)
+    chosen = _router_choices(actor.chunks)
+    engine = VLLMEngine(cfg.model.path, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
+                        load_format="auto", routing=True)
+    try:
+        completions = engine.generate(prompts, n=2, temperature=cfg.rollout.temperature,
+                                      seeds=list(range(len(prompts))))
+        samples = [Sample(prompts[i // 2], c.response_ids, c.log_probs, "digits", None,
+                          routed_experts=c.routed_experts) for i, c in enumerate(completions)]
+        batch = TrainBatch.from_samples(samples, pad_id=0)
+        old = _owned(actor.log_probs(batch))
+        metrics = actor.routing_replay.agreement_metrics()
+        return completions, batch, chosen, actor.micro_batches(batch), metrics, old.log_probs
+    finally:
+        engine.close()
