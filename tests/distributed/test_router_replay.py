@@ -187,10 +187,10 @@ def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_r
     position it fed (prompt and response: P + R - 1 rows), for each MoE layer (DeepSeek-V3's first layer is dense:
     one column), as distinct valid ids; with actor.router_replay=R3 the old log-prob pass routes each of those
     positions through exactly those experts; on the same weights in fp32 the trainer's own routers agree with the
-    engine's almost everywhere, and its log-probs are the engine's."""
+    engine's almost everywhere (replayed or not), and its log-probs are the engine's."""
     model_dir = family_model_dir(tmp_path / family, family, tied=False)
     cfg = config(model_dir, 1, 1, **{"trainer.n_gpus_per_node": 1, "actor.router_replay": "R3"})
-    completions, batch, chosen, micros, metrics, log_probs = \
+    completions, batch, chosen, micros, metrics, log_probs, unreplayed = \
         run_distributed(engine_routing_replayed, 1, args=(cfg, PROMPTS, 5))[0]
     layers = 1 if family == "deepseek_v3" else 2
     for i, completion in enumerate(completions):
@@ -205,5 +205,9 @@ def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_r
         assert routed.sum() == sum(length - 1 for length in micro.lengths)  # every position the engine fed
         assert torch.equal(top_k_sets(choice)[routed], experts[:, layer].sort(-1).values[routed])
     assert metrics["moe/routing_agreement"] >= 0.95
+    # Unreplayed (actor.router_replay=disabled) the routers' own choices are measured too; the first MoE layer sees
+    # the same hidden states either way.
+    first = f"moe/layer{2 - layers}/routing_agreement"
+    assert unreplayed["moe/routing_agreement"] >= 0.95 and unreplayed[first] == metrics[first]
     mask = batch.response_mask.bool()
     assert (log_probs[mask] - batch.rollout_log_probs[mask]).abs().max() <= 1e-4

@@ -10,23 +10,27 @@ from helpers.runs import train
 
 ROUTER_METRICS = {"moe/layer1/load_min", "moe/layer1/load_max", "moe/layer1/load_std", "moe/load_std",
                   "moe/dropped_tokens", "moe/load_balancing_loss", "moe/z_loss", "moe/layer1/z_loss",
-                  "moe/expert_bias_min", "moe/expert_bias_max", "moe/layer1/expert_bias_max"}
+                  "moe/expert_bias_min", "moe/expert_bias_max", "moe/layer1/expert_bias_max",
+                  "moe/routing_agreement", "moe/layer1/routing_agreement"}
 
 
 def test_moe_grpo_run_logs_router_metrics(tmp_path):
     """Two steps with 8 experts instead of the model folder's 4 (the engines build the same overridden model: the
-    weight sync would fail otherwise, and vLLM samples with exactly the trainer's log-probs), both router losses on
-    and the expert bias trained; every step logs the router metrics of the routing layer (the first is dense) to
-    metrics.jsonl and tensorboard."""
+    weight sync would fail otherwise, and vLLM samples with exactly the trainer's log-probs), both router losses on,
+    the expert bias trained and routing replay R3 (the engines' routing of every token replayed by the trainer);
+    every step logs the router metrics of the routing layer (the first is dense) to metrics.jsonl and tensorboard,
+    among them the trainer's agreement with the engines' routing (the same weights in fp32: all but rounding)."""
     _, rows, run_dir = train(tmp_path, "trainer.total_steps=2", "model.path=configs/models/tiny-deepseek-v3-digits",
                              "moe.num_experts=8", "moe.aux_loss_coeff=0.01", "moe.z_loss_coeff=0.001",
-                             "moe.router_bias_update_rate=0.01", config="moe/grpo_tiny_qwen3_moe_cpu")
+                             "moe.router_bias_update_rate=0.01", "actor.router_replay=R3",
+                             config="moe/grpo_tiny_qwen3_moe_cpu")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert ROUTER_METRICS <= set(row) and not any(key.startswith("moe/layer0/") for key in row)
         assert row["actor/grad_norm"] > 0 and row["mismatch/max_abs_logprob_diff"] < 1e-5
         assert row["moe/load_min"] == row["moe/layer1/load_min"] and row["moe/load_max"] == row["moe/layer1/load_max"]
         assert row["moe/dropped_tokens"] == 0
+        assert row["moe/routing_agreement"] == row["moe/layer1/routing_agreement"] >= 0.99
         assert row["moe/load_balancing_loss"] > 0 and row["moe/z_loss"] > 0
     # The bias starts at zero (random weights) and moves towards even loads by the rate per optimizer step (2 a
     # step here). The engines route with the synced one.

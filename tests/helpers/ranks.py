@@ -187,7 +187,7 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
     """On one rank: a vLLM engine on the model folder's own weights (those the actor loads) samples two answers per
     prompt with moe.engine_routing; the actor's old log-prob pass replays the samples' engine routing (R3). Returns
     the completions, the batch, the routers' choices in that pass, its micro-batches, the agreement metrics and the
-    pass's log-probs."""
+    pass's log-probs; and the agreement metrics of the old log-prob pass of an actor without replay."""
     from rl_megatron.batch import Sample, TrainBatch
     from rl_megatron.config.schema import RolloutConfig
     from rl_megatron.rollout.vllm_engine import VLLMEngine
@@ -204,6 +204,11 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
         batch = TrainBatch.from_samples(samples, pad_id=0)
         old = _owned(actor.log_probs(batch))
         metrics = actor.routing_replay.agreement_metrics()
-        return completions, batch, chosen, actor.micro_batches(batch), metrics, old.log_probs
+        micros = actor.micro_batches(batch)
+        chosen = list(chosen)
+        # Without replay (actor.router_replay=disabled), the old log-prob pass measures the agreement as well.
+        plain = build_actor(dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, router_replay="disabled")))
+        plain.log_probs(batch)
+        return completions, batch, chosen, micros, metrics, old.log_probs, plain.routing_replay.agreement_metrics()
     finally:
         engine.close()
