@@ -9,51 +9,11 @@ import pytest
 import torch
 
 from helpers.parity import config, family_model_dir, hf_model, make_batch
-from helpers.ranks import routing_replay_passes, update_and_export
+from helpers.ranks import PROMPTS, engine_routing_replayed, routing_replay_passes, update_and_export
+from helpers.routing import TOP_K, check_r3_passes, forced_routing, hf_forced_log_probs, top_k_sets
 from helpers.worlds import run_distributed
-from helpers.ranks import PROMPTS, engine_routing_replayed, r3_passes
-from rl_megatron.batch import UNROUTED
 from rl_megatron.doctor.parity import hf_token_log_probs
 from rl_megatron.models.router_replay import model_layout
-
-EXPERTS, TOP_K = 4, 2
-
-
-def forced_routing(batch) -> torch.Tensor:
-    """Top-2 experts per token and layer, drawn at random (distinct per token): rarely the routers' own choice."""
-    g = torch.Generator().manual_seed(7)
-    rows, tokens = batch.input_ids.shape
-    return torch.rand(rows, tokens, 2, EXPERTS, generator=g).argsort(-1)[..., :TOP_K].to(torch.int16)
-
-
-def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperature: float,
-                        own: list | None = None) -> torch.Tensor:
-    """transformers' log-probs with each MoE layer's router made to pick `routing`'s experts (their weights: the
-    router's own probabilities at those experts, renormalised as the model's config says); `own` gets each layer's
-    own top-k choice on the hidden states it sees ([rows, tokens, k], sorted)."""
-    model = hf_model(model_dir)
-    for index, layer in enumerate(model.model.layers):
-        gate = layer.mlp.gate
-        picked = routing[:, :, index].reshape(-1, TOP_K).long()  # transformers flattens batch-first
-
-        def forward(hidden, gate=gate, picked=picked):
-            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
-            if own is not None:
-                own.append(logits.topk(TOP_K).indices.sort(-1).values.view(*batch.input_ids.shape, TOP_K))
-            values = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, picked)
-            if gate.norm_topk_prob:
-                values = values / values.sum(-1, keepdim=True)
-            return logits, values.to(logits.dtype), picked
-
-        gate.forward = forward
-    with torch.no_grad():
-        return hf_token_log_probs(model, batch.input_ids, temperature)[0]
-
-
-def top_k_sets(choices: torch.Tensor) -> torch.Tensor:
-    """[tokens, experts] routing maps -> each token's experts, sorted: [tokens, k]."""
-    return choices.nonzero()[:, 1].view(choices.shape[0], TOP_K)
-
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_r2_records_replays_and_matches_a_forced_reference(tmp_path, packing):
@@ -119,49 +79,7 @@ def _laid_sorted(micro, routing, layer) -> torch.Tensor:
 
 
 def test_r3_replays_the_engines_routing_in_every_pass_and_measures_the_agreement(tmp_path):
-    """The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
-    never fed it) and padding. The old log-prob pass goes through exactly those experts (its log-probs are
-    transformers' forced through them), the reference computes the same, the update's forward too (its first
-    mini-batch's log-probs equal the old ones: ppo_kl 0), and moe/routing_agreement is the share of the engine's
-    (token, layer, slot) choices that the routers' own choice holds."""
-    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
-    batch = make_batch()
-    engine = forced_routing(batch)
-    for row, length in enumerate(batch.sequence_lengths()):
-        engine[row, length - 1:] = UNROUTED
-    cfg = config(model_dir, 1, 1, **{"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": 1,
-                                     "actor.router_replay": "R3"})
-    old, replayed, own, reference, metrics, update_choices, micros = \
-        run_distributed(r3_passes, 1, args=(cfg, batch, engine))[0]
-    per_router = [(micro, layer) for micro in micros for layer in range(2)]
-    assert len(replayed) == len(own) == len(update_choices) == len(per_router)
-    first_held = []
-    for replay, mine, update, (micro, layer) in zip(replayed, own, update_choices, per_router):
-        experts, routed = model_layout(micro, engine[micro.rows], TOP_K)
-        theirs = experts[:, layer].sort(-1).values[routed]
-        assert torch.equal(top_k_sets(replay)[routed], theirs) and torch.equal(top_k_sets(update)[routed], theirs)
-        if layer == 0:  # the first layer's input is the same replayed or not: its own choice, unreplayed
-            first_held.append((theirs.unsqueeze(-1) == top_k_sets(mine)[routed].unsqueeze(-2)).any(-1))
-    mask = batch.response_mask.bool()
-    filled = torch.where(engine == UNROUTED, torch.arange(TOP_K, dtype=torch.int16), engine)
-    hf_own = []  # each layer's own choice on the hidden states of the replayed pass
-    forced_reference = hf_forced_log_probs(model_dir, batch, filled, cfg.rollout.temperature, own=hf_own)
-    assert (old.log_probs[mask] - forced_reference[mask]).abs().max() <= 1e-5
-    assert torch.equal(reference.log_probs, old.log_probs)
-    assert metrics["actor/ppo_kl"] == 0.0  # one mini-batch: the update's forward is the old pass's
-
-    # The agreement: per layer, the engine's slots that the router's own choice holds, on the hidden states of the
-    # replayed pass (the layers below routed as the engine did), at the positions the engine fed.
-    routed = engine[..., 0, 0] != UNROUTED
-    expected = []
-    for layer in range(2):
-        theirs = engine[:, :, layer].long().sort(-1).values[routed]
-        expected.append((theirs.unsqueeze(-1) == hf_own[layer][routed].unsqueeze(-2)).any(-1).double().mean().item())
-        assert metrics[f"moe/layer{layer}/routing_agreement"] == pytest.approx(expected[layer], abs=1e-12)
-    assert metrics["moe/routing_agreement"] == pytest.approx(sum(expected) / 2, abs=1e-12)
-    assert 0 < metrics["moe/routing_agreement"] < 1
-    unreplayed = torch.cat(first_held).double().mean().item()
-    assert metrics["moe/layer0/routing_agreement"] == pytest.approx(unreplayed, abs=1e-12)
+    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=1e-5, agreement_tolerance=1e-12, exact=True)
 
 
 def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_see_them(tmp_path):
@@ -197,7 +115,7 @@ def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_r
         routing = completion.routed_experts
         fed = len(PROMPTS[i // 2]) + len(completion.response_ids) - 1
         assert routing.dtype == np.int16 and routing.shape == (fed, layers, TOP_K)
-        assert ((routing >= 0) & (routing < EXPERTS)).all()
+        assert ((routing >= 0) & (routing < 4)).all()  # the tiny models' 4 experts
         assert (np.sort(routing, -1)[..., 1:] != np.sort(routing, -1)[..., :-1]).all()  # distinct per token
     assert len(chosen) == layers * len(micros)
     for choice, (micro, layer) in zip(chosen, [(m, layer) for m in micros for layer in range(layers)]):

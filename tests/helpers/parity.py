@@ -24,3 +24,10 @@ def long_tailed_batch(count: int = 16) -> TrainBatch:
         input_ids[row, PROMPT + length:] = 0
     noise = lambda scale: scale * torch.randn(mask.shape, generator=g)  # noqa: E731
     return TrainBatch(input_ids, mask, pad_id=0, lengths=PROMPT + lengths, advantages=noise(1.0) * mask)
+
+
+def build_actor(cfg):
+    from rl_megatron.models.hf_config import read_hf_config
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)

@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from helpers.parity import config, hf_model
+from helpers.parity import build_actor, config, hf_model
+from helpers.routing import owned_outputs, router_choices
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import saved_checkpoint
 from helpers.worlds import run_distributed
@@ -55,12 +56,6 @@ def vllm_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> li
     finally:
         engine.close()
 
-
-def build_actor(cfg):
-    from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.workers.megatron_actor import MegatronActor
-
-    return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
 
 
 def log_probs_and_export(cfg, batch):
@@ -112,52 +107,7 @@ def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp
             assert stats.bytes_received == 0 and stats.bytes_in_place > 0
 
 
-def _router_choices(chunks) -> list:
-    """Each call of the routers of `chunks` (forward passes only: recomputation would repeat them): its [tokens,
-    experts] routing map, appended to the list returned."""
-    chosen = []
 
-    def hook(module, inputs, output):
-        if torch.is_grad_enabled() or not module.training:
-            chosen.append(output[1].clone())
-
-    for chunk in chunks:
-        for layer in chunk.decoder.layers:
-            if hasattr(layer.mlp, "router"):  # not a dense layer of a mixed model
-                layer.mlp.router.register_forward_hook(hook)
-    return chosen
-
-
-def _owned(outputs):
-    """A DP pass's outputs, from the rank that owns them, on every rank."""
-    import torch.distributed as dist
-
-    owned = [None] * dist.get_world_size()
-    dist.all_gather_object(owned, outputs)
-    return next(x for x in owned if x is not None)
-
-
-def r3_passes(cfg, batch, engine):
-    """On one rank, with actor.router_replay=R3 and `engine` as the batch's engine routing: the old log-prob pass's
-    outputs and the routers' choices in it; the routers' own choices on the same batch (recorded, unreplayed); the
-    reference's log-probs (it replays too); the update's metrics and the routers' choices in its forward."""
-    from functools import partial
-
-    from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.models.router_replay import Pass
-    from rl_megatron.workers.megatron_actor import MegatronActor
-
-    actor = build_actor(cfg)
-    chosen = _router_choices(actor.chunks)
-    routed = dataclasses.replace(batch.select(), routed_experts=engine)
-    old = _owned(actor.log_probs(routed))
-    replayed, chosen[:] = list(chosen), []
-    with actor.routing_replay.running(Pass.RECORD):
-        actor.infer(batch.select(), partial(actor._token_outputs, with_entropy=False))
-    own, chosen[:] = list(chosen), []
-    reference = _owned(MegatronActor(cfg, read_hf_config(cfg.model.path), trainable=False).log_probs(routed))
-    metrics = actor.update(dataclasses.replace(routed, old_log_probs=old.log_probs, advantages=batch.advantages))
-    return old, replayed, own, reference, metrics, chosen, actor.micro_batches(batch)
 
 
 def routing_replay_passes(cfg, batch, forced):
@@ -169,8 +119,8 @@ def routing_replay_passes(cfg, batch, forced):
     from rl_megatron.models.router_replay import Pass
 
     actor = build_actor(cfg)
-    chosen = _router_choices(actor.chunks)
-    old = _owned(actor.log_probs(batch))
+    chosen = router_choices(actor.chunks)
+    old = owned_outputs(actor.log_probs(batch))
     recorded_choices, chosen[:] = list(chosen), []
     with actor.routing_replay.running(Pass.REPLAY):
         forced_pass = actor.infer(dataclasses.replace(batch.select(), routed_experts=forced),
@@ -193,7 +143,7 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     actor = build_actor(cfg)
-    chosen = _router_choices(actor.chunks)
+    chosen = router_choices(actor.chunks)
     engine = VLLMEngine(cfg.model.path, RolloutConfig(max_tokens=new_tokens, max_model_len=32), "float32", seed=0,
                         load_format="auto", routing=True)
     try:
@@ -202,7 +152,7 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
         samples = [Sample(prompts[i // 2], c.response_ids, c.log_probs, "digits", None,
                           routed_experts=c.routed_experts) for i, c in enumerate(completions)]
         batch = TrainBatch.from_samples(samples, pad_id=0)
-        old = _owned(actor.log_probs(batch))
+        old = owned_outputs(actor.log_probs(batch))
         metrics = actor.routing_replay.agreement_metrics()
         micros = actor.micro_batches(batch)
         chosen = list(chosen)
