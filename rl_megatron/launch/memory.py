@@ -272,6 +272,7 @@ class RolePasses:
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per chunk (block); unset: 1
     policy_head: bool = True  # vocabulary logits (actor, reference) or a scalar value head (critic)
     entropy_bonus: bool = False  # actor.entropy_coeff > 0: the update keeps more copies of the logits
+    routing: bool = False  # the passes carry each token's experts (routing replay, moe/routing_agreement)
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ class Activations:
     update: int  # the training pass (0 for a frozen role)
     forward: int  # the pass without a graph: log-probs (actor, reference) or values (critic)
     logits: int  # the policy head's logits (and copies) in the larger pass; 0 for the value head
+    routing: int = 0  # of `bytes`, the experts each token is routed through (or compared with): see routing_bytes
 
     @property
     def larger_pass(self) -> str:
@@ -394,5 +396,17 @@ def activation_bytes(shape: ModelShape, run: RolePasses, vocab_multiple: int = 1
                           else in_flight(run.pp, run.vpp, stage) * kept + recomputed)
         update = int(tokens * max(stages))
     logits = update_logits if update >= forward else forward_logits
+    routing = routing_bytes(shape, run, tokens)
+    forward, update = forward + routing, update + routing * run.trains
     return Activations(bytes=max(update, forward), tokens=tokens, update=update, forward=forward,
-                       logits=int(tokens * logits))
+                       logits=int(tokens * logits), routing=routing)
+
+
+def routing_bytes(shape: ModelShape, run: RolePasses, tokens: int) -> int:
+    """A micro-batch's routing on one rank (`models/router_replay.py`): each token's experts in every MoE layer, as
+    the int64 ids Megatron's replay gathers with (the share of the sequence-parallel rank), held through the pass.
+    (The step's routing waits in host memory as int16: 2 bytes per token, layer and slot.)"""
+    if not run.routing:
+        return 0
+    moe_layers = sum(shape.routes(i) for i in range(shape.layers))
+    return -(-tokens // (run.tp if run.sequence_parallel else 1)) * moe_layers * shape.top_k * 8

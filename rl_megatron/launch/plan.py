@@ -34,7 +34,7 @@ from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 from rl_megatron.launch.memory import gib_text
-from rl_megatron.models.hf_config import model_config, read_hf_config
+from rl_megatron.models.hf_config import engine_routing, model_config, read_hf_config
 from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
                                              pool_phases)
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
@@ -204,7 +204,7 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
         uneven = f" (layers {'+'.join(stage_runs(stage_sizes))})"
     sizes = (f"TP={tp} PP={pp}{uneven}" + (f" VPP={vpp}" if vpp > 1 else "") + f" CP={cp} EP={ep}"
              + (f" ETP={etp}" if etp != tp else "") + f" DP={dp}")
-    passes = role_passes(name, cfg, layout, on_gpu)
+    passes = role_passes(name, cfg, layout, on_gpu, hf)
     activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
     budgeted = getattr(cfg, str(name)).max_tokens_per_micro_batch is not None
     return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note,
@@ -212,9 +212,10 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
                     _activation_note(activations, passes, budgeted, cfg.actor.sequence_packing))
 
 
-def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool) -> memory.RolePasses:
+def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool, hf: dict) -> memory.RolePasses:
     """How a Megatron role's passes hold activations, from its config section and its pool's layout (a colocated
-    role shares the actor's processes, CP and VPP included; a separate one has CP 1)."""
+    role shares the actor's processes, CP and VPP included; a separate one has CP 1). The actor's passes carry
+    routing under routing replay or with the engines' routing (to measure the agreement), the reference's under R3."""
     section = getattr(cfg, str(name))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     budget, packing = section.max_tokens_per_micro_batch, cfg.actor.sequence_packing
@@ -231,7 +232,9 @@ def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool) -> memory.R
         recompute=recompute.recompute_granularity if recompute else None,
         recompute_method=recompute.recompute_method if recompute else None,
         recompute_num_layers=recompute.recompute_num_layers if recompute else None,
-        policy_head=not name.value_head, entropy_bonus=name is Role.ACTOR and cfg.actor.entropy_coeff > 0)
+        policy_head=not name.value_head, entropy_bonus=name is Role.ACTOR and cfg.actor.entropy_coeff > 0,
+        routing=(name is Role.ACTOR and (cfg.actor.router_replay != "disabled" or engine_routing(cfg, hf)))
+        or (name is Role.REF and cfg.actor.router_replay == "R3"))
 
 
 def _activation_note(activations: memory.Activations, passes: memory.RolePasses, budgeted: bool, packed: bool) -> str:
@@ -246,7 +249,8 @@ def _activation_note(activations: memory.Activations, passes: memory.RolePasses,
     padding = " (right-padded: padding not counted)" if budgeted and not packed else ""
     parts = [passes_text, f"{passes.tokens}{split} tokens per micro-batch{padding}", recompute if passes.trains else "",
              "sequence parallel" if passes.sequence_parallel else "",
-             f"logits {gib_text(activations.logits)}" if activations.logits else ""]
+             f"logits {gib_text(activations.logits)}" if activations.logits else "",
+             f"routing {gib_text(activations.routing)}" if activations.routing else ""]
     return ", ".join(part for part in parts if part)
 
 

@@ -76,6 +76,12 @@ def test_shared_experts_and_dense_layers_by_hand():
     assert layer_bytes(moe, passes(etp=1)) == (1392, 0) and layer_bytes(moe, passes(etp=1), routed=False) == (1184, 0)
     estimate = activation_bytes(moe, passes(etp=1))
     assert (estimate.update, estimate.forward) == (T * (1184 + 3 * 1392 + 628), T * 1392)
+    # Carrying the routing (routing replay, the agreement metric): each token's 2 experts in the 3 routed layers as
+    # int64, of the sequence-parallel rank's 500 tokens, in both passes: 500 * 3 * 2 * 8 = 24000 bytes.
+    routed = activation_bytes(moe, passes(etp=1, routing=True))
+    assert routed.routing == 24000 and (routed.update, routed.forward) == (estimate.update + 24000,
+                                                                           estimate.forward + 24000)
+    assert activation_bytes(moe, passes(etp=1, routing=True, trains=False)).update == 0
     qwen2_moe = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
                  "intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 48,
                  "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0], "vocab_size": 40}

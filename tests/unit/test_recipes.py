@@ -156,6 +156,7 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         assert cfg.rollout.max_model_len == 1024 + 4096 and "5120 tokens per micro-batch" in plan
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
+        assert ", routing " in plan  # the engines' routing (moe.engine_routing, on for MoE models) in the passes
     if task == "dapo":
         assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7")["score"] == 1.0  # DAPO's scorer reads its source
     if recipe == "grpo_qwen2_5_7b_math_async":  # one-step-off: the engines on a node of their own, TIS for the lag
