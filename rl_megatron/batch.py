@@ -77,8 +77,8 @@ class Sample:
     # the trajectory's (its last assistant message is the final answer the reward reads)
     tool_stats: ToolStats | None = None  # multi-turn: its tool calls
     error: str | None = None  # why the rollout could not produce it (an agent loop's failure); it joins no loss
-    routed_experts: np.ndarray | None = None  # moe.engine_routing: the engine's experts of each position it fed,
-    # [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
+    routed_experts: np.ndarray | None = field(default=None, compare=False)  # moe.engine_routing: the engine's
+    # experts of each position it fed, [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
 
     def model_tokens(self) -> int:
         """The response tokens the policy generated (the loss mask's ones), not a tool's or the template's."""

@@ -101,8 +101,8 @@ class Trajectory:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     versions: list[int | None] = field(default_factory=list)  # partial rollouts: the policy version of each model
     # token (None elsewhere)
-    routed_experts: np.ndarray | None = None  # moe.engine_routing: each position's experts, from the turn that fed
-    # it first
+    routed_experts: np.ndarray | None = field(default=None, compare=False)  # moe.engine_routing: each position's
+    # experts, from the turn that fed it first
 
     def __post_init__(self):
         self.messages = list(self.prompt.messages or [])

@@ -2,7 +2,7 @@
 (`TurnRequest`): a leaf module, so that the agent loops need nothing of the engine's own module."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,7 +18,8 @@ class Completion:
     log_probs: list[float]
     status: SampleStatus
     versions: list[int] | None = None
-    routed_experts: np.ndarray | None = None  # [prompt + response - 1, MoE layers, top-k] int16
+    routed_experts: np.ndarray | None = field(default=None, compare=False)  # [prompt + response - 1, MoE layers,
+    # top-k] int16
 
     def followed_by(self, rest: Completion) -> Completion:
         """This response continued by `rest` (sampled after it, from this response's end): how `rest` ended. Each

@@ -1,9 +1,11 @@
 """The typed data of a step: samples packed into right-padded tensors (labels aligned one position left), and the
 batch operations the worker groups' dispatch and the Megatron workers use."""
+import numpy as np
 import pytest
 import torch
 
-from rl_megatron.batch import Prompt, Sample, SampleStatus, TokenOutputs, TrainBatch
+from rl_megatron.batch import UNROUTED, Prompt, Sample, SampleStatus, TokenOutputs, TrainBatch, known_routing_then
+from rl_megatron.rollout.completions import Completion
 from rl_megatron.workers.worker_group import concat_batches, split_batch
 
 PROMPT = Prompt([1, 7, 14], "arithmetic", "3")
@@ -72,6 +74,34 @@ def test_padding_to_a_multiple_pads_tokens_with_the_pad_id_and_the_rest_with_zer
     assert batch.input_ids.tolist() == [[1, 7, 14, 9, 2, 9, 9, 9], [1, 5, 6, 9, 9, 9, 9, 9]]
     assert batch.response_mask[:, 5:].sum() == 0 and batch.rollout_log_probs[:, 5:].sum() == 0
     assert TokenOutputs(log_probs=torch.zeros(2, 8)).truncated(5).log_probs.shape == (2, 5)
+
+
+def routing(rows: int, first: int = 0) -> np.ndarray:
+    """[rows, 2 MoE layers, top-2] expert ids, row r's all first + r."""
+    return np.full((rows, 2, 2), 0, dtype=np.int16) + np.arange(first, first + rows, dtype=np.int16)[:, None, None]
+
+
+def test_the_engines_routing_is_laid_out_per_position_and_unrouted_where_unknown():
+    """Row 0 (5 tokens) has its 4 fed positions' routing; row 1 none (e.g. a failed rollout): UNROUTED there, at
+    each row's last token (never fed) and in the padding, also after padding to a multiple."""
+    first, second = two_samples()
+    first.routed_experts = routing(4)
+    batch = TrainBatch.from_samples([first, second], pad_id=0).padded_to_multiple(4)
+    assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts.shape == (2, 8, 2, 2)
+    assert batch.routed_experts[0, :4, 1, 1].tolist() == [0, 1, 2, 3]
+    assert (batch.routed_experts[0, 4:] == UNROUTED).all() and (batch.routed_experts[1] == UNROUTED).all()
+    assert TrainBatch.from_samples(two_samples(), pad_id=0).routed_experts is None  # no engine routing: none
+
+
+def test_a_continued_response_keeps_each_positions_first_routing():
+    """A partial rollout continued after a weight sync (or a trajectory's next turn): positions the first part fed
+    keep their routing (the weights that sampled what follows them); the continuation adds the positions past them."""
+    part = Completion([5, 6], [-0.1, -0.2], SampleStatus.ABORTED, [1, 1], routing(3))  # prompt of 2: 2 + 2 - 1 rows
+    rest = Completion([7], [-0.3], SampleStatus.OK, [2], routing(4, first=10))  # prompt 2 + 2: 4 + 1 - 1 rows
+    whole = part.followed_by(rest)
+    assert whole.response_ids == [5, 6, 7] and whole.versions == [1, 1, 2]
+    assert whole.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 13]
+    assert known_routing_then(None, routing(2)) is not None and known_routing_then(routing(2), None).shape[0] == 2
 
 
 def test_split_lists_contiguously():

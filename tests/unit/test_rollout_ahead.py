@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from rl_megatron.batch import Sample, SampleStatus
@@ -210,7 +211,10 @@ def test_partial_rollouts_have_no_turn_synchronous_mode():
 
 
 def test_rollouts_pickle_for_checkpoints(tmp_path):
-    rollouts = [Rollout(3, [sample(1, versions=[1, 2])], seconds=0.5, engines_waited_s=0.1)]
+    routed = sample(1, versions=[1, 2])
+    routed.routed_experts = np.arange(8, dtype=np.int16).reshape(2, 2, 2)  # the engines' routing (R3) too
+    rollouts = [Rollout(3, [routed], seconds=0.5, engines_waited_s=0.1)]
     save_rollouts_ahead(str(tmp_path), rollouts)
     assert load_rollouts_ahead(str(tmp_path)) == rollouts
+    assert np.array_equal(load_rollouts_ahead(str(tmp_path))[0].samples[0].routed_experts, routed.routed_experts)
     assert load_rollouts_ahead(str(tmp_path / "none")) == []
