@@ -28,11 +28,10 @@ demo: install
 demo-tools: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu_tools.yaml
 
-# Every tier (tests/conftest.py describes them); `make test PYTEST_ARGS='-m "not e2e"'` selects by tier. Two
-# workers, then the stops_ray tests alone (their `ray stop` would end the other worker's runs).
+# Every tier (tests/conftest.py describes them), on two workers; `make test PYTEST_ARGS='-m "not e2e"'` selects by
+# tier.
 test: install
 	$(PY) -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
-	$(PY) -m pytest tests --stops-ray --durations=5 $(PYTEST_ARGS)
 
 # The unit tier alone, in under 2 minutes: what to run after each change.
 test-fast: install

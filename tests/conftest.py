@@ -16,8 +16,7 @@ The tiers, each a folder and a pytest marker of the same name (set here from the
 
 `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, the scopes of
 helpers.xdist_scopes), heaviest tier first. A test marked own_ray starts a Ray in the pytest process: it runs after
-the last test on the test run's Ray, on the same worker. The tests marked stops_ray stop every Ray of the machine, so
-`-n` leaves them out and a second, serial `pytest tests --stops-ray` runs them alone.
+the last test on the test run's Ray, on the same worker.
 
 What several files share lives in tests/helpers, imported as `helpers.<module>` (this folder is on sys.path through
 this conftest): REPO (the repository's root) and the run launchers in helpers.runs."""
@@ -47,7 +46,6 @@ MARKERS = {
     "gpu": "needs a CUDA GPU (torch, megatron-core and transformers; no vLLM or Ray)",
     "slow": "minutes-long training runs; run with RL_MEGATRON_SLOW=1",
     "own_ray": "starts a Ray of its own in this process: runs after the test run's Ray has ended",
-    "stops_ray": "stops every Ray of the machine: runs alone, after the rest (pytest --stops-ray)",
 }
 RAY_SESSION = "ray_session"
 # The order `pytest -n` hands the tiers out in: the longest work first, so that no long run starts last. The
@@ -55,11 +53,6 @@ RAY_SESSION = "ray_session"
 # starts on the e2e runs, and the many short tests at the end even the two out.
 TIER_ORDER = ("distributed", "e2e", "integration", "process", "unit", "gpu")
 _last_ray_user = None  # the last test of the run that uses ray_session: Ray ends after it
-
-
-def pytest_addoption(parser):
-    parser.addoption("--stops-ray", action="store_true",
-                     help="run only the tests marked stops_ray: `pytest -n` leaves them out (make test runs them after)")
 
 
 def pytest_configure(config):
@@ -91,20 +84,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)
-    if hasattr(config, "workerinput") or config.getoption("stops_ray"):
-        # `ray stop` ends every Ray of the machine: stops_ray tests never run beside another worker's runs.
-        wanted = config.getoption("stops_ray")
-        deselected = [item for item in items if bool(item.get_closest_marker("stops_ray")) != wanted]
-        if deselected:
-            config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if item not in deselected]
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: TIER_ORDER.index(relative_path(item).parts[0]))  # stable: files keep their order
     # Tests with a Ray of their own run after the last test on the run's Ray (which ends then), never beside it.
     users = [index for index, item in enumerate(items) if RAY_SESSION in getattr(item, "fixturenames", ())]
     if users:
-        own = [item for item in items[users[0]:users[-1]]
-               if item.get_closest_marker("own_ray") or item.get_closest_marker("stops_ray")]
+        own = [item for item in items[users[0]:users[-1]] if item.get_closest_marker("own_ray")]
         if own:
             rest = [item for item in items if item not in own]
             last = rest.index(items[users[-1]])
@@ -137,11 +122,6 @@ def pytest_collection_finish(session):
     _last_ray_user = users[-1] if users else None
 
 
-def pytest_sessionfinish(session, exitstatus):
-    if session.config.getoption("stops_ray") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
-        session.exitstatus = pytest.ExitCode.OK  # `-m unit --stops-ray`: nothing of the kind selected is no failure
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     if item is _last_ray_user and nextitem is not None:
@@ -162,7 +142,7 @@ def tiny_model_dir(tmp_path_factory):
 def ray_session():
     """The test run's one local Ray, started as the trainer starts it (`start_ray`): three CPU slots, for a two-worker
     actor and, for separate placement, an engine worker beside it. It ends after the last test that uses it (tests
-    marked own_ray or stops_ray come after that one)."""
+    marked own_ray come after that one)."""
     import ray
 
     from helpers.runs import REPO

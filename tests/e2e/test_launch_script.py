@@ -27,10 +27,22 @@ else:
 """
 
 
+def as_node(cmd: list[str]) -> list[str]:
+    """`cmd` as a node of its own: in PID and mount namespaces of its own (util-linux unshare; in a user namespace
+    too where the tests do not run as root), with its own process table, where the launcher's `ray stop` ends its
+    own node's Ray only, not the Ray of the suite's other runs on this machine (it kills every Ray process it sees),
+    and its own /dev/shm, as a machine has (the trainer sweeps files there of processes it does not see). Killing
+    unshare kills the node."""
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return ["unshare", *user, "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+            'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"', "node", *cmd]
+
+
 def launch(tmp_path, env, *args, timeout=60, wait=True):
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     clean.update(env, PYTHON=sys.executable)
-    cmd = ["launch/train_3d.sh", *args[:-1], "configs/demo_cpu.yaml", f"trainer.log_dir={tmp_path}", *args[-1]]
+    cmd = as_node(["launch/train_3d.sh", *args[:-1], "configs/demo_cpu.yaml", f"trainer.log_dir={tmp_path}",
+                   *args[-1]])
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=REPO, env=clean, capture_output=True, text=True, timeout=timeout)
@@ -96,18 +108,13 @@ def test_bad_cluster_fails_before_ray_starts(tmp_path, env, overrides, expected)
     assert "ray" not in done.stdout.lower() and not os.path.exists(tmp_path / "demo_cpu")
 
 
-@pytest.mark.stops_ray  # its `ray stop` would end every other run's Ray: alone, after them
 def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
     """Node 1 waits for the head and joins its Ray; node 0 starts the head, waits for both nodes, trains, saves
-    and stops Ray; node 1 then leaves. (Each node's `ray stop` ends every Ray process of this machine.) Token
+    and stops Ray; node 1 then leaves. (Each node is a PID namespace of its own: `as_node`.) Token
     authentication is on: node 0 writes the token to the run directory (0600), which node 1 shares, as nodes
     on shared storage do; while node 0 trains, a driver without the token is refused and one with it connects."""
-    import ray
-
     from rl_megatron.workers.distributed import free_ports
 
-    if ray.is_initialized():
-        pytest.skip("this pytest process runs a Ray instance that the launcher's `ray stop` would end")
     ray_port, dashboard_port = free_ports(2)
     env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "RAY_PORT": str(ray_port),
            "RAY_DASHBOARD_PORT": str(dashboard_port), "RAY_JOIN_TIMEOUT": "120", "RAY_WATCH_INTERVAL": "1"}
@@ -153,18 +160,13 @@ def test_two_nodes_on_this_machine_start_join_train_and_stop(tmp_path):
     assert (tmp_path / "demo_cpu" / "metrics.jsonl").read_text().count('"step": 1') == 1
 
 
-@pytest.mark.stops_ray
 def test_check_starts_the_cluster_and_runs_the_doctor_on_the_head(tmp_path):
     """`--check` on one node: Ray's head starts, node 0 runs the doctor against it instead of training (every check
     that applies on CPU passes, the GPU-only ones say why they skip), and Ray stops."""
     import time
 
-    import ray
-
     from rl_megatron.workers.distributed import free_ports
 
-    if ray.is_initialized():
-        pytest.skip("this pytest process runs a Ray instance that the launcher's `ray stop` would end")
     ray_port, dashboard_port = free_ports(2)
     start = time.perf_counter()
     done = launch(tmp_path, {"RAY_PORT": str(ray_port), "RAY_DASHBOARD_PORT": str(dashboard_port)}, "--check", [],

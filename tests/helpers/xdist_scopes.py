@@ -1,8 +1,9 @@
 """How `make test`'s two pytest-xdist workers share the suite (`-n 2 --dist loadscope`, with the scopes of
 `scope_of`): a worker runs every test of a scope, in collection order (tests/conftest.py hands the heaviest tier out
 first). Tests that share something expensive stay on one worker, so it is set up once: the distributed tier's kept
-ranks (helpers.worlds), the test run's Ray (the integration and GPU tiers' ray_session), the e2e demo run
-(`DEMO_RUN_FILES`), a module's fixtures (its file); every other test goes wherever a worker is free."""
+ranks (helpers.worlds), the test run's Ray (the integration and GPU tiers' ray_session, and the Ray clusters the
+launch script starts: `RAY_CLUSTER_FILES`), the e2e demo run (`DEMO_RUN_FILES`), a module's fixtures (its file);
+every other test goes wherever a worker is free."""
 import functools
 import re
 from pathlib import Path
@@ -12,6 +13,9 @@ TESTS = Path(__file__).resolve().parent.parent
 TIER_SCOPES = {"distributed": "distributed", "integration": "ray_session", "gpu": "ray_session"}
 # The files whose tests read the e2e tier's demo run (tests/e2e/conftest.py's demo_run).
 DEMO_RUN_FILES = ("e2e/test_train_cli.py", "e2e/test_observability.py")
+# Files that start Ray clusters with `ray start`: it writes the machine's /tmp/ray/ray_current_cluster, which
+# ray.address=auto reads, as the multi-node test's Cluster (tests/integration) does. One at a time: on that worker.
+RAY_CLUSTER_FILES = ("e2e/test_launch_script.py",)
 SHARED_SCOPES = ("module", "class", "package")
 _SHARED_FIXTURE = re.compile(rf"scope=[\"'](?:{'|'.join(SHARED_SCOPES)})[\"']")
 
@@ -29,6 +33,8 @@ def scope_of(nodeid: str, rootpath: Path) -> str:
         return TIER_SCOPES[relative.split("/")[0]]
     if relative in DEMO_RUN_FILES:
         return "demo_run"
+    if relative in RAY_CLUSTER_FILES:
+        return TIER_SCOPES["integration"]
     return relative if _defines_shared_fixture(path) else nodeid
 
 
