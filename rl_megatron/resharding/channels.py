@@ -25,6 +25,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from rl_megatron.config.choices import CHANNELS
+
 
 class Channel:
     def connect(self, sends_to: set[int], receives_from: set[int]) -> None:
@@ -182,6 +184,12 @@ class SharedMemoryChannel(Channel):
         self.inboxes, self.outbox = {}, None  # unmapped when the last view goes
 
 
+def shared_file_prefix() -> str:
+    """The /dev/shm names of this process's PID namespace (its inode): a process id means something only there, and
+    containers may share /dev/shm across namespaces. (`shared_params` sweeps the files of dead processes by it.)"""
+    return f"/dev/shm/rl_megatron-{os.stat('/proc/self/ns/pid').st_ino}-"
+
+
 class SharedBuffer:
     """A uint8 buffer other processes on this machine can map: a file in /dev/shm (handle: its path and size)."""
 
@@ -190,7 +198,7 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, nbytes: int) -> "SharedBuffer":
-        path = f"/dev/shm/rl_megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = f"{shared_file_prefix()}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         return cls(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), (path, nbytes), path)
 
     @classmethod

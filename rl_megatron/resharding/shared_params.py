@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from rl_megatron.resharding.channels import SharedBuffer
+from rl_megatron.resharding.channels import SharedBuffer, shared_file_prefix
 from rl_megatron.resharding.plan import ALIGN
 
 _OWN: list[SharedBuffer] = []  # this process's shared parameter files
@@ -26,8 +26,11 @@ _PEERS: dict[tuple, SharedBuffer] = {}  # peers' files mapped here, by handle
 
 
 def _remove_files_of_dead_processes() -> None:
-    for path in glob.glob("/dev/shm/rl_megatron-*"):
-        pid = int(path.split("-")[1])
+    """The files of processes of this PID namespace that died without removing them (other namespaces' are theirs:
+    their process ids mean nothing here)."""
+    prefix = shared_file_prefix()
+    for path in glob.glob(f"{prefix}*"):
+        pid = int(path[len(prefix):].split("-")[0])
         if not os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(FileNotFoundError):  # every worker on the machine sweeps at once
                 os.unlink(path)

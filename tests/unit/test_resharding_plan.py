@@ -1,9 +1,12 @@
 """The transfer plan, as a pure function of what each rank holds and needs."""
+import os
+
 import pytest
 import torch
 
 from rl_megatron.models.weight_tables import along, whole
-from rl_megatron.resharding.channels import make_channel
+from rl_megatron.resharding.channels import SharedBuffer, make_channel, shared_file_prefix
+from rl_megatron.resharding.shared_params import _remove_files_of_dead_processes
 from rl_megatron.resharding.plan import PlanError, TensorSpec, build_plan
 
 F32 = torch.float32
@@ -111,3 +114,20 @@ def test_the_shared_memory_channel_is_refused_on_gpus_with_the_fix():
     with pytest.raises(ValueError, match="resharding.channel=shared_memory.*CPU processes only.*auto or process_group"):
         make_channel("shared_memory", torch.device("cuda", 0), 1 << 20)  # refused before any CUDA call
     assert make_channel("shared_memory", torch.device("cpu"), 1 << 20).slots == 2
+    with pytest.raises(ValueError, match="resharding.channel='carrier pigeon': choose one of auto, process_group"):
+        make_channel("carrier pigeon", torch.device("cpu"), 1 << 20)
+
+
+def test_the_sweep_removes_files_of_dead_processes_of_its_own_pid_namespace_only():
+    """/dev/shm may be shared with other PID namespaces (containers, or the launch tests' nodes), where a process
+    id means another process: their files are theirs."""
+    own_dead = SharedBuffer.create(8)  # renamed below as a dead process's of this namespace
+    dead = f"{shared_file_prefix()}{2 ** 22 + 1}-test"  # above the kernel's largest pid: never alive
+    os.rename(own_dead.path, dead)
+    other = f"/dev/shm/rl_megatron-1-{os.getpid()}-test"  # namespace inode 1: not this one
+    open(other, "wb").close()
+    try:
+        _remove_files_of_dead_processes()
+        assert not os.path.exists(dead) and os.path.exists(other)
+    finally:
+        os.unlink(other)
