@@ -16,8 +16,9 @@ In Megatron's layout a router sees the micro-batch's tokens sequence-first ([tok
 packed or right-padded as `MicroBatch` lays them out; with sequence parallelism (MoE at TP > 1) each TP rank's
 router sees its contiguous share of the tokens. Unrouted positions (padding, the last token, which the engine never
 fed) replay experts 0..k-1: no loss reads their outputs, and causal attention keeps them from every other token.
-The layouts this covers so far: PP=1 and CP=1, any TP (with sequence parallelism) and EP (pre-flight refuses the
-others).
+Each pipeline stage (and virtual chunk) replays its own layers. The layouts this covers so far: CP=1 with any TP
+(with sequence parallelism) and EP, and PP for R3 (R2's record would have to be gathered from the stages: pre-flight
+refuses R2 at PP > 1, and context parallelism).
 """
 from __future__ import annotations
 
@@ -171,6 +172,8 @@ class RoutingReplay:
         dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
         if self.shares > 1:
             dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage counted its own layers
+            dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
         held, compared = counts.tolist()  # the one read-back
         if not sum(compared):
             return {}

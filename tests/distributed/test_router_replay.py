@@ -82,6 +82,16 @@ def test_r3_replays_the_engines_routing_in_every_pass_and_measures_the_agreement
     check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=1e-5, agreement_tolerance=1e-12, exact=True)
 
 
+@pytest.mark.parametrize("tp,pp,ep,packing", [(2, 2, 1, True), (1, 1, 2, False)])
+def test_r3_replays_at_tensor_pipeline_and_expert_parallel_layouts(tmp_path, tp, pp, ep, packing):
+    """TP=2 with sequence parallelism and PP=2 on packed rows (each stage replays its own layer's share of the
+    tokens), and EP=2 (the experts split, each data-parallel rank its own rows): the same log-probs as transformers
+    forced through the engine's experts, the update's forward the old pass's, and the agreement counted over the
+    stages and ranks."""
+    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=1e-5, agreement_tolerance=1e-12, exact=False,
+                    tp=tp, pp=pp, ep=ep, **{"actor.sequence_packing": packing})
+
+
 def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_see_them(tmp_path):
     """TP=2 with sequence parallelism (MoE at TP > 1): each rank's routers see their half of the tokens. The record
     gathers the halves (the same routing as one rank records), and the forced replay hands each rank its half."""

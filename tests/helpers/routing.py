@@ -65,6 +65,19 @@ def router_choices(chunks) -> list:
     return chosen
 
 
+def data_parallel_parts(outputs) -> list:
+    """Every rank's `outputs` of its data-parallel slice, on every rank, in data-parallel order (None where a rank
+    does not own its slice's outputs)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from rl_megatron.workers.distributed import owns_dp_output
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (parallel_state.get_data_parallel_rank(), outputs if owns_dp_output() else None))
+    return [outputs for _, outputs in sorted(every, key=lambda pair: pair[0])]
+
+
 def owned_outputs(outputs):
     """A DP pass's outputs, from the rank that owns them, on every rank."""
     import torch.distributed as dist
@@ -80,30 +93,48 @@ def r3_passes(cfg, batch, engine):
     reference's log-probs (it replays too); the update's metrics and the routers' choices in its forward."""
     from functools import partial
 
+    import torch.distributed as dist
+
     from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.models.router_replay import Pass
     from rl_megatron.workers.megatron_actor import MegatronActor
 
+    from megatron.core import parallel_state
+
+    from rl_megatron.batch import TokenOutputs
+
     actor = build_actor(cfg)
     chosen = router_choices(actor.chunks)
-    routed = dataclasses.replace(batch.select(), routed_experts=engine)
-    old = owned_outputs(actor.log_probs(routed))
+    # This data-parallel rank's rows, as the workers' dispatch hands them out.
+    part = dataclasses.replace(batch, routed_experts=engine).split(parallel_state.get_data_parallel_world_size())[
+        parallel_state.get_data_parallel_rank()]
+    routed = part.select("routed_experts")
+
+    def whole(outputs) -> TokenOutputs:  # each data-parallel slice's, from the rank that owns it, in order
+        return TokenOutputs.cat([x for x in data_parallel_parts(outputs) if x is not None])
+
+    old = whole(actor.log_probs(routed))
     replayed, chosen[:] = list(chosen), []
     with actor.routing_replay.running(Pass.RECORD):
-        actor.infer(batch.select(), partial(actor._token_outputs, with_entropy=False))
+        actor.infer(part.select(), partial(actor._token_outputs, with_entropy=False))
     own, chosen[:] = list(chosen), []
-    reference = owned_outputs(MegatronActor(cfg, read_hf_config(cfg.model.path), trainable=False).log_probs(routed))
-    metrics = actor.update(dataclasses.replace(routed, old_log_probs=old.log_probs, advantages=batch.advantages))
+    reference = whole(MegatronActor(cfg, read_hf_config(cfg.model.path), trainable=False).log_probs(routed))
+    own_rows = old.split(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
+    metrics = actor.update(dataclasses.replace(routed, old_log_probs=own_rows.log_probs, advantages=part.advantages))
+    every = [None] * dist.get_world_size()  # the loss statistics come from the last pipeline stage
+    dist.all_gather_object(every, metrics)
+    metrics = {key: value for rank_metrics in every for key, value in rank_metrics.items()}
     return old, replayed, own, reference, metrics, chosen, actor.micro_batches(batch)
 
 
 def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_tolerance: float, exact: bool,
-                    **settings):
-    """R3 on one rank. The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
+                    tp: int = 1, pp: int = 1, ep: int = 1, **settings):
+    """R3 at TP x PP (x EP, the data-parallel ranks). The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
     never fed it) and padding. The old log-prob pass goes through exactly those experts (its log-probs are
     transformers' forced through them), the reference computes the same, the update's forward too (its first
     mini-batch's log-probs equal the old ones: ppo_kl 0), and moe/routing_agreement is the share of the engine's
     (token, layer, slot) choices that the routers' own choice holds.
+    On one rank, the routers' choices in each pass are checked one by one too.
     `run`: run_distributed; `settings`: config keys on top (e.g. the model's dtype); `exact`: the reference and the
     update's forward equal the old pass bit for bit (CPU), else to `log_prob_tolerance`."""
     model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
@@ -111,12 +142,13 @@ def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_toleranc
     engine = forced_routing(batch)
     for row, length in enumerate(batch.sequence_lengths()):
         engine[row, length - 1:] = UNROUTED
-    cfg = config(model_dir, 1, 1, **{"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": 1,
-                                     "actor.router_replay": "R3", **settings})
+    world = tp * pp * ep
+    cfg = config(model_dir, tp, pp, **{"actor.optim.lr": 1e-3, "trainer.n_gpus_per_node": world,
+                                       "actor.expert_model_parallel_size": ep, "actor.router_replay": "R3",
+                                       **settings})
     old, replayed, own, reference, metrics, update_choices, micros = \
-        run(r3_passes, 1, args=(cfg, batch, engine))[0]
-    per_router = [(micro, layer) for micro in micros for layer in range(2)]
-    assert len(replayed) == len(own) == len(update_choices) == len(per_router)
+        run(r3_passes, world, tp, pp, 1, ep, args=(cfg, batch, engine))[0]
+    per_router = [(micro, layer) for micro in micros for layer in range(2)] if world == 1 else []
     first_held = []
     for replay, mine, update, (micro, layer) in zip(replayed, own, update_choices, per_router):
         experts, routed = model_layout(micro, engine[micro.rows], TOP_K)
@@ -146,7 +178,9 @@ def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_toleranc
         assert metrics[f"moe/layer{layer}/routing_agreement"] == pytest.approx(expected[layer], abs=agreement_tolerance)
     assert metrics["moe/routing_agreement"] == pytest.approx(sum(expected) / 2, abs=agreement_tolerance)
     assert 0 < metrics["moe/routing_agreement"] < 1
-    unreplayed = torch.cat(first_held).double().mean().item()
-    assert metrics["moe/layer0/routing_agreement"] == pytest.approx(unreplayed, abs=agreement_tolerance)
+    if world == 1:
+        assert len(replayed) == len(own) == len(update_choices) == len(per_router)
+        unreplayed = torch.cat(first_held).double().mean().item()
+        assert metrics["moe/layer0/routing_agreement"] == pytest.approx(unreplayed, abs=agreement_tolerance)
 
 
