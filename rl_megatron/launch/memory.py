@@ -107,7 +107,7 @@ from rl_megatron.models.weight_tables import padded_vocab_size
 
 GIB = 1024 ** 3
 WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
-GRAD_BYTES = 4  # fp32 main gradients (grad_reduce_in_fp32=True in workers/megatron_actor.py)
+GRAD_BYTES = 4  # fp32 main gradients (grad_reduce_in_fp32=True in workers/megatron_model.py)
 OPTIMIZER_BYTES = {"bfloat16": 12, "float32": 8}  # fp32 master copy (bf16 only) + Adam's two moments
 FP32 = 4
 # fp32 copies of the [tokens, vocabulary / TP] logits alive at the peak of each pass (the module docstring says which).

@@ -227,7 +227,7 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
     config.batch_p2p_comm = vpp is None
     # Micro-batches vary in shape (token budgets, packing): stages exchange each activation's shape first. Megatron
     # refuses that with MoE's all-gather dispatcher, so such models run a pass's micro-batches in one shape instead
-    # (workers/megatron_actor.py).
+    # (workers/megatron_model.py).
     config.variable_seq_lengths = pp > 1 and not (config.num_moe_experts
                                                  and config.moe_token_dispatcher_type == "allgather")
     model = GPTModel(

@@ -1,4 +1,4 @@
-"""The value model's rank: `MegatronModel` (megatron_actor.py) with a scalar value head; values of given sequences,
+"""The value model's rank: `MegatronModel` (megatron_model.py) with a scalar value head; values of given sequences,
 and clipped value-loss updates."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.roles import Role
 from rl_megatron.sequences import MicroBatch
-from rl_megatron.workers.megatron_actor import Batching, MegatronModel
+from rl_megatron.workers.megatron_model import Batching, MegatronModel
 
 
 class MegatronCritic(MegatronModel):
