@@ -86,6 +86,7 @@ class RoutingReplay:
                     replays.append((self.columns[layer.layer_number - 1], router.router_replay))
             self.replays.append(replays)
         self.now: Pass | None = None
+        self.records: list[list[torch.Tensor]] = [[] for _ in chunks]  # RECORD: per chunk, each micro-batch's
         self.measuring = False
         self.targets: tuple[torch.Tensor, torch.Tensor] | None = None  # this share's (batch's experts, routed mask)
         # Per MoE layer: top-k slots where the router's own choice is the batch's, and slots compared.
@@ -104,6 +105,7 @@ class RoutingReplay:
             yield
         finally:
             self.now, self.measuring, self.targets = None, False, None
+            self.records = [[] for _ in self.replays]
             for replays in self.replays:
                 for _, replay in replays:
                     replay.clear_indices()
@@ -127,17 +129,30 @@ class RoutingReplay:
                 replay.set_target_indices(self.targets[0][:, layer])
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def after_forward(self, chunk: int, micro: MicroBatch) -> torch.Tensor | None:
-        """Recording: this micro-batch's routing in the model's layout, [rows, tokens, MoE layers, top-k]. Replaying:
-        the chunk's routers switch to the backward's replay (full recomputation routes again, in the same order)."""
+    def after_forward(self, chunk: int, micro: MicroBatch) -> None:
+        """Recording: keeps this chunk's share of the micro-batch's routing (`recorded`). Replaying: the chunk's
+        routers switch to the backward's replay (full recomputation routes again, in the same order)."""
         if self.measuring and self.targets is not None:
             self._count_agreement(chunk)
         if self.now is Pass.REPLAY:
             for _, replay in self.replays[chunk]:
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-            return None
-        if self.now is not Pass.RECORD:
-            return None
+        elif self.now is Pass.RECORD:
+            self.records[chunk].append(self._record(chunk, micro))
+
+    def recorded(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+        """After a recording pass over `micros`, on every rank: each micro-batch's routing per sample ([samples,
+        longest, MoE layers, top-k] int16, zero beyond each sample), its layers gathered from every pipeline stage
+        and virtual chunk (each recorded its own; a collective over the pipeline group)."""
+        merged = [sum(records) for records in zip(*self.records)]  # each chunk ran every micro-batch, in order
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            for record in merged:
+                dist.all_reduce(record, group=parallel_state.get_pipeline_model_parallel_group())
+        return [micro.unpack(record.to(ROUTING_DTYPE)) for micro, record in zip(micros, merged)]
+
+    def _record(self, chunk: int, micro: MicroBatch) -> torch.Tensor:
+        """The chunk's routers' record of `micro`, in the model's layout [rows, tokens, MoE layers, top-k] (int32;
+        zero in the columns of other chunks' layers)."""
         rows, tokens = micro.input_ids.shape
         # int32 for the gather of the shares (gloo has no int16 collectives), int16 to keep
         recorded = torch.zeros(tokens * rows // self.shares, self.layers, self.top_k, dtype=torch.int32,
@@ -149,7 +164,7 @@ class RoutingReplay:
             shares = [torch.empty_like(recorded) for _ in range(self.shares)]
             dist.all_gather(shares, recorded, group=parallel_state.get_tensor_model_parallel_group())
             recorded = torch.cat(shares)
-        return recorded.to(ROUTING_DTYPE).view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
+        return recorded.view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
 
 
     def _count_agreement(self, chunk: int) -> None:

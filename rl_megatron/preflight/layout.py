@@ -204,10 +204,6 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"actor.router_replay={a.router_replay} runs at context_parallel_size=1 so far; "
                           f"actor.context_parallel_size={a.context_parallel_size}: set it to 1, or "
                           "actor.router_replay=disabled.")
-    if a.router_replay == "R2" and a.pipeline_model_parallel_size > 1:  # R2's record stays on the stage making it
-        raise ConfigError(f"actor.router_replay=R2 runs at pipeline_model_parallel_size=1 so far; "
-                          f"actor.pipeline_model_parallel_size={a.pipeline_model_parallel_size}: set it to 1, or "
-                          "use actor.router_replay=R3 (which replays at any pipeline layout) or disabled.")
 
 
 def check_moe_knobs(cfg: Config) -> None:

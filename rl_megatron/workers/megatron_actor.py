@@ -88,11 +88,12 @@ class MegatronActor(MegatronModel):
             with self.routing_replay.running(Pass.REPLAY, measure=self.router_metrics is not None):
                 return self.infer(batch, tokens_of)
 
-        def with_routing(micro: MicroBatch, output: torch.Tensor) -> TokenOutputs:
-            return dataclasses.replace(tokens_of(micro, output), routed_experts=self.recorded_routing)
+        def with_routing(micros: list[MicroBatch], outputs: list[TokenOutputs]) -> list[TokenOutputs]:
+            routing = self.routing_replay.recorded(micros)  # every stage's layers (outputs: the last stage's)
+            return [dataclasses.replace(out, routed_experts=record) for out, record in zip(outputs, routing)]
 
         with self.routing_replay.running(Pass.RECORD, measure=True):
-            return self.infer(batch, with_routing if self.replay_mode == "R2" else tokens_of)
+            return self.infer(batch, tokens_of, with_routing if self.replay_mode == "R2" else None)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages

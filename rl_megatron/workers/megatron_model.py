@@ -42,6 +42,8 @@ from rl_megatron.workers.distributed import owns_dp_output
 
 # tokens_of(micro-batch, model output) -> per-token outputs in the model's layout (rows x tokens)
 TokensOf = Callable[[MicroBatch, torch.Tensor], TokenOutputs]
+# finish(the pass's micro-batches, their outputs on this rank) -> the outputs, completed (on every rank after a pass)
+Finish = Callable[[list[MicroBatch], list[TokenOutputs]], list[TokenOutputs]]
 # loss_of(the micro-batch's samples, their per-token outputs, the mini-batch's LossScale) -> (loss, detached stats)
 LossOf = Callable[[TrainBatch, TokenOutputs, LossScale], tuple[torch.Tensor, LossStats]]
 
@@ -103,7 +105,6 @@ class MegatronModel:
         self.token_counts = [0, 0]  # real and computed tokens of the passes since the last update (padding ratio)
         self.output_positions: OutputPositions | None = None  # set where passes read the response tokens only
         self.routing_replay: RoutingReplay | None = None  # the actor's, with actor.router_replay
-        self.recorded_routing: torch.Tensor | None = None  # the last micro-batch's, while a pass records it
         self.model = self.chunks
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -196,7 +197,7 @@ class MegatronModel:
         chunk = self.model.index(model)
         self.routing_replay.before_forward(chunk, micro)
         output = model(input_ids, position_ids, None, packed_seq_params=packed)
-        self.recorded_routing = self.routing_replay.after_forward(chunk, micro)
+        self.routing_replay.after_forward(chunk, micro)
         return output
 
     def run(self, micros: list[MicroBatch], loss_func, forward_only: bool) -> list:
@@ -223,12 +224,15 @@ class MegatronModel:
             micro_batch_size=max(m.input_ids.shape[0] for m in micros), forward_only=forward_only)
 
     @torch.no_grad()
-    def infer(self, batch: TrainBatch, tokens_of: TokensOf) -> TokenOutputs | None:
-        """Per-token outputs of a forward pass, from the ranks that own them (None elsewhere)."""
+    def infer(self, batch: TrainBatch, tokens_of: TokensOf, finish: Finish | None = None) -> TokenOutputs | None:
+        """Per-token outputs of a forward pass, from the ranks that own them (None elsewhere); `finish`, called on
+        every rank after the pass, may add to each micro-batch's outputs."""
         micros = self.micro_batches(batch)
         outputs = self.run(micros, lambda micro, output: (output.new_zeros(()),
                                                           self._per_sample(micro, tokens_of(micro, output))),
                            forward_only=True)
+        if finish is not None:
+            outputs = finish(micros, outputs)
         if not owns_dp_output():
             return None
         return scatter_rows(list(zip([m.rows for m in micros], outputs_to_host(outputs))), batch.rows(),

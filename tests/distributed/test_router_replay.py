@@ -10,7 +10,8 @@ import torch
 
 from helpers.parity import config, family_model_dir, hf_model, make_batch
 from helpers.ranks import PROMPTS, engine_routing_replayed, routing_replay_passes, update_and_export
-from helpers.routing import TOP_K, check_r3_passes, forced_routing, hf_forced_log_probs, top_k_sets
+from helpers.routing import (TOP_K, check_r3_passes, forced_routing, hf_forced_log_probs, r2_record_and_update,
+                             top_k_sets)
 from helpers.worlds import run_distributed
 from rl_megatron.doctor.parity import hf_token_log_probs
 from rl_megatron.models.router_replay import model_layout
@@ -139,3 +140,17 @@ def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_r
     assert unreplayed["moe/routing_agreement"] >= 0.95 and unreplayed[first] == metrics[first]
     mask = batch.response_mask.bool()
     assert (log_probs[mask] - batch.rollout_log_probs[mask]).abs().max() <= 1e-4
+
+
+def test_r2_at_pipeline_parallel_2_gathers_each_stages_record(tmp_path):
+    """PP=2 (one MoE layer per stage): each stage records its own layer; after the pass the record holds both, the
+    same as one rank's, and the update replaying it computes what one rank's does."""
+    model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
+    batch = make_batch()
+    settings = {"actor.optim.lr": 1e-3, "actor.router_replay": "R2"}
+    one = run_distributed(r2_record_and_update, 1, args=(
+        config(model_dir, 1, 1, **settings, **{"trainer.n_gpus_per_node": 1}), batch))[0]
+    two = run_distributed(r2_record_and_update, 2, 1, 2, args=(config(model_dir, 1, 2, **settings), batch))[0]
+    assert torch.equal(two[0], one[0]) and (two[0][:, :, 1] != 0).any()  # the second stage's layer is there
+    assert two[1]["actor/pg_loss"] == pytest.approx(one[1]["actor/pg_loss"], abs=1e-6)
+    assert two[1]["actor/grad_norm"] == pytest.approx(one[1]["actor/grad_norm"], rel=1e-5)

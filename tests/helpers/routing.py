@@ -127,6 +127,20 @@ def r3_passes(cfg, batch, engine):
     return old, replayed, own, reference, metrics, chosen, actor.micro_batches(batch)
 
 
+def r2_record_and_update(cfg, batch):
+    """With actor.router_replay=R2 at any layout: the old log-prob pass's record (from the rank that owns the
+    outputs), and the metrics of the update replaying it (every rank's together: the loss statistics come from the
+    last pipeline stage)."""
+    import torch.distributed as dist
+
+    actor = build_actor(cfg)
+    old = owned_outputs(actor.log_probs(batch))
+    metrics = actor.update(dataclasses.replace(batch, old_log_probs=old.log_probs, routed_experts=old.routed_experts))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, metrics)
+    return old.routed_experts, {key: value for rank_metrics in every for key, value in rank_metrics.items()}
+
+
 def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_tolerance: float, exact: bool,
                     tp: int = 1, pp: int = 1, ep: int = 1, **settings):
     """R3 at TP x PP (x EP, the data-parallel ranks). The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
