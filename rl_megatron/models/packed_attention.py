@@ -13,8 +13,9 @@ bounds back twice per layer. Grouped-query attention shares each key/value head 
 
 - on CUDA, one call per layer: torch's variable-length flash attention (`torch.nn.attention.varlen`) where the
   installed torch has it, as NeMo-RL's and torchtitan's varlen paths do;
-- elsewhere, torch's fused scaled-dot-product attention per span (a flash kernel on CPU too: it never holds a
-  span's score matrix, so memory grows with the row's tokens, not with the square of its longest sample).
+- elsewhere, torch's fused scaled-dot-product attention, one call per span length with the spans of that length as
+  its batch (a flash kernel on CPU too: it never holds a span's score matrix, so memory grows with the row's
+  tokens, not with the square of its longest sample).
 
 Unpacked rows keep Megatron's own path unless a sliding window is set (Mistral), whose mask Megatron's local
 attention builds on CUDA only.
@@ -79,11 +80,26 @@ class PackedDotProductAttention(DotProductAttention):
         bounds = packed_seq_params.host_cu_seqlens if packed_seq_params is not None else (0, tokens)
         lengths = [end - start for start, end in zip(bounds, bounds[1:])]
         # split, not slicing: its backward joins the spans' gradients instead of a zero row per span.
-        spans = [F.scaled_dot_product_attention(q, k, v, **causal(q.shape[2], window, q.device),
-                                                scale=self.softmax_scale, enable_gqa=gqa)
-                 for q, k, v in zip(*(x.split(lengths, dim=2) for x in (query, key, value)))]
-        out = torch.cat(spans, dim=2)  # [batch, heads, tokens, d]
+        spans = list(zip(*(x.split(lengths, dim=2) for x in (query, key, value))))
+        outputs = [None] * len(spans)
+        for length, group in _by_length(lengths).items():
+            # The spans of one length as the batch of one call (in a packed row of short samples most share a few
+            # lengths): the same kernel per (sample, head) as a call per span, with a fraction of the calls.
+            q, k, v = (torch.cat([spans[i][part] for i in group]) for part in range(3))
+            out = F.scaled_dot_product_attention(q, k, v, **causal(length, window, q.device),
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            for i, span_out in zip(group, out.split(query.shape[0])):
+                outputs[i] = span_out
+        out = torch.cat(outputs, dim=2)  # [batch, heads, tokens, d]
         return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
+
+
+def _by_length(lengths: list[int]) -> dict[int, list[int]]:
+    """The indices of the spans of each length, in order."""
+    groups: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        groups.setdefault(length, []).append(i)
+    return groups
 
 
 class LatentDotProductAttention(PackedDotProductAttention):
