@@ -90,7 +90,7 @@ class ActorConfig:
     context_parallel_size: int = checked(1, POSITIVE)  # Megatron CP size of the policy: each sequence split over this many ranks (> 1 needs actor.sequence_packing and Transformer Engine on a CUDA device)
     expert_model_parallel_size: int = checked(1, POSITIVE)  # Megatron EP size: an MoE layer's experts split over this many ranks
     expert_tensor_parallel_size: Optional[int] = checked(None, POSITIVE)  # each expert's own TP size, at most TP (default: the TP)
-    router_replay: Literal["disabled", "R2", "R3"] = "disabled"  # MoE routing replay (verl's names): R2 = the update's forward and backward route each token through the experts the old log-prob pass chose; R3 = the old log-prob, reference and update passes route each token through the experts the rollout engine chose (needs moe.engine_routing); MoE models, at CP=1 so far (any TP, PP and EP)
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"  # MoE routing replay (verl's names): R2 = the update's forward and backward route each token through the experts the old log-prob pass chose; R3 = the old log-prob, reference and update passes route each token through the experts the rollout engine chose (needs moe.engine_routing); MoE models, at any TP, PP, CP and EP
     ppo_mini_batch_size: int = checked(16, POSITIVE)  # prompts per optimizer step (each brings rollout.n samples)
     ppo_epochs: int = checked(1, POSITIVE)  # passes over each step's samples
     micro_batch_size: int = checked(4, POSITIVE)  # samples per forward/backward on one data-parallel rank (without a token budget)

@@ -16,9 +16,9 @@ In Megatron's layout a router sees the micro-batch's tokens sequence-first ([tok
 packed or right-padded as `MicroBatch` lays them out; with sequence parallelism (MoE at TP > 1) each TP rank's
 router sees its contiguous share of the tokens. Unrouted positions (padding, the last token, which the engine never
 fed) replay experts 0..k-1: no loss reads their outputs, and causal attention keeps them from every other token.
-Each pipeline stage (and virtual chunk) replays its own layers. The layouts this covers so far: CP=1 with any TP
-(with sequence parallelism) and EP, and PP for R3 (R2's record would have to be gathered from the stages: pre-flight
-refuses R2 at PP > 1, and context parallelism).
+Each pipeline stage (and virtual chunk) replays its own layers, and R2's record is gathered from the stages after
+the pass; under context parallelism each rank's routers see its `context_chunks` of the packed row, and R2's record
+is put back together from the CP ranks' shares.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from rl_megatron.batch import UNROUTED
-from rl_megatron.sequences import MicroBatch
+from rl_megatron.sequences import MicroBatch, context_chunks
 
 ROUTING_DTYPE = torch.int16  # expert ids below 32768
 
@@ -119,9 +119,7 @@ class RoutingReplay:
                              "(TrainBatch.routed_experts: R2 records it in the old log-prob pass, R3 takes the "
                              "engine's, moe.engine_routing)")
         if routing is not None and (self.now is Pass.REPLAY or self.measuring):
-            experts, routed = model_layout(micro, routing, self.top_k)
-            # sequence-first: a share is a contiguous block
-            self.targets = experts.chunk(self.shares)[self.share], routed.chunk(self.shares)[self.share]
+            self.targets = rank_share(micro, routing, self.top_k, self.shares, self.share)
         for layer, replay in self.replays[chunk]:
             if self.now is Pass.RECORD:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
@@ -154,8 +152,9 @@ class RoutingReplay:
         """The chunk's routers' record of `micro`, in the model's layout [rows, tokens, MoE layers, top-k] (int32;
         zero in the columns of other chunks' layers)."""
         rows, tokens = micro.input_ids.shape
-        # int32 for the gather of the shares (gloo has no int16 collectives), int16 to keep
-        recorded = torch.zeros(tokens * rows // self.shares, self.layers, self.top_k, dtype=torch.int32,
+        seen = rows * tokens if micro.context_index is None else len(micro.context_index)  # this CP rank's tokens
+        # int32 for the gathers (gloo has no int16 collectives), int16 to keep
+        recorded = torch.zeros(seen // self.shares, self.layers, self.top_k, dtype=torch.int32,
                                device=micro.input_ids.device)
         for layer, replay in self.replays[chunk]:
             recorded[:, layer] = replay.get_recorded_indices()
@@ -164,8 +163,11 @@ class RoutingReplay:
             shares = [torch.empty_like(recorded) for _ in range(self.shares)]
             dist.all_gather(shares, recorded, group=parallel_state.get_tensor_model_parallel_group())
             recorded = torch.cat(shares)
+        if micro.context_index is not None:
+            shares = [torch.empty_like(recorded) for _ in range(parallel_state.get_context_parallel_world_size())]
+            dist.all_gather(shares, recorded, group=parallel_state.get_context_parallel_group())
+            recorded = whole_row(shares, micro.cu_seqlens)
         return recorded.view(tokens, rows, self.layers, self.top_k).transpose(0, 1)
-
 
     def _count_agreement(self, chunk: int) -> None:
         """Add this micro-batch's share to `agreement`: per layer, the routed tokens' top-k slots whose expert the
@@ -189,6 +191,8 @@ class RoutingReplay:
             dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage counted its own layers
             dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        if parallel_state.get_context_parallel_world_size() > 1:  # each CP rank its share of the tokens
+            dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
         held, compared = counts.tolist()  # the one read-back
         if not sum(compared):
             return {}
@@ -196,6 +200,25 @@ class RoutingReplay:
         out.update({f"moe/layer{layer}/routing_agreement": held[column] / compared[column]
                     for layer, column in self.columns.items() if compared[column]})
         return out
+
+
+def rank_share(micro: MicroBatch, routing: torch.Tensor, top_k: int, shares: int,
+               share: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model_layout` of the tokens this rank's routers see: its context-parallel positions of the packed row (in
+    `context_index` order), then its sequence-parallel share (`share` of `shares`: a contiguous block)."""
+    experts, routed = model_layout(micro, routing, top_k)
+    if micro.context_index is not None:
+        index = micro.context_index.to(experts.device)
+        experts, routed = experts[index], routed[index]
+    return experts.chunk(shares)[share], routed.chunk(shares)[share]
+
+
+def whole_row(shares: list[torch.Tensor], cu_seqlens: list[int]) -> torch.Tensor:
+    """Per-token values of a packed row from its context-parallel ranks' shares (rank r's at `context_chunks`' r)."""
+    index = torch.cat([context_chunks(cu_seqlens, rank, len(shares)) for rank in range(len(shares))])
+    row = torch.empty(len(index), *shares[0].shape[1:], dtype=shares[0].dtype, device=shares[0].device)
+    row[index.to(row.device)] = torch.cat(shares)
+    return row
 
 
 def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -189,8 +189,7 @@ def _check_moe_section(cfg: Config, hf: dict) -> None:
 
 
 def check_router_replay(cfg: Config, hf: dict) -> None:
-    """actor.router_replay: an MoE model, at the layouts it replays at so far (models/router_replay.py); R3 with
-    the engines' routing."""
+    """actor.router_replay: an MoE model; R3 with the engines' routing."""
     a = cfg.actor
     if not moe_experts(hf):
         raise ConfigError(f"actor.router_replay={a.router_replay} replays MoE routing, but model.path's config.json "
@@ -200,10 +199,6 @@ def check_router_replay(cfg: Config, hf: dict) -> None:
         raise ConfigError("actor.router_replay=R3 replays the rollout engine's routing, but moe.engine_routing=false "
                           "keeps the engines from returning it: remove moe.engine_routing (or set it to true), or "
                           "use actor.router_replay=R2.")
-    if a.context_parallel_size > 1:
-        raise ConfigError(f"actor.router_replay={a.router_replay} runs at context_parallel_size=1 so far; "
-                          f"actor.context_parallel_size={a.context_parallel_size}: set it to 1, or "
-                          "actor.router_replay=disabled.")
 
 
 def check_moe_knobs(cfg: Config) -> None:
