@@ -110,18 +110,25 @@ def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_
     assert two[5]["actor/pg_loss"] == pytest.approx(one[5]["actor/pg_loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_replays_it(tmp_path, family):
+@pytest.mark.parametrize("family,extra", [
+    ("qwen3_moe", {}), ("deepseek_v3", {}),
+    # The other routing families, on request (RL_MEGATRON_SLOW=1): the mechanism is the same for all.
+    pytest.param("mixtral", {}, marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, marks=pytest.mark.slow),  # with its shared expert
+    pytest.param("deepseek_v2", {}, marks=pytest.mark.slow),
+    pytest.param("glm4_moe", {}, marks=pytest.mark.slow)])
+def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_replays_it(tmp_path, family, extra):
     """A real vLLM engine (moe.engine_routing) on the model's weights: every completion carries the experts of every
-    position it fed (prompt and response: P + R - 1 rows), for each MoE layer (DeepSeek-V3's first layer is dense:
-    one column), as distinct valid ids; with actor.router_replay=R3 the old log-prob pass routes each of those
+    position it fed (prompt and response: P + R - 1 rows), for each MoE layer (a dense first layer, as DeepSeek's,
+    has no column), as distinct valid ids; with actor.router_replay=R3 the old log-prob pass routes each of those
     positions through exactly those experts; on the same weights in fp32 the trainer's own routers agree with the
     engine's almost everywhere (replayed or not), and its log-probs are the engine's."""
-    model_dir = family_model_dir(tmp_path / family, family, tied=False)
+    model_dir = family_model_dir(tmp_path / family, family, tied=False, **extra)
     cfg = config(model_dir, 1, 1, **{"trainer.n_gpus_per_node": 1, "actor.router_replay": "R3"})
     completions, batch, chosen, micros, metrics, log_probs, unreplayed = \
         run_distributed(engine_routing_replayed, 1, args=(cfg, PROMPTS, 5))[0]
-    layers = 1 if family == "deepseek_v3" else 2
+    layers = len(chosen) // len(micros)  # the routing layers: the second only where the first is dense
+    assert layers == (2 if family in ("qwen3_moe", "mixtral") else 1)
     for i, completion in enumerate(completions):
         routing = completion.routed_experts
         fed = len(PROMPTS[i // 2]) + len(completion.response_ids) - 1

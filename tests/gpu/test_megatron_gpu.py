@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from helpers.parity import config, family_model_dir, hf_model, hf_reference, hf_token_log_probs, make_batch
+from helpers.parity import config, family_model_dir, hf_model, hf_reference, hf_update_reference, make_batch
 from rl_megatron.models.tiny import LLAMA3_ROPE, QWEN2_5_YARN
 from rl_megatron.workers.spawn import run_distributed
 
@@ -44,23 +44,6 @@ def log_probs_then_update(cfg, batch):
             "attention_module": type(layer.self_attention.linear_proj).__module__,
             "experts_class": type(experts).__name__ if experts is not None else None,
             "device": str(next(layer.parameters()).device), "metrics": metrics, **out.tensors()}
-
-
-def hf_update_reference(model_dir: str, batch, cfg) -> tuple[float, float]:
-    """transformers' loss and gradient norm for the same update: the whole batch is one mini-batch, and the
-    project's policy loss is applied to HF's log-probs."""
-    from rl_megatron.algorithms import LossScale, policy_loss
-
-    model = hf_model(model_dir)
-    log_probs, _ = hf_token_log_probs(model, batch.input_ids, cfg.rollout.temperature)
-    mask = batch.response_mask
-    scale = LossScale(tokens=mask.sum().item(), sequences=float(mask.shape[0]), horizon=cfg.rollout.max_tokens)
-    loss, _ = policy_loss(log_probs, batch.old_log_probs, batch.advantages, mask,
-                          clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
-                          clip_ratio_c=cfg.actor.clip_ratio_c, agg_mode=cfg.actor.loss_agg_mode, scale=scale)
-    loss.backward()
-    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-    return loss.item(), grad_norm.item()
 
 
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
@@ -106,7 +89,7 @@ def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype, 
     assert (result["log_probs"][mask] - ref_log_probs[mask]).abs().max() <= tolerance
     assert (result["entropy"][mask] - ref_entropy[mask]).abs().max() <= tolerance
 
-    ref_loss, ref_grad_norm = hf_update_reference(model_dir, batch, cfg)
+    ref_loss, ref_grad_norm = hf_update_reference(hf_model(model_dir), batch, cfg)
     metrics = result["metrics"]
     assert metrics["actor/pg_loss"] == pytest.approx(ref_loss, abs=tolerance)
     assert metrics["actor/grad_norm"] == pytest.approx(ref_grad_norm, rel=GRAD_NORM_RELATIVE_TOLERANCE[dtype, te])

@@ -14,4 +14,5 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_r3_replays_the_given_experts_on_cuda(tmp_path):
-    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=2e-3, agreement_tolerance=0.05, exact=False)
+    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=2e-3, agreement_tolerance=0.05, exact=False,
+                    grad_tolerance=5e-3)

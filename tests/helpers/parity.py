@@ -8,8 +8,8 @@ from rl_megatron.doctor.parity import (BATCH, PROMPT, SEQ, family_model_dir, hf_
                                        hf_token_log_probs, make_batch)
 from rl_megatron.doctor.parity import actor_config as config  # the name every parity test uses
 
-__all__ = ["BATCH", "SEQ", "config", "family_model_dir", "hf_model", "hf_reference", "hf_token_log_probs",
-           "long_tailed_batch", "make_batch"]
+__all__ = ["BATCH", "SEQ", "build_actor", "config", "family_model_dir", "hf_model", "hf_reference",
+           "hf_token_log_probs", "hf_update_reference", "long_tailed_batch", "make_batch"]
 
 
 def long_tailed_batch(count: int = 16) -> TrainBatch:
@@ -31,3 +31,19 @@ def build_actor(cfg):
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     return MegatronActor(cfg, read_hf_config(cfg.model.path), optimizer_steps=10)
+
+
+def hf_update_reference(model, batch, cfg) -> tuple[float, float]:
+    """transformers' loss and gradient norm (over every parameter of `model`, an HF model) for the update of
+    `batch` as one mini-batch: the project's policy loss applied to the model's log-probs."""
+    from rl_megatron.algorithms import LossScale, policy_loss
+
+    log_probs, _ = hf_token_log_probs(model, batch.input_ids, cfg.rollout.temperature)
+    mask = batch.response_mask
+    scale = LossScale(tokens=mask.sum().item(), sequences=float(mask.shape[0]), horizon=cfg.rollout.max_tokens)
+    loss, _ = policy_loss(log_probs, batch.old_log_probs, batch.advantages, mask,
+                          clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
+                          clip_ratio_c=cfg.actor.clip_ratio_c, agg_mode=cfg.actor.loss_agg_mode, scale=scale)
+    loss.backward()
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    return loss.item(), grad_norm.item()

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers.parity import build_actor, config, family_model_dir, hf_model, make_batch
+from helpers.parity import build_actor, config, family_model_dir, hf_model, hf_update_reference, make_batch
 from rl_megatron.batch import UNROUTED
 from rl_megatron.doctor.parity import hf_token_log_probs
 from rl_megatron.models.router_replay import model_layout
@@ -22,9 +22,15 @@ def forced_routing(batch) -> torch.Tensor:
 
 def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperature: float,
                         own: list | None = None) -> torch.Tensor:
-    """transformers' log-probs with each MoE layer's router made to pick `routing`'s experts (their weights: the
-    router's own probabilities at those experts, renormalised as the model's config says); `own` gets each layer's
-    own top-k choice on the hidden states it sees ([rows, tokens, k], sorted)."""
+    """transformers' log-probs through `forced_model`."""
+    with torch.no_grad():
+        return hf_token_log_probs(forced_model(model_dir, batch, routing, own), batch.input_ids, temperature)[0]
+
+
+def forced_model(model_dir: str, batch, routing: torch.Tensor, own: list | None = None):
+    """transformers' model with each MoE layer's router made to pick `routing`'s experts for `batch` (their weights:
+    the router's own probabilities at those experts, renormalised as the model's config says); `own` gets each
+    layer's own top-k choice on the hidden states it sees ([rows, tokens, k], sorted)."""
     model = hf_model(model_dir)
     for index, layer in enumerate(model.model.layers):
         gate = layer.mlp.gate
@@ -40,8 +46,7 @@ def hf_forced_log_probs(model_dir: str, batch, routing: torch.Tensor, temperatur
             return logits, values.to(logits.dtype), picked
 
         gate.forward = forward
-    with torch.no_grad():
-        return hf_token_log_probs(model, batch.input_ids, temperature)[0]
+    return model
 
 
 def top_k_sets(choices: torch.Tensor) -> torch.Tensor:
@@ -142,13 +147,14 @@ def r2_record_and_update(cfg, batch):
 
 
 def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_tolerance: float, exact: bool,
-                    tp: int = 1, pp: int = 1, ep: int = 1, **settings):
-    """R3 at TP x PP (x EP, the data-parallel ranks). The batch carries the engine's routing (here drawn at random), UNROUTED at each row's last token (the engine
-    never fed it) and padding. The old log-prob pass goes through exactly those experts (its log-probs are
-    transformers' forced through them), the reference computes the same, the update's forward too (its first
-    mini-batch's log-probs equal the old ones: ppo_kl 0), and moe/routing_agreement is the share of the engine's
-    (token, layer, slot) choices that the routers' own choice holds.
-    On one rank, the routers' choices in each pass are checked one by one too.
+                    grad_tolerance: float = 1e-4, tp: int = 1, pp: int = 1, ep: int = 1, **settings):
+    """R3 at TP x PP (x EP, the data-parallel ranks). The batch carries the engine's routing (here drawn at
+    random), UNROUTED at each row's last token (the engine never fed it) and padding. The old log-prob pass goes
+    through exactly those experts (its log-probs are transformers' forced through them), the reference computes the
+    same, the update's forward too (its first mini-batch's log-probs equal the old ones: ppo_kl 0) and its gradient
+    norm is transformers' through the same experts (`grad_tolerance`, relative), and moe/routing_agreement is the
+    share of the engine's (token, layer, slot) choices that the routers' own choice holds. On one rank, the routers'
+    choices in each pass are checked one by one too.
     `run`: run_distributed; `settings`: config keys on top (e.g. the model's dtype); `exact`: the reference and the
     update's forward equal the old pass bit for bit (CPU), else to `log_prob_tolerance`."""
     model_dir = family_model_dir(tmp_path / "moe", "qwen3_moe", tied=False, norm_topk_prob=True)
@@ -175,6 +181,10 @@ def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_toleranc
     hf_own = []  # each layer's own choice on the hidden states of the replayed pass
     forced_reference = hf_forced_log_probs(model_dir, batch, filled, cfg.rollout.temperature, own=hf_own)
     assert (old.log_probs[mask] - forced_reference[mask]).abs().max() <= log_prob_tolerance
+    # The update's gradient is transformers' through the same experts (the router's weights learn as well).
+    _, grad_norm = hf_update_reference(forced_model(model_dir, batch, filled),
+                                       dataclasses.replace(batch, old_log_probs=old.log_probs), cfg)
+    assert metrics["actor/grad_norm"] == pytest.approx(grad_norm, rel=grad_tolerance)
     if exact:  # the same computation, bit for bit (on CPU)
         assert torch.equal(reference.log_probs, old.log_probs)
         assert metrics["actor/ppo_kl"] == 0.0  # one mini-batch: the update's forward is the old pass's
