@@ -34,13 +34,13 @@ class EngineRouting:
     """The routing of each completion of a vLLM engine in this process: vLLM's own (`captured`=False, CUDA) or
     captured here (CPU)."""
 
-    def __init__(self, llm, captured: bool):
-        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        self.layers = moe_layer_ids(model)
+    def __init__(self, runner, requests: dict, captured: bool):
+        """`runner`: the engine's model runner; `requests`: its output processor's request states."""
+        self.layers = moe_layer_ids(runner.get_model())
         if not self.layers:
             raise ValueError("moe.engine_routing returns MoE routing, but the engine's model has no MoE layer: set "
                              "moe.engine_routing=false")
-        self.capture = RoutingCapture(llm, self.layers) if captured else None
+        self.capture = RoutingCapture(runner, requests, self.layers) if captured else None
 
     def of(self, output, sample) -> np.ndarray | None:
         """The routing of `sample` (a CompletionOutput of the RequestOutput `output`): every position the engine fed,
@@ -63,14 +63,13 @@ class RoutingCapture:
     """Captures the routing of every request a CPU vLLM engine (in this process) computes, by (request id as given
     to vLLM, sample index), until `take` hands it out."""
 
-    def __init__(self, llm, layers: list[int]):
+    def __init__(self, runner, requests: dict, layers: list[int]):
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        engine = llm.llm_engine
-        self.runner = engine.model_executor.driver_worker.worker.model_runner
-        self.requests = engine.output_processor.request_states  # vLLM's own id -> its request as given
-        model = self.runner.get_model()
+        self.runner = runner
+        self.requests = requests  # vLLM's own id -> its request as given
+        model = runner.get_model()
         self.columns = len(layers)
         self.step_rows: torch.Tensor | None = None  # [step tokens, MoE layers, k]: the step being computed
         self.step = None  # (requests, first row of each, positions computed before the step)

@@ -262,7 +262,8 @@ class VLLMEngine:
             self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
                                               cuda=platform.has_cuda(), mla=family_of(hf).mla,
                                               group_timeout_s=group_timeout_s, routing=routing))
-        self.routing = EngineRouting(self.llm, captured=not platform.has_cuda()) if routing else None
+        self.routing = (EngineRouting(self._model_runner(), self.llm.llm_engine.output_processor.request_states,
+                                      captured=not platform.has_cuda()) if routing else None)
 
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
