@@ -34,7 +34,7 @@ from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 from rl_megatron.launch.memory import gib_text
-from rl_megatron.models.hf_config import engine_routing, model_config, read_hf_config
+from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config
 from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
                                              pool_phases)
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
@@ -214,8 +214,7 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
 
 def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool, hf: dict) -> memory.RolePasses:
     """How a Megatron role's passes hold activations, from its config section and its pool's layout (a colocated
-    role shares the actor's processes, CP and VPP included; a separate one has CP 1). The actor's passes carry
-    routing under routing replay or with the engines' routing (to measure the agreement), the reference's under R3."""
+    role shares the actor's processes, CP and VPP included; a separate one has CP 1)."""
     section = getattr(cfg, str(name))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     budget, packing = section.max_tokens_per_micro_batch, cfg.actor.sequence_packing
@@ -233,8 +232,7 @@ def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool, hf: dict) -
         recompute_method=recompute.recompute_method if recompute else None,
         recompute_num_layers=recompute.recompute_num_layers if recompute else None,
         policy_head=not name.value_head, entropy_bonus=name is Role.ACTOR and cfg.actor.entropy_coeff > 0,
-        routing=(name is Role.ACTOR and (cfg.actor.router_replay != "disabled" or engine_routing(cfg, hf)))
-        or (name is Role.REF and cfg.actor.router_replay == "R3"))
+        routing=name in (Role.ACTOR, Role.REF) and carries_routing(cfg, hf, trainable=name is Role.ACTOR))
 
 
 def _activation_note(activations: memory.Activations, passes: memory.RolePasses, budgeted: bool, packed: bool) -> str:

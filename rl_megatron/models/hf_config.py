@@ -52,6 +52,14 @@ def engine_routing(cfg: Config, hf: dict) -> bool:
     return bool(moe_experts(hf)) if cfg.moe.engine_routing is None else cfg.moe.engine_routing
 
 
+def carries_routing(cfg: Config, hf: dict, trainable: bool) -> bool:
+    """Whether a policy model's passes carry each token's experts: the actor's under routing replay or with the
+    engines' routing (to measure the agreement), the frozen reference's under R3 (`models/router_replay.py`)."""
+    if not trainable:
+        return cfg.actor.router_replay == "R3"
+    return cfg.actor.router_replay != "disabled" or engine_routing(cfg, hf)
+
+
 def model_config(cfg: Config) -> dict:
     """model.path's config.json with the moe section's overrides: the model every process builds."""
     hf = read_hf_config(cfg.model.path)

@@ -18,7 +18,7 @@ from rl_megatron.config.schema import Config
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import weight_table
-from rl_megatron.models.hf_config import engine_routing
+from rl_megatron.models.hf_config import carries_routing
 from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.models.router_replay import Pass, RoutingReplay
@@ -49,7 +49,7 @@ class MegatronActor(MegatronModel):
         # Routing replay (actor.router_replay; the reference replays under R3 only), and the policy's routing
         # agreement with the engine's wherever the engines return it.
         self.replay_mode = cfg.actor.router_replay if trainable or cfg.actor.router_replay == "R3" else "disabled"
-        if self.replay_mode != "disabled" or (moe and engine_routing(cfg, hf_config)):
+        if carries_routing(cfg, hf_config, trainable):
             self.routing_replay = RoutingReplay(self.chunks)
         if trainable and not platform.has_cuda() and not self.distributed_optimizer:
             # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
