@@ -88,8 +88,9 @@ def test_r3_replays_at_tensor_pipeline_and_expert_parallel_layouts(tmp_path, tp,
     """TP=2 with sequence parallelism and PP=2 on packed rows (each stage replays its own layer's share of the
     tokens), and EP=2 (the experts split, each data-parallel rank its own rows): the same log-probs as transformers
     forced through the engine's experts, the update's forward the old pass's, and the agreement counted over the
-    stages and ranks."""
-    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=1e-6, agreement_tolerance=1e-12, exact=False,
+    stages and ranks. The log-probs within fp32 rounding of another summation order: 1e-6 held on one Intel machine
+    and 1.4e-6 was seen on an AMD EPYC, so the families' parity bound (1e-5) applies."""
+    check_r3_passes(tmp_path, run_distributed, log_prob_tolerance=1e-5, agreement_tolerance=1e-12, exact=False,
                     tp=tp, pp=pp, ep=ep, **{"actor.sequence_packing": packing})
 
 

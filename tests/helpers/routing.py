@@ -180,7 +180,7 @@ def check_r3_passes(tmp_path, run, log_prob_tolerance: float, agreement_toleranc
     filled = torch.where(engine == UNROUTED, torch.arange(TOP_K, dtype=torch.int16), engine)
     hf_own = []  # each layer's own choice on the hidden states of the replayed pass
     forced_reference = hf_forced_log_probs(model_dir, batch, filled, cfg.rollout.temperature, own=hf_own)
-    assert (old.log_probs[mask] - forced_reference[mask]).abs().max() <= log_prob_tolerance
+    assert (old.log_probs[mask] - forced_reference[mask]).abs().max() <= log_prob_tolerance, (old.log_probs[mask] - forced_reference[mask]).abs().max()
     # The update's gradient is transformers' through the same experts (the router's weights learn as well).
     _, grad_norm = hf_update_reference(forced_model(model_dir, batch, filled),
                                        dataclasses.replace(batch, old_log_probs=old.log_probs), cfg)
