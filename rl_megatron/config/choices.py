@@ -31,3 +31,8 @@ TASK_NAMES = ("arithmetic", "lookup")
 # reward.gsm8k_match, reward.math_match: how the gsm8k and MATH scorers compare answers ("exact" gives verl's
 # scores, "numeric" also accepts equal values written differently)
 MATCH_MODES = ("exact", "numeric")
+
+# actor.lora.target_modules: the Hugging Face linear modules LoRA adapts (PEFT's names), or all of them; the
+# Megatron layer each maps to: `rl_megatron.models.lora.TARGETS`
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("all-linear", *LORA_MODULES)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from rl_megatron.config.choices import CHANNELS, DEFAULT_LOGGERS, KL_ESTIMATORS, LOGGERS, LOSS_AGG_MODES, \
-    MATCH_MODES, SINGLE_TURN, TASK_NAMES
+    LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
 
 Placement = Literal["colocated", "separate"]
@@ -81,6 +81,15 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = checked(0, NOT_NEGATIVE)  # LoRA rank r (PEFT's r, verl's lora_rank): train rank-r adapters on the frozen policy; 0: off (full fine-tuning)
+    alpha: float = checked(16.0, above(0))  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = checked(0.0, within(0, 1))  # dropout on the adapters' input (PEFT's lora_dropout)
+    target_modules: list[Literal[LORA_TARGETS]] = field(default_factory=lambda: ["all-linear"])  # the Hugging Face linear modules that get adapters (PEFT's names): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear (all of them)
+    init: Literal["kaiming", "gaussian"] = "kaiming"  # A's initialisation (PEFT's init_lora_weights: true = kaiming, or gaussian); B starts at zero, so the adapted model starts as the base
+
+
+@dataclass
 class ActorConfig:
     tensor_model_parallel_size: int = checked(1, POSITIVE)  # Megatron TP size of the policy
     pipeline_model_parallel_size: int = checked(1, POSITIVE)  # Megatron PP size of the policy
@@ -117,6 +126,7 @@ class ActorConfig:
     kl_loss_type: Literal[KL_ESTIMATORS] = "low_var_kl"  # KL estimator of the loss: k1, k2 (mse), k3 (low_var_kl) or abs
     offload: bool = True  # on GPU: Megatron weights/grads/Adam state wait in host memory during generation, vLLM sleeps in training
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.family import family_of, head_dim, table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
+from rl_megatron.models.lora import is_adapter_parameter
 from rl_megatron.models.packed_attention import LatentDotProductAttention, PackedDotProductAttention
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
@@ -267,10 +268,11 @@ def build_gpt_chunks(hf: dict, dtype: str, make_vocab_size_divisible_by: int,
 
 
 def hf_parameters(model: GPTModel):
-    """(name, parameter) of everything that has a Hugging Face counterpart: all but a critic's value head."""
+    """(name, parameter) of everything that has a Hugging Face counterpart in the model's weights: all but a
+    critic's value head and LoRA adapters."""
     critic = isinstance(getattr(model, "output_layer", None), ValueHead)
     parameters = ((name, param) for name, param in model.named_parameters()
-                  if not (critic and name.startswith("output_layer.")))
+                  if not (critic and name.startswith("output_layer.")) and not is_adapter_parameter(name))
     # The routers' expert biases (aux-loss-free balancing) are buffers, updated outside the optimizer.
     return itertools.chain(parameters, ((name, buffer) for name, buffer in model.named_buffers()
                                         if name.endswith(".router.expert_bias")))

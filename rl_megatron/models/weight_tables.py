@@ -145,6 +145,20 @@ class FusedGateUp(Layout):
                 along(hf_names[1], hf_shapes[1], 0, rank * n, (rank + 1) * n, n)]
 
 
+class Stacked(Layout):
+    """The HF tensors one after another along dim 0, whole on every TP rank (the A matrices of the LoRA adapters of
+    a fused layer's projections: models/lora.py)."""
+
+    def local_shape(self, hf_shapes, size):
+        return (sum(shape[0] for shape in hf_shapes), *hf_shapes[0][1:])
+
+    def regions(self, hf_names, hf_shapes, rank, size):
+        starts = [0]
+        for shape in hf_shapes:
+            starts.append(starts[-1] + shape[0])
+        return [along(name, shape, 0, 0, shape[0], start) for name, shape, start in zip(hf_names, hf_shapes, starts)]
+
+
 @dataclass
 class Entry:
     hf_names: tuple[str, ...]

@@ -41,7 +41,8 @@ class MegatronActor(MegatronModel):
         super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if train_here else None,
                          optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
                          initial=initial, activations=ActivationSettings.of_role(cfg, role),
-                         stages=StageLayers.of_role(cfg, role), distributed_optimizer=distributed_optimizer)
+                         stages=StageLayers.of_role(cfg, role), distributed_optimizer=distributed_optimizer,
+                         lora=cfg.actor.lora if trainable and cfg.actor.lora.rank else None)
         self.table = weight_table(self.chunks[0], hf_config)
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts

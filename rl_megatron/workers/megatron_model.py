@@ -28,10 +28,11 @@ from rl_megatron import platform
 from rl_megatron.algorithms import LossScale, LossStats, megatron_loss_factor
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint import load_checkpoint_into, save_model_checkpoint
-from rl_megatron.config.schema import Config, OptimConfig
+from rl_megatron.config.schema import Config, LoraConfig, OptimConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
-from rl_megatron.models.gpt import build_gpt_chunks, load_hf_weights
+from rl_megatron.models.gpt import build_gpt_chunks, layer_offset, load_hf_weights, weight_table
+from rl_megatron.models.lora import add_adapters, freeze_base
 from rl_megatron.models.logprobs import OutputPositions
 from rl_megatron.models.packed_attention import packed_seq_params
 from rl_megatron.models.router_replay import RoutingReplay
@@ -63,12 +64,15 @@ class MegatronModel:
     Megatron checkpoint) or `weights_path` (an HF folder), else Megatron's random init from trainer.seed.
     `activations`: the role's sequence parallelism and recomputation; `stages`: the layers of its first / last
     pipeline stage. `distributed_optimizer`: Megatron's distributed optimizer, whose fp32 shards view the
-    parameters in DDP's contiguous buffer (default: on CUDA; the offload tests choose it on CPU too)."""
+    parameters in DDP's contiguous buffer (default: on CUDA; the offload tests choose it on CPU too). `lora`: the
+    model's frozen weights get trainable LoRA adapters (models/lora.py), the only parameters DDP and the optimizer
+    hold."""
 
     def __init__(self, cfg: Config, hf_config: dict, batching: Batching, *, activations: ActivationSettings,
                  stages: StageLayers, optim: OptimConfig | None = None, optimizer_steps: int = 0,
                  value_head: bool = False, weights_path: str | None = None, checkpoint: str | None = None,
-                 initial: MegatronModel | None = None, distributed_optimizer: bool | None = None):
+                 initial: MegatronModel | None = None, distributed_optimizer: bool | None = None,
+                 lora: LoraConfig | None = None):
         self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
         self.distributed_optimizer = platform.has_cuda() if distributed_optimizer is None else distributed_optimizer
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
@@ -78,15 +82,20 @@ class MegatronModel:
             weights_follow=initial is not None or checkpoint is not None or weights_path is not None,
             activations=activations, stages=stages, deterministic=cfg.trainer.deterministic)]
         with torch.no_grad():
-            if initial is not None:
+            if initial is not None:  # by name: the source may hold adapters this model has not
                 for chunk, source in zip(self.chunks, initial.chunks):
-                    for param, value in zip(chunk.parameters(), source.parameters()):
-                        param.copy_(value)
+                    values = dict(source.named_parameters())
+                    for name, param in chunk.named_parameters():
+                        param.copy_(values[name])
             elif checkpoint is not None:
                 load_checkpoint_into(self.chunks, checkpoint, hf_config)
             elif weights_path is not None:
                 for chunk in self.chunks:
                     load_hf_weights(chunk, hf_config, weights_path)
+        if lora is not None:
+            for chunk in self.chunks:
+                add_adapters(chunk, weight_table(chunk, hf_config), lora, layer_offset(chunk), cfg.trainer.seed)
+            freeze_base(self.chunks)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         # Sequence parallelism (by default at TP > 1) splits every sequence over the TP ranks.
         config = self.chunks[0].config

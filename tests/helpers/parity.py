@@ -34,8 +34,8 @@ def build_actor(cfg):
 
 
 def hf_update_reference(model, batch, cfg) -> tuple[float, float]:
-    """transformers' loss and gradient norm (over every parameter of `model`, an HF model) for the update of
-    `batch` as one mini-batch: the project's policy loss applied to the model's log-probs."""
+    """transformers' loss and gradient norm (over every parameter of `model`, an HF model, that trains) for the
+    update of `batch` as one mini-batch: the project's policy loss applied to the model's log-probs."""
     from rl_megatron.algorithms import LossScale, policy_loss
 
     log_probs, _ = hf_token_log_probs(model, batch.input_ids, cfg.rollout.temperature)
@@ -45,5 +45,6 @@ def hf_update_reference(model, batch, cfg) -> tuple[float, float]:
                           clip_ratio_low=cfg.actor.clip_ratio_low, clip_ratio_high=cfg.actor.clip_ratio_high,
                           clip_ratio_c=cfg.actor.clip_ratio_c, agg_mode=cfg.actor.loss_agg_mode, scale=scale)
     loss.backward()
-    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                      if p.grad is not None]))
     return loss.item(), grad_norm.item()

@@ -1,0 +1,241 @@
+"""LoRA adapters on Megatron's tensor-parallel linear layers (actor.lora): y = W x + (alpha / r) B A x, with W frozen
+and A [r, in], B [out, r] trained, as PEFT computes it on a Hugging Face model.
+
+Each adapter is PEFT's per HF module (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), laid into
+Megatron's fused layers by the same weight table that lays out their weights (`models/weight_tables.py`): B's rows
+follow W's rows, so B is split over the TP ranks exactly as W is, and linear_qkv / linear_fc1 hold one adapter per
+HF projection they fuse.
+- column-parallel layers (linear_qkv, linear_fc1; output split): A whole on every TP rank, B split like the output.
+  A x is computed on every rank alike; its gradient is summed over the TP ranks in the backward (each rank's B
+  shard sees its own part of the output), so A's gradient is whole and equal everywhere.
+- row-parallel layers (linear_proj, linear_fc2; input split): A split like the input, B whole. The partial A x of
+  each rank is summed over the TP group (reduce-scattered over the sequence under sequence parallelism, where each
+  rank's B then sees its own tokens and its gradient is summed over TP by Megatron's finalize_model_grads, as for
+  the norms).
+
+Megatron-Bridge's PEFT LoRA (NVIDIA's own, `megatron.bridge.peft`) imports transformer_engine at module level, so it
+cannot run with Megatron's local layers on a CPU; this module follows its pattern on GPU: Transformer Engine's
+fused norm + linear layers give the adapters the normed input (`return_layernorm_output`), as its
+`get_adapter_attributes_from_linear` does.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                                           reduce_from_tensor_model_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+from rl_megatron.config.choices import LORA_MODULES
+from rl_megatron.config.schema import LoraConfig
+from rl_megatron.models.weight_tables import (DenseTable, Entry, Replicated, Split, Stacked, hf_view, local_view,
+                                             shard_from_hf)
+
+# The Megatron linear layer (within a decoder layer) that holds each HF module PEFT adapts.
+TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+           "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+           "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+_ADAPTED = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
+                      r"mlp\.linear_fc1|mlp\.linear_fc2)$")
+ADAPTER = "adapter"  # the adapter's attribute on its linear layer: parameters `<layer>.adapter.lora_A` / `.lora_B`
+
+
+def target_modules(lora: LoraConfig) -> tuple[str, ...]:
+    """The HF modules actor.lora.target_modules names (all-linear: every one)."""
+    if "all-linear" in lora.target_modules:
+        return LORA_MODULES
+    return tuple(m for m in LORA_MODULES if m in lora.target_modules)
+
+
+def hf_module(hf_name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj'."""
+    return hf_name.split(".")[-2]
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return f".{ADAPTER}." in name
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapters of one Megatron linear layer (weight table entry `entry`) on this TP rank: `parts` of its HF
+    tensors get one each. lora_A stacks the parts' A ([parts x r, in]), or holds this rank's input columns of the
+    one A of a row-parallel layer; lora_B holds this rank's rows of the parts' B in the layer's own row layout.
+    `a_entry` and `b_entry` lay out lora_A and lora_B as the weight table lays out weights (HF names such as
+    model.layers.0.self_attn.q_proj.lora_A.weight, PEFT's without its prefix)."""
+
+    def __init__(self, entry: Entry, parts: list[int], lora: LoraConfig, row_parallel: bool, tp_group,
+                 sequence_parallel: bool, dtype: torch.dtype, seed: int):
+        super().__init__()
+        r, rank, size = lora.rank, tp_group.rank(), tp_group.size()
+        self.scale, self.row_parallel, self.tp_group = lora.alpha / r, row_parallel, tp_group
+        self.sequence_parallel, self.enabled = sequence_parallel and size > 1, True
+        self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else torch.nn.Identity()
+        modules = [name.removesuffix(".weight") for name in entry.hf_names]
+        a_names = tuple(f"{modules[p]}.lora_A.weight" for p in parts)
+        a_shapes = tuple((r, entry.hf_shapes[p][1]) for p in parts)
+        self.trained = {*a_names, *(f"{modules[p]}.lora_B.weight" for p in parts)}
+        if row_parallel:  # A split like W's input, B whole
+            self.a_entry = Entry(a_names, Split(dim=1), a_shapes)
+            self.b_entry = Entry((f"{modules[0]}.lora_B.weight",), Replicated(), ((entry.hf_shapes[0][0], r),))
+        else:  # A whole, B's rows where W's rows are (the same layout, r columns)
+            self.a_entry = Entry(a_names, Stacked(), a_shapes)
+            self.b_entry = Entry(tuple(f"{m}.lora_B.weight" for m in modules), entry.layout,
+                                 tuple((shape[0], r) for shape in entry.hf_shapes))
+        a = shard_from_hf(self.a_entry, [initial_a(name, *shape, lora.init, seed)
+                                         for name, shape in zip(a_names, a_shapes)], rank, size)
+        self.lora_A = torch.nn.Parameter(a.to(dtype))
+        self.lora_B = torch.nn.Parameter(torch.zeros(self.b_entry.local_shape(size), dtype=dtype))
+        if not row_parallel:
+            # mask[row, k * r:(k + 1) * r] = 1 where B's row belongs to the k-th part: the parts' B side by side,
+            # each multiplying its own A's output (rows of projections without an adapter stay out).
+            mask = torch.zeros(self.lora_B.shape[0], len(parts) * r, dtype=dtype)
+            for region in self.b_entry.regions(rank, size):
+                if region.hf_name in self.trained:
+                    k = a_names.index(region.hf_name.replace(".lora_B.", ".lora_A."))
+                    mask[_rows(region), k * r:(k + 1) * r] = 1
+            self.register_buffer("mask", mask, persistent=False)
+        # What Megatron's gradient clipping and checkpointing read: which parameters are split over TP.
+        set_tensor_model_parallel_attributes(self.lora_A, row_parallel, 1, 1)
+        set_tensor_model_parallel_attributes(self.lora_B, not row_parallel, 0, 1)
+        if row_parallel and self.sequence_parallel:  # each rank's B sees its own tokens: summed over TP
+            self.lora_B.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' output on this rank, shaped like the layer's: x is the layer's input as it receives it."""
+        x = self.dropout(x)
+        if self.row_parallel:
+            h = F.linear(x, self.lora_A)
+            if self.tp_group.size() > 1:
+                h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                     else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+            return F.linear(h, self.lora_B) * self.scale
+        if self.sequence_parallel:  # every rank's A sees every token; each keeps its own tokens' input gradient
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
+        h = F.linear(x, self.lora_A)
+        if self.tp_group.size() > 1:
+            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        r = self.lora_B.shape[1]
+        blocks = self.lora_B.repeat(1, self.mask.shape[1] // r) * self.mask
+        return F.linear(h, blocks) * self.scale
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Whole HF-named adapters (`full`'s names) into this rank's shards."""
+        rank, size = self.tp_group.rank(), self.tp_group.size()
+        for param, entry in ((self.lora_A, self.a_entry), (self.lora_B, self.b_entry)):
+            whole = [tensors[n] if n in self.trained else torch.zeros(shape)
+                     for n, shape in zip(entry.hf_names, entry.hf_shapes)]
+            param.copy_(shard_from_hf(entry, whole, rank, size))
+
+    def full(self, of_gradients: bool = False) -> dict[str, torch.Tensor]:
+        """The whole adapters (or their gradients, as DDP holds them) by HF name, gathered from the TP ranks."""
+        out = {}
+        for param, entry in ((self.lora_A, self.a_entry), (self.lora_B, self.b_entry)):
+            local = (param.main_grad if of_gradients else param).detach().contiguous()
+            size = self.tp_group.size()
+            if isinstance(entry.layout, (Stacked, Replicated)):
+                shards = [local] * size
+            else:
+                shards = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(shards, local, group=self.tp_group)
+            whole = {n: local.new_zeros(shape) for n, shape in zip(entry.hf_names, entry.hf_shapes)}
+            for rank, shard in enumerate(shards):
+                for region in entry.regions(rank, size):
+                    hf_view(whole[region.hf_name], region).copy_(local_view(shard, region))
+            out.update((n, t) for n, t in whole.items() if n in self.trained)
+        return out
+
+
+def _rows(region) -> slice:
+    return slice(region.origin[0], region.origin[0] + region.stop[0] - region.start[0])
+
+
+def initial_a(hf_name: str, rank: int, in_features: int, init: str, seed: int) -> torch.Tensor:
+    """A of the HF module `hf_name` as PEFT initialises it (kaiming: nn.Linear's default; gaussian: N(0, 1/r)),
+    drawn whole from `seed` and the adapter's name: every rank and layout starts from the same adapters."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(hf_name.encode()))
+    a = torch.empty(rank, in_features)
+    if init == "gaussian":
+        return a.normal_(std=1 / rank, generator=generator)
+    bound = 1 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+    return a.uniform_(-bound, bound, generator=generator)
+
+
+def _with_adapter(module, args, output):
+    """Forward hook of an adapted linear layer: (W x [+ b], bias) -> (W x + adapters(x), bias)."""
+    adapter = getattr(module, ADAPTER)
+    if getattr(module, "return_layernorm_output", False):  # TE's fused norm + linear: the adapters read the norm
+        (out, x), bias = output
+    else:
+        (out, bias), x = output, args[0]
+    return (out + adapter(x), bias) if adapter.enabled else (out, bias)
+
+
+def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, layer_offset: int, seed: int) -> int:
+    """Adapters on the layers of `chunk` (a model chunk whose first layer is global layer `layer_offset`) that hold
+    the modules of actor.lora.target_modules; returns how many layers got one."""
+    wanted, adapted = target_modules(lora), 0
+    for name, module in list(chunk.named_modules()):
+        if _ADAPTED.match(name) is None:
+            continue
+        entry = table.lookup(f"{name}.weight", layer_offset)
+        parts = [i for i, hf_name in enumerate(entry.hf_names) if hf_module(hf_name) in wanted]
+        if not parts:
+            continue
+        row_parallel = isinstance(entry.layout, Split) and entry.layout.dim == 1
+        group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+        if hasattr(module, "return_layernorm_output"):  # Transformer Engine: the normed input, on this rank
+            module.return_layernorm_output = True
+            module.return_layernorm_output_gathered = False
+        module.add_module(ADAPTER, LoraAdapter(entry, parts, lora, row_parallel, group,
+                                               bool(getattr(module, "sequence_parallel", False)),
+                                               module.weight.dtype, seed).to(module.weight.device))
+        module.register_forward_hook(_with_adapter)
+        adapted += 1
+    return adapted
+
+
+def freeze_base(chunks: list[torch.nn.Module]) -> None:
+    """Only the adapters train: every other parameter keeps its value and gets no gradient (nor optimizer state)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            param.requires_grad_(is_adapter_parameter(name))
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list[torch.nn.Module]):
+    """The base model's outputs: every adapter of `chunks` skipped (the reference policy of a LoRA actor)."""
+    adapters = adapters_of(chunks)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+
+
+def adapters_of(chunks: list[torch.nn.Module]) -> list[LoraAdapter]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
+
+
+def adapter_tensors(chunks: list[torch.nn.Module], of_gradients: bool = False) -> dict[str, torch.Tensor]:
+    """This pipeline stage's whole adapters (or their gradients) by HF name (a collective over the TP group)."""
+    return {name: tensor for adapter in adapters_of(chunks) for name, tensor in adapter.full(of_gradients).items()}
+
+
+def load_adapter_tensors(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor]) -> None:
+    """Whole HF-named adapters into this rank's shards (every adapter of `chunks` must be there)."""
+    for adapter in adapters_of(chunks):
+        missing = adapter.trained - set(tensors)
+        if missing:
+            raise KeyError(f"No adapter tensor {sorted(missing)[0]} among the {len(tensors)} given")
+        adapter.load(tensors)
