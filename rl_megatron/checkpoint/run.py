@@ -30,7 +30,7 @@ import torch
 from rl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, finish_partial, partial_path, replace_file, start_partial
 from rl_megatron.checkpoint.model import METADATA_FILE, CheckpointError, check_checkpoint, read_json
 from rl_megatron.config import Config
-from rl_megatron.config.pools import uses_reference
+from rl_megatron.config.pools import reference_in_actor, uses_reference
 from rl_megatron.roles import Role
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -47,9 +47,9 @@ class CheckpointWarning(UserWarning):
 
 def checkpointed_roles(cfg: Config) -> tuple[Role, ...]:
     """The models a checkpoint holds (each in the folder of its role's name): the trainable ones, and the reference
-    when model.path cannot rebuild it."""
-    return (Role.ACTOR, *((Role.CRITIC,) if cfg.critic.enable else ()),
-            *((Role.REF,) if uses_reference(cfg) and cfg.model.random_init else ()))
+    when model.path cannot rebuild it (a LoRA actor's frozen base is the reference: saved with the actor)."""
+    reference = uses_reference(cfg) and not reference_in_actor(cfg) and cfg.model.random_init
+    return (Role.ACTOR, *((Role.CRITIC,) if cfg.critic.enable else ()), *((Role.REF,) if reference else ()))
 
 
 def checkpoint_root(cfg: Config) -> str:

@@ -13,6 +13,12 @@ def uses_reference(cfg: Config) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+def reference_in_actor(cfg: Config) -> bool:
+    """With LoRA the reference policy is the actor with its adapters off (verl's ref_in_actor): no reference weights
+    are held, loaded or offloaded anywhere."""
+    return cfg.actor.lora.rank > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerPool:
     """Processes on nodes of their own: the roles they host, how many (and the config section that says so), and the
@@ -53,7 +59,8 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
     actor_roles = [Role.ACTOR] if engines_apart else [Role.ACTOR, Role.ROLLOUT]
     engine_pool = WorkerPool(Role.ROLLOUT, (Role.ROLLOUT,), r.nnodes, r.n_gpus_per_node, {})
     separate = [engine_pool] if engines_apart else []
-    for name, role, wanted in ((Role.REF, cfg.ref, uses_reference(cfg)), (Role.CRITIC, cfg.critic, cfg.critic.enable)):
+    reference = uses_reference(cfg) and not reference_in_actor(cfg)
+    for name, role, wanted in ((Role.REF, cfg.ref, reference), (Role.CRITIC, cfg.critic, cfg.critic.enable)):
         wanted = wanted and not cfg.trainer.val_only  # validation generates and scores only
         if wanted and role.placement == "colocated":
             actor_roles.append(name)

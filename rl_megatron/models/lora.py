@@ -21,6 +21,7 @@ fused norm + linear layers give the adapters the normed input (`return_layernorm
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import zlib
@@ -33,11 +34,13 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                            reduce_from_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rl_megatron.config.choices import LORA_MODULES
 from rl_megatron.config.schema import LoraConfig
-from rl_megatron.models.weight_tables import (DenseTable, Entry, Replicated, Split, Stacked, hf_view, local_view,
-                                             shard_from_hf)
+from rl_megatron.models.weight_tables import (DenseTable, Entry, FusedGateUp, Replicated, Split, Stacked, hf_view,
+                                             local_view, shard_from_hf)
 
 # The Megatron linear layer (within a decoder layer) that holds each HF module PEFT adapts.
 TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
@@ -127,6 +130,14 @@ class LoraAdapter(torch.nn.Module):
         return F.linear(h, blocks) * self.scale
 
     @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """(alpha / r) B A in the layer's weight layout on this rank: what merging the adapters adds to W."""
+        if self.row_parallel:
+            return self.lora_B @ self.lora_A * self.scale
+        r = self.lora_B.shape[1]
+        return (self.lora_B.repeat(1, self.mask.shape[1] // r) * self.mask) @ self.lora_A * self.scale
+
+    @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Whole HF-named adapters (`full`'s names) into this rank's shards."""
         rank, size = self.tp_group.rank(), self.tp_group.size()
@@ -179,6 +190,22 @@ def _with_adapter(module, args, output):
     return (out + adapter(x), bias) if adapter.enabled else (out, bias)
 
 
+def _sharded_state_dict(module, linear_state, gate_up: bool, prefix: str = "", sharded_offsets: tuple = (),
+                        metadata: dict | None = None) -> dict:
+    """An adapted layer's entries in distributed checkpoints: the layer's own, and its adapters split over TP as
+    they are held (B like the output of a column-parallel layer, A like the input of a row-parallel one; the fused
+    gate/up rows as Megatron saves linear_fc1's weight), so that a run resumes at any layout."""
+    adapter, own = getattr(module, ADAPTER), f"{prefix}{ADAPTER}."
+    state = {k: v for k, v in linear_state(prefix, sharded_offsets, metadata).items() if not k.startswith(own)}
+    axis = {"lora_A": 1} if adapter.row_parallel else {"lora_B": 0}
+    adapters = make_sharded_tensors_for_checkpoint({"lora_A": adapter.lora_A, "lora_B": adapter.lora_B}, own, axis,
+                                                   sharded_offsets, tp_group=adapter.tp_group)
+    if gate_up:
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        adapters[f"{own}lora_B"] = apply_swiglu_sharded_factory(adapters[f"{own}lora_B"], sharded_offsets, singleton)
+    return state | adapters
+
+
 def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, layer_offset: int, seed: int) -> int:
     """Adapters on the layers of `chunk` (a model chunk whose first layer is global layer `layer_offset`) that hold
     the modules of actor.lora.target_modules; returns how many layers got one."""
@@ -199,6 +226,8 @@ def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, la
                                                bool(getattr(module, "sequence_parallel", False)),
                                                module.weight.dtype, seed).to(module.weight.device))
         module.register_forward_hook(_with_adapter)
+        module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict,
+                                                      isinstance(entry.layout, FusedGateUp))
         adapted += 1
     return adapted
 
@@ -239,3 +268,27 @@ def load_adapter_tensors(chunks: list[torch.nn.Module], tensors: dict[str, torch
         if missing:
             raise KeyError(f"No adapter tensor {sorted(missing)[0]} among the {len(tensors)} given")
         adapter.load(tensors)
+
+
+class MergedWeights(torch.nn.Module):
+    """The adapted layers' weights with their adapters merged, W + (alpha / r) B A, in tensors of their own (the
+    model's stay the frozen base): what the rollout engines receive at each weight sync. Its tensors are parameters
+    that never train, so that what shares a model's parameters with the engines (`resharding.share_parameters`)
+    shares these too."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.layers = [(module.weight, getattr(module, ADAPTER)) for chunk in chunks for module in chunk.modules()
+                       if isinstance(getattr(module, ADAPTER, None), LoraAdapter)]
+        self.merged = torch.nn.ParameterList(torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+                                             for weight, _ in self.layers)
+
+    def substitutes(self) -> dict[int, torch.Tensor]:
+        """id(a base weight) -> the tensor the engines read in its place."""
+        return {id(weight): merged for (weight, _), merged in zip(self.layers, self.merged)}
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The merged weights of the adapters as they are now (before each weight sync)."""
+        for (weight, adapter), merged in zip(self.layers, self.merged):
+            torch.add(weight, adapter.delta_weight(), out=merged.data)

@@ -16,8 +16,10 @@ from rl_megatron.resharding.shared_params import location
 Held = dict[str, tuple[torch.Tensor, TensorSpec]]  # key -> (the local tensor, what it holds)
 
 
-def megatron_sources(chunks: list, table: DenseTable) -> tuple[Held, list[str]]:
-    """This rank's Megatron parameters (every virtual-pipeline chunk) and the shape errors found."""
+def megatron_sources(chunks: list, table: DenseTable,
+                     substitutes: dict[int, torch.Tensor] | None = None) -> tuple[Held, list[str]]:
+    """This rank's Megatron parameters (every virtual-pipeline chunk) and the shape errors found. `substitutes`:
+    id(parameter) -> the tensor to read in its place (a LoRA actor's merged weights, models/lora.py)."""
     from rl_megatron.models.gpt import expert_offset, hf_parameters, layer_offset, tp_shard
 
     held, errors = {}, []
@@ -35,9 +37,9 @@ def megatron_sources(chunks: list, table: DenseTable) -> tuple[Held, list[str]]:
                 errors.append(f"Megatron parameter '{name}' has shape {tuple(param.shape)} but the weight table "
                               f"expects {expected} (from {', '.join(entry.hf_names)})")
                 continue
-            key = f"chunk{vp}.{name}"
-            held[key] = (param.detach(), TensorSpec(key, expected, param.dtype, tuple(entry.regions(tp_rank, tp_size)),
-                                                    location(param.detach())))
+            key, tensor = f"chunk{vp}.{name}", (substitutes or {}).get(id(param), param).detach()
+            held[key] = (tensor, TensorSpec(key, expected, param.dtype, tuple(entry.regions(tp_rank, tp_size)),
+                                            location(tensor)))
     return held, errors
 
 

@@ -28,7 +28,7 @@ from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
 from rl_megatron.config import Config, ConfigError, to_dict, to_yaml
-from rl_megatron.config.pools import worker_pools
+from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
@@ -226,10 +226,12 @@ class Trainer:
         batch.old_log_probs = old.log_probs
         if replay != "R3":
             batch.routed_experts = old.routed_experts  # R2's record; None otherwise
-        if self.ref is not None:
+        if uses_reference(self.cfg):
             with self.timer("ref"):
                 ref_batch = batch.select("routed_experts") if replay == "R3" else batch.select()
-                batch.ref_log_probs = self.ref.ref_log_probs(ref_batch).log_probs
+                # LoRA: the actor with its adapters off (config.pools.reference_in_actor)
+                reference = self.actor.reference_log_probs if self.ref is None else self.ref.ref_log_probs
+                batch.ref_log_probs = reference(ref_batch).log_probs
         if self.critic is not None:
             with self.timer("values"):
                 batch.values = self.critic.values(batch.select()).values

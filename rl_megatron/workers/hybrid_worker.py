@@ -122,6 +122,7 @@ class HybridWorker(EngineHost):
     def _send_weights(self) -> None:
         """The policy's weights into the engines: colocated, every worker writes its part; separate, rank 0 gathers
         the weights a bucket at a time and broadcasts each to the engine workers."""
+        self.models[Role.ACTOR].merge_adapters()
         if self.sender is not None:
             self.sender.send()
             return
@@ -156,6 +157,11 @@ class HybridWorker(EngineHost):
     @dispatch(axis="dp", phase=forward(Role.REF))
     def ref_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         return self.models[Role.REF].log_probs(batch)
+
+    @dispatch(axis="dp", phase=forward(Role.ACTOR))
+    def reference_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
+        """The reference's log-probs from a LoRA actor: its adapters off (config.pools.reference_in_actor)."""
+        return self.models[Role.ACTOR].reference_log_probs(batch)
 
     @dispatch(axis="dp", phase=forward(Role.CRITIC))
     def values(self, batch: TrainBatch) -> TokenOutputs | None:

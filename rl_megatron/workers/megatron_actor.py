@@ -20,6 +20,7 @@ from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import weight_table
 from rl_megatron.models.hf_config import carries_routing
 from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
+from rl_megatron.models.lora import MergedWeights, adapters_disabled
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.models.router_replay import Pass, RoutingReplay
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
@@ -52,10 +53,12 @@ class MegatronActor(MegatronModel):
         self.replay_mode = cfg.actor.router_replay if trainable or cfg.actor.router_replay == "R3" else "disabled"
         if carries_routing(cfg, hf_config, trainable):
             self.routing_replay = RoutingReplay(self.chunks)
+        # LoRA: the engines receive the weights with the adapters merged, kept apart from the frozen base.
+        self.merged = MergedWeights(self.chunks) if trainable and cfg.actor.lora.rank else None
         if trainable and not platform.has_cuda() and not self.distributed_optimizer:
             # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
             # the distributed optimizer: moving the parameters out of DDP's buffer would cut them off from it).
-            share_parameters(self.chunks)
+            share_parameters([*self.chunks, *([self.merged] if self.merged else [])])
         last = self.chunks[-1]
         if last.post_process and not last.config.sequence_parallel and self.context_size == 1:
             self.output_positions = OutputPositions(last.output_layer)
@@ -96,6 +99,11 @@ class MegatronActor(MegatronModel):
         with self.routing_replay.running(Pass.RECORD, measure=True):
             return self.infer(batch, tokens_of, with_routing if self.replay_mode == "R2" else None)
 
+    def reference_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
+        """A LoRA actor's reference policy: its frozen base, the adapters off (verl's ref_in_actor)."""
+        with adapters_disabled(self.chunks):
+            return self.infer(batch.select(), partial(self._token_outputs, with_entropy=False))
+
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
         (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_correction."""
@@ -130,8 +138,14 @@ class MegatronActor(MegatronModel):
                 | (self.routing_replay.agreement_metrics() if self.routing_replay else {}))
 
     def weight_sources(self):
-        """This rank's shards as resharding sources (and any mismatch with the weight table)."""
-        return megatron_sources(self.chunks, self.table)
+        """This rank's shards as resharding sources (and any mismatch with the weight table): with LoRA, the merged
+        weights in place of the adapted layers' (`merge_adapters` brings them up to date)."""
+        return megatron_sources(self.chunks, self.table, self.merged.substitutes() if self.merged else None)
+
+    def merge_adapters(self) -> None:
+        """Before a weight sync: the merged weights of the adapters as trained so far (nothing without LoRA)."""
+        if self.merged is not None:
+            self.merged.refresh()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return export_hf_state_dict(self.chunks, self.table)

@@ -8,11 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from helpers.lora import lora_passes, peft_model, peft_reference
+from helpers.lora import (lora_passes, lora_resume_update, lora_sync_into_engine, lora_update_save_update, peft_model,
+                          peft_reference)
+from helpers.ranks import NEW_TOKENS, PROMPTS
 from helpers.parity import config, family_model_dir, make_batch
 from helpers.worlds import run_distributed
 from rl_megatron.config.choices import LORA_MODULES
-from rl_megatron.doctor.parity import saved_checkpoint
+from rl_megatron.doctor.cycle import hf_greedy
+from rl_megatron.doctor.parity import hf_model, saved_checkpoint
 
 RANK, ALPHA = 4, 8.0
 
@@ -56,3 +59,36 @@ def test_adapters_match_peft_and_only_they_train(tmp_path, tp, pp, targets, pack
     before, after = results[0][7], results[0][8]  # the export, gathered on rank 0
     assert set(before) == set(after) == set(saved)
     assert all(torch.equal(before[n], saved[n]) and torch.equal(after[n], saved[n]) for n in saved)
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_at_another_layout(tmp_path):
+    """Saved at TP=2 (sequence parallel) after one update, loaded at TP=1 x PP=2: the same adapters, and the next
+    update (Adam's moments and step count restored) lands where the uninterrupted run's did."""
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    _, adapters = peft_model(model_dir, RANK, ALPHA, list(LORA_MODULES), seed=7)
+    lora = {"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA}
+    batch, ckpt = make_batch(), str(tmp_path / "checkpoint")
+    saved, metrics, after, old = run_distributed(lora_update_save_update, 2, 2, 1,
+                                                 args=(config(model_dir, 2, 1, **lora), batch, adapters, ckpt))[0]
+    assert any(not torch.equal(saved[n], adapters[n]) for n in adapters)  # the first update moved them
+    resumed = run_distributed(lora_resume_update, 2, 1, 2, args=(
+        config(model_dir, 1, 2, **lora), dataclasses.replace(batch, old_log_probs=old), ckpt))
+    loaded, resumed_metrics, resumed_after = resumed[-1]
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
+    assert resumed_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert all((resumed_after[n] - after[n]).abs().max() <= 1e-6 for n in after)
+
+
+@pytest.mark.parametrize("channel", ["auto", "process_group"])
+def test_engines_generate_as_peft_with_the_adapters_merged(tmp_path, channel):
+    """Trainer at TP=2, an engine per rank (TP=1): each weight sync sends the adapted layers with their adapters
+    merged (W + alpha / r B A, computed on the trainer's shards), read in place (auto) or in buckets. The engines'
+    greedy answers are those of transformers + PEFT with the same adapters, which differ from the base model's."""
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    model, adapters = peft_model(model_dir, RANK, ALPHA, list(LORA_MODULES), seed=7)
+    cfg = config(model_dir, 2, 1, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA,
+                                     "rollout.tensor_parallel_size": 1, "rollout.max_tokens": NEW_TOKENS})
+    greedy = run_distributed(lora_sync_into_engine, 2, 2, 1, args=(cfg, adapters, channel, PROMPTS, NEW_TOKENS))
+    expected = hf_greedy(model.merge_and_unload(), PROMPTS, NEW_TOKENS)
+    assert greedy == [expected, expected]
+    assert expected != hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)

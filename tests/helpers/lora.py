@@ -45,31 +45,86 @@ def peft_reference(model, batch, cfg) -> tuple[torch.Tensor, dict[str, torch.Ten
     return log_probs, grads
 
 
+def every_stages_adapters(actor, of_gradients: bool = False) -> dict[str, torch.Tensor]:
+    """The whole adapters (or their gradients) of every pipeline stage, on every rank."""
+    import torch.distributed as dist
+
+    from rl_megatron.models.lora import adapter_tensors
+
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, adapter_tensors(actor.chunks, of_gradients))
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
+
+
+def lora_update_save_update(cfg, batch, adapters, ckpt_dir):
+    """`adapters` loaded, one update, a checkpoint, a second update on the same batch: (the adapters saved, the
+    second update's metrics, the adapters after it), and the old log-probs both updates used."""
+    from rl_megatron.models.lora import load_adapter_tensors
+
+    actor = build_actor(cfg)
+    load_adapter_tensors(actor.chunks, adapters)
+    old = owned_outputs(actor.log_probs(batch)).log_probs
+    batch = dataclasses.replace(batch, old_log_probs=old)
+    actor.update(batch)
+    saved = every_stages_adapters(actor)
+    actor.save_checkpoint(ckpt_dir)
+    metrics = actor.update(batch)
+    return saved, metrics, every_stages_adapters(actor), old
+
+
+def lora_resume_update(cfg, batch, ckpt_dir):
+    """The checkpoint loaded (at this layout), and the second update of `lora_update_save_update` again: (the
+    adapters loaded, the update's metrics, the adapters after it)."""
+    actor = build_actor(cfg)
+    actor.load_checkpoint(ckpt_dir)
+    loaded = every_stages_adapters(actor)
+    metrics = actor.update(batch)
+    return loaded, metrics, every_stages_adapters(actor)
+
+
 def lora_passes(cfg, batch, adapters):
     """On each rank: an actor with actor.lora's adapters as initialised (B = 0) and an actor without; then `adapters`
     loaded: log-probs with the adapters, with them disabled, and one update (its metrics, the adapters' gradients,
     the base weights before and after it, and the numbers of parameters the optimizer and the adapters hold)."""
-    import torch.distributed as dist
-
-    from rl_megatron.models.lora import adapter_tensors, adapters_disabled, adapters_of, load_adapter_tensors
+    from rl_megatron.models.lora import adapters_disabled, adapters_of, load_adapter_tensors
 
     plain = owned_outputs(build_actor(dataclasses.replace(
         cfg, actor=dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0)))).log_probs(batch))
     actor = build_actor(cfg)
     initial = owned_outputs(actor.log_probs(batch))
-    initial_adapters = adapter_tensors(actor.chunks)
+    initial_adapters = every_stages_adapters(actor)
     load_adapter_tensors(actor.chunks, adapters)
     adapted = owned_outputs(actor.log_probs(batch))
     with adapters_disabled(actor.chunks):
         disabled = owned_outputs(actor.log_probs(batch))
     base_before = actor.hf_state_dict()
     metrics = actor.update(dataclasses.replace(batch, old_log_probs=adapted.log_probs))
-    grads = adapter_tensors(actor.chunks, of_gradients=True)
-    every_stage = [None] * dist.get_world_size()
-    dist.all_gather_object(every_stage, (initial_adapters, grads))
-    initial_adapters = {n: t for stage, _ in every_stage for n, t in stage.items()}
-    grads = {n: t for _, stage in every_stage for n, t in stage.items()}
+    grads = every_stages_adapters(actor, of_gradients=True)
     optimized = sum(p.numel() for group in actor.optimizer.param_groups for p in group["params"])
     adapter_numel = sum(p.numel() for a in adapters_of(actor.chunks) for p in a.parameters())
     return (plain, initial, adapted, disabled, metrics, grads, initial_adapters, base_before, actor.hf_state_dict(),
             optimized, adapter_numel)
+
+
+def lora_sync_into_engine(cfg, adapters, channel: str, prompts: list[list[int]], new_tokens: int):
+    """On each rank: an actor with `adapters` loaded syncs its weights (the adapters merged) into a real vLLM engine
+    of rollout.tensor_parallel_size; the engine's greedy answers."""
+    import torch.distributed as dist
+
+    from rl_megatron.models.lora import load_adapter_tensors
+    from rl_megatron.resharding import Resharder, vllm_targets
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    actor = build_actor(cfg)
+    load_adapter_tensors(actor.chunks, adapters)
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=dist.get_rank() // cfg.rollout.tensor_parallel_size)
+    try:
+        resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=16 << 10,
+                              channel=channel, verify=True)
+        actor.merge_adapters()
+        resharder.sync()
+        resharder.close()
+        engine.weights_updated()
+        return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
+    finally:
+        engine.close()
