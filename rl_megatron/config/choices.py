@@ -36,3 +36,8 @@ MATCH_MODES = ("exact", "numeric")
 # Megatron layer each maps to: `rl_megatron.models.lora.TARGETS`
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = ("all-linear", *LORA_MODULES)
+
+
+def lora_modules(target_modules: list[str]) -> tuple[str, ...]:
+    """The HF modules actor.lora.target_modules names (all-linear: every one), in LORA_MODULES' order."""
+    return LORA_MODULES if "all-linear" in target_modules else tuple(m for m in LORA_MODULES if m in target_modules)

@@ -20,6 +20,10 @@ included, so keep a margin:
           data-parallel ranks with the context-parallel ones (Megatron's dp-cp group): S_dense = DP * CP,
           S_expert = DP * CP * TP / (ETP * EP) (the expert data-parallel size)
   frozen weights  = P * w (a reference model: forward only)
+  LoRA actor      = P * w + P_lora * (w + g + o) + P_merged * w: the frozen base, the adapters trained (P_lora:
+                    A [r, in] and B [out, r] per adapted projection, split over TP as their layer splits), and the
+                    adapted layers' weights with the adapters merged, what the weight sync sends (P_merged: those
+                    layers' weights on the rank); no reference model (the actor with its adapters off)
   rollout engine  = on GPU rollout.gpu_memory_utilization * GPU memory (vLLM takes that fraction for its
                     weights, P_total * w / rollout TP, plus the KV cache); on CPU the weights + rollout.kv_cache_bytes
   activations     = Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (per
@@ -103,7 +107,7 @@ from typing import Literal, Optional
 
 from rl_megatron.models.family import family_of, head_dim, moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
-from rl_megatron.models.weight_tables import padded_vocab_size
+from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, Split, hf_module, padded_vocab_size
 
 GIB = 1024 ** 3
 WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
@@ -166,6 +170,32 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
         extra = (embedding if stage == 0 else 0) + (final_norm + output if stage == pp - 1 else 0)
         per_stage.append(RankParameters(dense=sum(d for d, _ in counts) + extra, expert=sum(e for _, e in counts)))
     return max(per_stage, key=lambda params: params.total)
+
+
+def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
+                    stages: StageLayers = StageLayers(), transformer_engine: bool = False) -> tuple[int, int]:
+    """(adapter parameters, merged-weight elements) of one rank on its fullest pipeline stage with LoRA adapters of
+    rank `rank` on the HF `modules` (models/lora.py): per adapted projection A [r, in] (split over TP in a
+    row-parallel layer) and B [out, r] (split over TP in a column-parallel one); and the adapted layers' weights,
+    which the weight sync sends merged from copies of their own."""
+    table = table_for(hf, padded_vocab_size(hf["vocab_size"], 1, tp), transformer_engine)
+
+    def layer_counts(layer: int) -> tuple[int, int]:
+        adapters = merged = 0
+        for name in ADAPTABLE_LINEARS:
+            entry = table.layer_entries(layer).get(f"{name}.weight")
+            parts = [i for i, n in enumerate(entry.hf_names) if hf_module(n) in modules] if entry else []
+            if not parts:
+                continue
+            row = isinstance(entry.layout, Split) and entry.layout.dim == 1
+            adapters += sum(rank * entry.hf_shapes[p][1] for p in parts) // (tp if row else 1)
+            adapters += rank * (entry.hf_shapes[0][0] if row else entry.local_shape(tp)[0])
+            merged += math.prod(entry.local_shape(tp))
+        return adapters, merged
+
+    split = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages)
+    per_stage = [[layer_counts(layer) for layer in split.stage_layers(stage)] for stage in range(pp)]
+    return max(((sum(a for a, _ in s), sum(m for _, m in s)) for s in per_stage), key=lambda counts: counts[0])
 
 
 def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, cp: int,

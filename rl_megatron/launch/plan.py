@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rl_megatron.config import ConfigError
+from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
@@ -189,8 +190,17 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     stages = StageLayers.of_role(cfg, name)
     params = memory.rank_parameters(hf, tp, pp, ep, cfg.model.make_vocab_size_divisible_by, value_head, etp, vpp,
                                     stages, transformer_engine=on_gpu)
-    dtype = cfg.model.dtype
-    if trained:
+    dtype, lora = cfg.model.dtype, cfg.actor.lora
+    if name is Role.ACTOR and lora.rank:
+        adapters, merged = memory.lora_parameters(hf, lora_modules(lora.target_modules), lora.rank, tp, pp, vpp,
+                                                  stages, transformer_engine=on_gpu)
+        trained_state = memory.training_state_bytes(memory.RankParameters(dense=adapters, expert=0), dtype, dp, ep,
+                                                    cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
+        weights = memory.weight_bytes(params.total + merged, dtype)
+        bytes_ = weights + trained_state
+        note = (f"{_count(params.total)} params/GPU frozen + {_count(adapters)} LoRA: weights + fp32 grads + Adam; "
+                f"{_count(merged)} merged for the weight sync")
+    elif trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
         shards = f"DP={dp}" if cp == 1 else f"DP x CP={dp * cp}"
         note = f"{_count(params.total)} params/GPU: weights + fp32 grads + Adam" + (
@@ -207,8 +217,9 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
     passes = role_passes(name, cfg, layout, on_gpu, hf)
     activations = memory.activation_bytes(memory.ModelShape.of(hf), passes, cfg.model.make_vocab_size_divisible_by)
     budgeted = getattr(cfg, str(name)).max_tokens_per_micro_batch is not None
-    return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note,
-                    memory.weight_bytes(params.total, dtype), activations,
+    if not (name is Role.ACTOR and lora.rank):
+        weights = memory.weight_bytes(params.total, dtype)
+    return RolePlan(name, "Megatron" if trained else "Megatron forward", sizes, bytes_, note, weights, activations,
                     _activation_note(activations, passes, budgeted, cfg.actor.sequence_packing))
 
 

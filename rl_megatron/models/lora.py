@@ -37,30 +37,13 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from rl_megatron.config.choices import LORA_MODULES
+from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.schema import LoraConfig
-from rl_megatron.models.weight_tables import (DenseTable, Entry, FusedGateUp, Replicated, Split, Stacked, hf_view,
-                                             local_view, shard_from_hf)
+from rl_megatron.models.weight_tables import (ADAPTABLE_LINEARS, DenseTable, Entry, FusedGateUp, Replicated, Split,
+                                             Stacked, hf_module, hf_view, local_view, shard_from_hf)
 
-# The Megatron linear layer (within a decoder layer) that holds each HF module PEFT adapts.
-TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
-           "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
-           "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
-_ADAPTED = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
-                      r"mlp\.linear_fc1|mlp\.linear_fc2)$")
+_ADAPTED = re.compile(rf"^decoder\.layers\.(\d+)\.({'|'.join(map(re.escape, ADAPTABLE_LINEARS))})$")
 ADAPTER = "adapter"  # the adapter's attribute on its linear layer: parameters `<layer>.adapter.lora_A` / `.lora_B`
-
-
-def target_modules(lora: LoraConfig) -> tuple[str, ...]:
-    """The HF modules actor.lora.target_modules names (all-linear: every one)."""
-    if "all-linear" in lora.target_modules:
-        return LORA_MODULES
-    return tuple(m for m in LORA_MODULES if m in lora.target_modules)
-
-
-def hf_module(hf_name: str) -> str:
-    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj'."""
-    return hf_name.split(".")[-2]
 
 
 def is_adapter_parameter(name: str) -> bool:
@@ -209,7 +192,7 @@ def _sharded_state_dict(module, linear_state, gate_up: bool, prefix: str = "", s
 def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, layer_offset: int, seed: int) -> int:
     """Adapters on the layers of `chunk` (a model chunk whose first layer is global layer `layer_offset`) that hold
     the modules of actor.lora.target_modules; returns how many layers got one."""
-    wanted, adapted = target_modules(lora), 0
+    wanted, adapted = lora_modules(lora.target_modules), 0
     for name, module in list(chunk.named_modules()):
         if _ADAPTED.match(name) is None:
             continue

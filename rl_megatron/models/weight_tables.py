@@ -185,6 +185,15 @@ def shard_from_hf(entry: Entry, hf_tensors: list[torch.Tensor], rank: int, size:
     return shard
 
 
+def hf_module(hf_name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'q_proj': the module PEFT's target_modules name."""
+    return hf_name.split(".")[-2]
+
+
+# The linear layers of a decoder layer that LoRA adapts (models/lora.py), each holding the HF projections its weight
+# entry names (q/k/v, o, gate/up, down).
+ADAPTABLE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
 # Transformer-Engine layer specs fuse the pre-attention and pre-MLP norms into the following linear layer;
 # their parameters are the same tensors as the local spec's norm weights.
 _TE_ALIASES = {

@@ -8,7 +8,9 @@ import dataclasses
 from rl_megatron.config.schema import ActorConfig, Config, CriticConfig, MoeConfig
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.checks import check_heads, check_model_layout, check_moe_model, check_sequence_length
-from rl_megatron.models.family import moe_experts
+from rl_megatron.config.choices import lora_modules
+from rl_megatron.config.pools import uses_reference
+from rl_megatron.models.family import family_of, moe_experts
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.roles import Role
 
@@ -168,8 +170,32 @@ def check_model_against_layouts(cfg: Config, hf: dict) -> None:
                            (f"{role}.virtual_pipeline_model_parallel_size", vpp), first_stage=first, last_stage=last)
         check_heads(hf, ("rollout.tensor_parallel_size", r.tensor_parallel_size))
         check_sequence_length(hf, (length_key, r.max_model_len))
-        if index == 0:  # the experts exist in the actor's layout only (separate roles run at EP 1)
+        if index == 0:  # the experts and adapters exist in the actor's layout only (separate roles run at EP 1)
             _check_moe_section(cfg, hf)
+            check_lora(cfg, hf)
+
+
+def check_lora(cfg: Config, hf: dict) -> None:
+    """actor.lora: adapters where the model has the modules (not yet the MoE experts' nor latent attention's); no
+    separate reference (the actor with its adapters off is the reference)."""
+    lora = cfg.actor.lora
+    if not lora.rank:
+        return
+    family = family_of(hf)
+    if family.mla:
+        raise ConfigError(f"actor.lora.rank={lora.rank}: model.path's config.json has model_type="
+                          f"{hf['model_type']!r}, whose multi-head latent attention (q_a_proj, kv_a_proj_with_mqa, "
+                          "...) has no LoRA adapters yet: set actor.lora.rank=0 (full fine-tuning).")
+    mlp = [m for m in lora_modules(lora.target_modules) if m in ("gate_proj", "up_proj", "down_proj")]
+    if moe_experts(hf) and mlp:
+        raise ConfigError(f"actor.lora.target_modules includes {', '.join(mlp)}, but model.path's config.json has "
+                          f"model_type={hf['model_type']!r}, whose experts have no LoRA adapters yet: set "
+                          "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (attention only), or "
+                          "actor.lora.rank=0.")
+    if uses_reference(cfg) and cfg.ref.placement == "separate":
+        raise ConfigError("ref.placement=separate: with actor.lora the reference policy is the actor with its adapters "
+                          "off, and no reference weights are held anywhere; remove ref.placement (and ref's other "
+                          "keys).")
 
 
 def _check_moe_section(cfg: Config, hf: dict) -> None:

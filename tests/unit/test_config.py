@@ -631,3 +631,28 @@ def test_token_budget_lifts_the_micro_batch_divisibility_but_keeps_the_interleav
                            "actor.max_tokens_per_micro_batch=512", "actor.ppo_mini_batch_size=3", "rollout.n=1",
                            "data.train_batch_size=6")
     assert "3 samples" in message and "actor.pipeline_model_parallel_size=2" in message
+
+
+def test_lora_keys_and_where_adapters_cannot_go_yet(tmp_path):
+    from rl_megatron.config.pools import worker_pools
+    from rl_megatron.roles import Role
+
+    cfg = load_demo("actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]", "actor.use_kl_loss=true")
+    assert cfg.actor.lora.rank == 8 and cfg.actor.lora.alpha == 16.0 and cfg.actor.lora.init == "kaiming"
+    # The reference is the actor with its adapters off: no reference role anywhere, colocated or not.
+    assert [pool.roles for pool in worker_pools(cfg)] == [(Role.ACTOR, Role.ROLLOUT)]
+    message = config_error("actor.lora.rank=8", "actor.use_kl_loss=true", "ref.placement=separate",
+                           "ref.tensor_model_parallel_size=1", "model.random_init=false")
+    assert "ref.placement=separate" in message and "adapters" in message
+    message = config_error("actor.lora.target_modules=[qkv]")
+    assert "actor.lora.target_modules" in message and "q_proj" in message
+    assert "actor.lora.rank" in config_error("actor.lora.rank=-1")
+    assert "actor.lora.alpha" in config_error("actor.lora.alpha=0")
+    # MoE experts and latent attention have no adapters yet: refused, naming the modules and what runs.
+    moe = f"model.path={moe_folder(tmp_path / 'm')}"
+    message = config_error(moe, "actor.lora.rank=8")
+    assert "gate_proj, up_proj, down_proj" in message and "target_modules=[q_proj,k_proj,v_proj,o_proj]" in message
+    assert load_demo(moe, "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,o_proj]").actor.lora.rank == 8
+    mla = f"model.path={os.path.join(REPO, 'configs', 'models', 'tiny-deepseek-v3-digits')}"
+    message = config_error(mla, "actor.lora.rank=8", "actor.lora.target_modules=[o_proj]")
+    assert "latent attention" in message and "actor.lora.rank=0" in message

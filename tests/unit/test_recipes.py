@@ -1,4 +1,4 @@
-"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_math_8k.yaml, *_math_async.yaml,
+"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_gsm8k_lora.yaml, *_math_8k.yaml, *_math_async.yaml,
 *_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
 scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air) load, validate and fit their
 cluster, activations included (every pool's peak phase under an H100's 80 GiB): each with the real model's config.json
@@ -119,6 +119,7 @@ def dapo_file(tmp_path):
 @pytest.mark.parametrize("recipe,size,task", [("grpo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("ppo_qwen2_5_3b_countdown", "3b", "countdown"),
                                               ("grpo_qwen2_5_7b_gsm8k", "7b", "gsm8k"),
+                                              ("grpo_qwen2_5_7b_gsm8k_lora", "7b", "gsm8k"),
                                               ("grpo_qwen2_5_7b_math_8k", "7b", "dapo"),
                                               ("grpo_qwen2_5_7b_math_async", "7b", "dapo"),
                                               ("grpo_qwen2_5_3b_tool_math", "3b", "gsm8k"),
@@ -157,6 +158,12 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
         assert ", routing " in plan  # the engines' routing (moe.engine_routing, on for MoE models) in the passes
+    if recipe == "grpo_qwen2_5_7b_gsm8k_lora":  # the frozen base, rank-64 adapters trained, no reference model
+        assert "actor 7.4 GiB (1.9 B params/GPU frozen + 74.1 M LoRA" in plan and "1.63 B merged" in plan
+        assert "weight sync 15.4 GiB (actor weights 6.6 +" in plan and "ref " not in plan
+        full = load_config(f"{REPO}/configs/grpo_qwen2_5_7b_gsm8k.yaml", [
+            f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
+        assert "actor 21.3 GiB (1.9 B params/GPU: weights + fp32 grads + Adam" in format_plan(full, gpu_memory_gib=80)
     if task == "dapo":
         assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7")["score"] == 1.0  # DAPO's scorer reads its source
     if recipe == "grpo_qwen2_5_7b_math_async":  # one-step-off: the engines on a node of their own, TIS for the lag
