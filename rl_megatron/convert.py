@@ -2,6 +2,7 @@
 
     python -m rl_megatron.convert from-hf --hf MODEL_DIR --out CKPT --tp 2 --pp 2
     python -m rl_megatron.convert to-hf --ckpt CKPT --out HF_DIR [--dtype bf16]
+    python -m rl_megatron.convert to-peft --ckpt CKPT --out ADAPTER_DIR     (a LoRA run's checkpoint)
 
 Each command starts the local processes its layout needs (gloo on CPU) by itself. Weights move through the same
 weight table and export code the trainer uses (`models.gpt.load_hf_weights`, `resharding.export_hf_state_dict`).
@@ -30,7 +31,14 @@ TO_HF_EXAMPLES = """examples:
   python -m rl_megatron.convert to-hf --ckpt ckpt/qwen --out qwen-hf
   python -m rl_megatron.convert to-hf --ckpt ckpt/qwen --out qwen-hf-bf16 --dtype bf16 --tp 2
 
-The output is laid out as transformers' save_pretrained writes it (for from_pretrained and vLLM)."""
+The output is laid out as transformers' save_pretrained writes it (for from_pretrained and vLLM). A LoRA run's
+checkpoint (actor.lora) is written with its adapters merged into the weights."""
+
+TO_PEFT_EXAMPLES = """examples:
+  python -m rl_megatron.convert to-peft --ckpt runs/demo_cpu_lora/checkpoints/global_step_100/actor --out adapter
+
+The output is a PEFT adapter folder (adapter_config.json, adapter_model.safetensors): PeftModel.from_pretrained(base,
+folder) in transformers, or a LoRA request in vLLM (enable_lora=True), on the base model the run started from."""
 
 
 class ConvertError(Exception):
@@ -80,32 +88,62 @@ def _rank_from_hf(hf_dir: str, hf: dict, ckpt_dir: str, dtype: str, vocab_diviso
     save_model_checkpoint(chunks, ckpt_dir, hf, hf_files_dir=hf_dir)
 
 
+def _load_checkpoint(ckpt_dir: str, hf: dict, vocab_divisor: int) -> list:
+    """This rank's chunks of the checkpoint, with its LoRA adapters where it has them."""
+    import torch.distributed as dist
+
+    from rl_megatron.checkpoint import load_checkpoint_into, read_checkpoint_metadata
+    from rl_megatron.config.schema import LoraConfig
+    from rl_megatron.models.gpt import build_gpt_chunks, layer_offset, weight_table
+    from rl_megatron.models.lora import add_adapters
+
+    metadata = read_checkpoint_metadata(ckpt_dir)
+    chunks = build_gpt_chunks(hf, metadata["dtype"], vocab_divisor)
+    lora = metadata.get("lora")
+    for chunk in chunks if lora else ():
+        add_adapters(chunk, weight_table(chunk, hf), LoraConfig(**lora), layer_offset(chunk), seed=0)
+    if dist.get_rank() == 0:
+        _say(f"loading {ckpt_dir} into {dist.get_world_size()} ranks" + (" (with its LoRA adapters)" if lora else ""))
+    load_checkpoint_into(chunks, ckpt_dir, hf, lora=lora)
+    return chunks
+
+
 def _rank_to_hf(ckpt_dir: str, hf: dict, out_dir: str, dtype: str, vocab_divisor: int, max_shard_bytes: int) -> None:
     import torch.distributed as dist
 
-    from rl_megatron.checkpoint import load_checkpoint_into, write_hf_folder
-    from rl_megatron.models.gpt import DTYPES, build_gpt_chunks, weight_table
+    from rl_megatron.checkpoint import write_hf_folder
+    from rl_megatron.models.gpt import DTYPES, weight_table
+    from rl_megatron.models.lora import MergedWeights
     from rl_megatron.resharding import export_hf_state_dict
 
     first = dist.get_rank() == 0
-    metadata_dtype = _checkpoint_dtype(ckpt_dir)
-    chunks = build_gpt_chunks(hf, metadata_dtype, vocab_divisor)
+    chunks = _load_checkpoint(ckpt_dir, hf, vocab_divisor)
+    merged = MergedWeights(chunks)  # nothing without adapters
+    merged.refresh()
     if first:
-        _say(f"loading {ckpt_dir} into {dist.get_world_size()} ranks")
-    load_checkpoint_into(chunks, ckpt_dir, hf)
-    if first:
-        _say("gathering the full HF state dict on rank 0")
-    state = export_hf_state_dict(chunks, weight_table(chunks[0], hf))
+        _say("gathering the full HF state dict on rank 0" + (" (adapters merged)" if merged.layers else ""))
+    state = export_hf_state_dict(chunks, weight_table(chunks[0], hf), substitutes=merged.substitutes())
     if first:
         os.makedirs(out_dir)
         write_hf_folder(state, out_dir, hf, ckpt_dir, DTYPES[dtype], max_shard_bytes, progress=_say)
     dist.barrier()
 
 
-def _checkpoint_dtype(ckpt_dir: str) -> str:
-    from rl_megatron.checkpoint import read_checkpoint_metadata
+def _rank_to_peft(ckpt_dir: str, hf: dict, out_dir: str, dtype: str, vocab_divisor: int, base: str) -> None:
+    import torch.distributed as dist
 
-    return read_checkpoint_metadata(ckpt_dir)["dtype"]
+    from rl_megatron.checkpoint import read_checkpoint_metadata
+    from rl_megatron.models.gpt import DTYPES
+    from rl_megatron.models.lora import adapter_tensors, peft_adapter_files
+
+    chunks = _load_checkpoint(ckpt_dir, hf, vocab_divisor)
+    stages = [None] * dist.get_world_size()  # every pipeline stage's adapters, whole over TP
+    dist.all_gather_object(stages, adapter_tensors(chunks))
+    if dist.get_rank() == 0:
+        tensors = {name: tensor.to(DTYPES[dtype]) for stage in stages for name, tensor in stage.items()}
+        peft_adapter_files(tensors, read_checkpoint_metadata(ckpt_dir)["lora"], base, out_dir)
+        _say(f"wrote {len(tensors)} adapter tensors")
+    dist.barrier()
 
 
 def _hf_dtype(hf: dict) -> str:
@@ -162,6 +200,26 @@ def to_hf(args) -> None:
     _say(f"done in {time.perf_counter() - start:.1f} s: {args.out}")
 
 
+def to_peft(args) -> None:
+    from rl_megatron.checkpoint import check_checkpoint, stored_hf_config
+    from rl_megatron.workers.spawn import run_distributed
+
+    hf = stored_hf_config(args.ckpt) if os.path.isdir(args.ckpt) else {}
+    metadata = check_checkpoint(args.ckpt, hf)
+    if not metadata.get("lora"):
+        raise ConvertError(f"'{args.ckpt}' holds no LoRA adapters (its run had no actor.lora): convert it with "
+                           "to-hf instead.")
+    _check_layout(hf, f"{args.ckpt}/config.json", args.tp, args.pp, 1)
+    dtype = DTYPE_NAMES[args.dtype] if args.dtype else metadata["dtype"]
+    partial = _new_output(args.out)
+    base = args.base_model or hf.get("_name_or_path") or ""
+    _say(f"{args.ckpt} -> {args.out}: the LoRA adapters (rank {metadata['lora']['rank']}), {dtype}")
+    run_distributed(_rank_to_peft, args.tp * args.pp, args.tp, args.pp,
+                    args=(args.ckpt, hf, partial, dtype, args.make_vocab_size_divisible_by, base))
+    finish_partial(args.out)
+    _say(f"done: {args.out}")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m rl_megatron.convert", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,7 +252,21 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     b.set_defaults(run=to_hf)
 
-    for command in (a, b):
+    c = commands.add_parser("to-peft", help="a LoRA run's checkpoint -> PEFT adapter folder",
+                            description="Write the LoRA adapters of a checkpoint saved by a run with actor.lora as a "
+                                        "PEFT adapter folder (adapter_config.json, adapter_model.safetensors).",
+                            epilog=TO_PEFT_EXAMPLES, formatter_class=raw)
+    c.add_argument("--ckpt", required=True, help="checkpoint folder (a LoRA run's actor/)")
+    c.add_argument("--out", required=True, help="adapter folder to create (must not exist)")
+    c.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="dtype of the written adapters (default: the "
+                                                                "checkpoint's)")
+    c.add_argument("--base-model", help="base_model_name_or_path written in adapter_config.json (default: the "
+                                        "checkpoint's config.json _name_or_path, if any)")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at (default 1)")
+    c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at (default 1)")
+    c.set_defaults(run=to_peft)
+
+    for command in (a, b, c):
         command.add_argument("--make-vocab-size-divisible-by", type=int, default=DEFAULT_VOCAB_DIVISOR,
                              help="Megatron's vocabulary padding multiple (default 128; any value loads any "
                                   "checkpoint: padding rows are not part of the model)")

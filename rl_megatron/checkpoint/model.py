@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.checkpoint.atomic import finish_partial, partial_path, start_partial
+from rl_megatron.config.choices import lora_modules
 from rl_megatron.errors import CheckpointError
 from rl_megatron.models.family import family_fields, head_dim
 from rl_megatron.models.rotary import partial_rotary_factor, rope_scaling, rope_theta
@@ -187,12 +188,20 @@ def _in_process_write_results_queue() -> None:
 
 
 @torch.no_grad()
+def _adapter_shape(lora: dict | None) -> tuple | None:
+    """What of actor.lora a checkpoint's adapters are made of (None: no adapters)."""
+    if not lora or not lora.get("rank"):
+        return None
+    return lora["rank"], lora["alpha"], lora_modules(lora["target_modules"])
+
+
 def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files_dir: str | None = None, *,
-                          optimizer=None, scheduler=None) -> None:
+                          optimizer=None, scheduler=None, lora: dict | None = None) -> None:
     """Save this rank's model chunks (a collective over every rank) as a self-contained checkpoint in `ckpt_dir`,
     which must not exist. Written into `<ckpt_dir>.incomplete`, fsynced and renamed at the end, so `ckpt_dir` either
     holds a whole checkpoint or nothing. `hf_files_dir`: the HF folder whose generation config and tokenizer to copy.
-    With `optimizer` (and its LR `scheduler`) the training state is saved too, to resume training from."""
+    With `optimizer` (and its LR `scheduler`) the training state is saved too, to resume training from. `lora`: the
+    chunks' LoRA adapters (actor.lora's keys), recorded in the metadata."""
     from megatron.core import dist_checkpointing
 
     _in_process_write_results_queue()
@@ -219,6 +228,7 @@ def save_model_checkpoint(chunks: list, ckpt_dir: str, hf_config: dict, hf_files
             "config_fields": fields, "config_sha256": config_sha256(fields),
             "hf_side_files": side_files,
             "training_state": optimizer is not None,
+            "lora": lora,
         }
         # Written last: a folder with the metadata file holds everything else.
         with open(os.path.join(partial, METADATA_FILE), "w") as f:
@@ -240,16 +250,24 @@ def check_checkpoint(ckpt_dir: str, hf_config: dict) -> dict:
 
 
 @torch.no_grad()
-def load_checkpoint_into(chunks: list, ckpt_dir: str, hf_config: dict, *, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint_into(chunks: list, ckpt_dir: str, hf_config: dict, *, optimizer=None, scheduler=None,
+                         lora: dict | None = None) -> dict:
     """Load the checkpoint into this rank's model chunks, built from `hf_config` at any TP/PP/VPP layout, vocabulary
     padding and parameter dtype (values are cast to the chunks' dtype), and with `optimizer` its training state
     (Adam's moments, resharded like the weights; the LR schedule's step count). A collective over every rank.
-    Checks first (see `check_checkpoint`); returns the checkpoint's metadata."""
+    Checks first (see `check_checkpoint`; `lora`: the chunks' adapters, which must be the checkpoint's); returns the
+    checkpoint's metadata."""
     from megatron.core import dist_checkpointing
 
     error = metadata = None
     try:
         metadata = check_checkpoint(ckpt_dir, hf_config)
+        if _adapter_shape(metadata.get("lora")) != _adapter_shape(lora):
+            raise CheckpointError(
+                f"Checkpoint '{ckpt_dir}' holds LoRA adapters {metadata.get('lora')}, but the model loading it has "
+                f"{lora}: resume with actor.lora set to the checkpoint's (rank, alpha, target_modules); to start a new "
+                "run from a LoRA checkpoint, convert it with `python -m rl_megatron.convert to-hf` (the adapters "
+                "merged) and use that folder as model.path.")
         if optimizer is not None and not metadata.get("training_state"):
             raise CheckpointError(f"Checkpoint '{ckpt_dir}' holds model weights only (no optimizer state) and "
                                   "cannot resume training; start from it with model.checkpoint instead.")

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
+import os
 import re
 import zlib
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from safetensors.torch import save_file
 from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                            reduce_from_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
@@ -275,3 +278,21 @@ class MergedWeights(torch.nn.Module):
         """The merged weights of the adapters as they are now (before each weight sync)."""
         for (weight, adapter), merged in zip(self.layers, self.merged):
             torch.add(weight, adapter.delta_weight(), out=merged.data)
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's names: the model's, under its wrapper
+
+
+def peft_adapter_files(tensors: dict[str, torch.Tensor], lora: dict, base_model: str, out_dir: str) -> None:
+    """A PEFT adapter folder: adapter_model.safetensors (PEFT's names) and adapter_config.json (actor.lora's keys
+    under PEFT's names), which PeftModel.from_pretrained and vLLM's LoRA requests load."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({PEFT_PREFIX + name: t.contiguous() for name, t in sorted(tensors.items())},
+              os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
+              "target_modules": sorted({name.split(".")[-3] for name in tensors}), "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

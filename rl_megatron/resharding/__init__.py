@@ -174,10 +174,11 @@ def _window(buffer: torch.Tensor, offset: int, piece) -> torch.Tensor:
     return buffer[offset:offset + piece.nbytes].view(piece.dtype).view(shape)
 
 
-def export_hf_state_dict(chunks: list, table, dst: int = 0, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+def export_hf_state_dict(chunks: list, table, dst: int = 0, bucket_bytes: int = 64 << 20,
+                         substitutes: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full HF state dict of the model whose local shards are `chunks`, on rank `dst` (empty elsewhere).
-    A collective over every rank."""
-    sources, errors = megatron_sources(chunks, table)
+    A collective over every rank. `substitutes`: as for `megatron_sources` (a LoRA model's merged weights)."""
+    sources, errors = megatron_sources(chunks, table, substitutes)
     rank = dist.get_rank()
     resharder = Resharder(sources, errors, lambda specs: hf_targets(specs) if rank == dst else {}, bucket_bytes)
     try:

@@ -11,6 +11,7 @@ label predicted at t; the value of the state before that token).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -92,6 +93,7 @@ class MegatronModel:
             elif weights_path is not None:
                 for chunk in self.chunks:
                     load_hf_weights(chunk, hf_config, weights_path)
+        self.lora = dataclasses.asdict(lora) if lora is not None else None  # what checkpoints record
         if lora is not None:
             for chunk in self.chunks:
                 add_adapters(chunk, weight_table(chunk, hf_config), lora, layer_offset(chunk), cfg.trainer.seed)
@@ -145,12 +147,12 @@ class MegatronModel:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Weights, and when trainable the optimizer state and LR schedule (a collective over the model's ranks)."""
         save_model_checkpoint(self.chunks, ckpt_dir, self.hf_config, self.cfg.model.path, optimizer=self.optimizer,
-                              scheduler=self.scheduler)
+                              scheduler=self.scheduler, lora=self.lora)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """The inverse of `save_checkpoint`, at any layout (a collective over the model's ranks)."""
         load_checkpoint_into(self.chunks, ckpt_dir, self.hf_config, optimizer=self.optimizer,
-                             scheduler=self.scheduler)
+                             scheduler=self.scheduler, lora=self.lora)
 
     def micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         """`batch` in micro-batches: a count every data-parallel rank agrees on (the pipeline's stages and the

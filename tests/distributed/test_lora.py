@@ -4,16 +4,20 @@ transformers with the same weights and adapters: the log-probs, and every adapte
 parallelism and packed rows) and at PP=2 on a subset of the modules. At initialisation (B = 0) and with the
 adapters disabled, the model is exactly the base model; only the adapters train."""
 import dataclasses
+import json
 
 import pytest
 import torch
+from peft import PeftModel
 
 from helpers.lora import (lora_passes, lora_resume_update, lora_sync_into_engine, lora_update_save_update, peft_model,
                           peft_reference)
 from helpers.ranks import NEW_TOKENS, PROMPTS
 from helpers.parity import config, family_model_dir, make_batch
 from helpers.worlds import run_distributed
+from rl_megatron import convert
 from rl_megatron.config.choices import LORA_MODULES
+from rl_megatron.models.lora import PEFT_PREFIX
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import hf_model, saved_checkpoint
 
@@ -77,6 +81,22 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_a
     assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
     assert resumed_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
     assert all((resumed_after[n] - after[n]).abs().max() <= 1e-6 for n in after)
+
+    # The checkpoint as a PEFT adapter folder (PEFT loads it: the adapters saved), and as an HF model with them
+    # merged (PEFT's merge of the same adapters).
+    adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    assert convert.main(["to-peft", "--ckpt", ckpt, "--out", adapter_dir, "--tp", "2"]) == 0
+    with open(f"{adapter_dir}/adapter_config.json") as f:
+        adapter_config = json.load(f)
+    assert (adapter_config["r"], adapter_config["lora_alpha"]) == (RANK, ALPHA)
+    assert sorted(adapter_config["target_modules"]) == sorted(LORA_MODULES)
+    peft = PeftModel.from_pretrained(hf_model(model_dir), adapter_dir)
+    loaded = {n.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight"): p.detach()
+              for n, p in peft.named_parameters() if ".lora_" in n}
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
+    assert convert.main(["to-hf", "--ckpt", ckpt, "--out", merged_dir, "--pp", "2"]) == 0
+    merged, expected = saved_checkpoint(merged_dir), peft.merge_and_unload().state_dict()
+    assert set(merged) == set(expected) and all((merged[n] - expected[n]).abs().max() <= 1e-6 for n in merged)
 
 
 @pytest.mark.parametrize("channel", ["auto", "process_group"])

@@ -7,7 +7,7 @@ import torch
 from helpers.parity import build_actor, hf_model, hf_token_log_probs, hf_update_reference
 from helpers.routing import owned_outputs
 
-PEFT_PREFIX = "base_model.model."  # PEFT's names: the project's, under the wrapped model, with the adapter's name
+from rl_megatron.models.lora import PEFT_PREFIX
 
 
 def peft_name(name: str) -> str:

@@ -1,5 +1,5 @@
-"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_gsm8k_lora.yaml, *_math_8k.yaml, *_math_async.yaml,
-*_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
+"""The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_gsm8k_lora.yaml, *_math_8k.yaml,
+*_math_async.yaml, *_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
 scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air) load, validate and fit their
 cluster, activations included (every pool's peak phase under an H100's 80 GiB): each with the real model's config.json
 and data prepared by
