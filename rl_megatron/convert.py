@@ -179,15 +179,22 @@ def from_hf(args) -> None:
     _say(f"done in {time.perf_counter() - start:.1f} s: {args.out}")
 
 
-def to_hf(args) -> None:
+def _from_checkpoint(args) -> tuple[dict, dict, str, str]:
+    """What to-hf and to-peft start from: the checkpoint's config.json and metadata (checked), the dtype to write,
+    and the temporary output folder."""
     from rl_megatron.checkpoint import check_checkpoint, stored_hf_config
-    from rl_megatron.workers.spawn import run_distributed
 
     hf = stored_hf_config(args.ckpt) if os.path.isdir(args.ckpt) else {}
     metadata = check_checkpoint(args.ckpt, hf)  # a missing folder, metadata or shard fails here, clearly
     _check_layout(hf, f"{args.ckpt}/config.json", args.tp, args.pp, 1)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else metadata["dtype"]
-    partial = _new_output(args.out)
+    return hf, metadata, dtype, _new_output(args.out)
+
+
+def to_hf(args) -> None:
+    from rl_megatron.workers.spawn import run_distributed
+
+    hf, metadata, dtype, partial = _from_checkpoint(args)
     world = args.tp * args.pp
     saved = metadata["source_layout"]
     _say(f"{args.ckpt} (saved at TP={saved['tp']} PP={saved['pp']}) -> {args.out}: loading at TP={args.tp} "
@@ -201,17 +208,13 @@ def to_hf(args) -> None:
 
 
 def to_peft(args) -> None:
-    from rl_megatron.checkpoint import check_checkpoint, stored_hf_config
+    from rl_megatron.checkpoint import read_checkpoint_metadata
     from rl_megatron.workers.spawn import run_distributed
 
-    hf = stored_hf_config(args.ckpt) if os.path.isdir(args.ckpt) else {}
-    metadata = check_checkpoint(args.ckpt, hf)
-    if not metadata.get("lora"):
+    if os.path.isdir(args.ckpt) and not read_checkpoint_metadata(args.ckpt).get("lora"):
         raise ConvertError(f"'{args.ckpt}' holds no LoRA adapters (its run had no actor.lora): convert it with "
                            "to-hf instead.")
-    _check_layout(hf, f"{args.ckpt}/config.json", args.tp, args.pp, 1)
-    dtype = DTYPE_NAMES[args.dtype] if args.dtype else metadata["dtype"]
-    partial = _new_output(args.out)
+    hf, metadata, dtype, partial = _from_checkpoint(args)
     base = args.base_model or hf.get("_name_or_path") or ""
     _say(f"{args.ckpt} -> {args.out}: the LoRA adapters (rank {metadata['lora']['rank']}), {dtype}")
     run_distributed(_rank_to_peft, args.tp * args.pp, args.tp, args.pp,
@@ -247,8 +250,6 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="HF folder to create (must not exist)")
     b.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="dtype of the written weights (default: the "
                                                                 "checkpoint's)")
-    b.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at (default 1)")
-    b.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at (default 1)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     b.set_defaults(run=to_hf)
 
@@ -262,9 +263,13 @@ def parser() -> argparse.ArgumentParser:
                                                                 "checkpoint's)")
     c.add_argument("--base-model", help="base_model_name_or_path written in adapter_config.json (default: the "
                                         "checkpoint's config.json _name_or_path, if any)")
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at (default 1)")
-    c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at (default 1)")
     c.set_defaults(run=to_peft)
+
+    for command in (b, c):
+        command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at "
+                                                               "(default 1)")
+        command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load the checkpoint at "
+                                                               "(default 1)")
 
     for command in (a, b, c):
         command.add_argument("--make-vocab-size-divisible-by", type=int, default=DEFAULT_VOCAB_DIVISOR,
