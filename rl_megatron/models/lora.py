@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from safetensors.torch import save_file
 from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                            reduce_from_tensor_model_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from safetensors.torch import save_file
 
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.schema import LoraConfig
