@@ -32,12 +32,13 @@ TASK_NAMES = ("arithmetic", "lookup")
 # scores, "numeric" also accepts equal values written differently)
 MATCH_MODES = ("exact", "numeric")
 
-# actor.lora.target_modules: the Hugging Face linear modules LoRA adapts (PEFT's names), or all of them; the
-# Megatron layer each maps to: `rl_megatron.models.lora.TARGETS`
+# actor.lora.target_modules: the Hugging Face linear modules LoRA adapts (PEFT's names): those of the decoder layers
+# (all-linear: every one, as PEFT's all-linear), and the output layer (lm_head) when named
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = ("all-linear", *LORA_MODULES)
+LORA_TARGETS = ("all-linear", *LORA_MODULES, "lm_head")
 
 
 def lora_modules(target_modules: list[str]) -> tuple[str, ...]:
-    """The HF modules actor.lora.target_modules names (all-linear: every one), in LORA_MODULES' order."""
-    return LORA_MODULES if "all-linear" in target_modules else tuple(m for m in LORA_MODULES if m in target_modules)
+    """The HF modules actor.lora.target_modules names, in LORA_TARGETS' order."""
+    layers = LORA_MODULES if "all-linear" in target_modules else tuple(m for m in LORA_MODULES if m in target_modules)
+    return layers + (("lm_head",) if "lm_head" in target_modules else ())

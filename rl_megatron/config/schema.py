@@ -85,7 +85,7 @@ class LoraConfig:
     rank: int = checked(0, NOT_NEGATIVE)  # LoRA rank r (PEFT's r, verl's lora_rank): train rank-r adapters on the frozen policy; 0: off (full fine-tuning)
     alpha: float = checked(16.0, above(0))  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = checked(0.0, within(0, 1))  # dropout on the adapters' input (PEFT's lora_dropout)
-    target_modules: list[Literal[LORA_TARGETS]] = field(default_factory=lambda: ["all-linear"])  # the Hugging Face linear modules that get adapters (PEFT's names): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear (all of them)
+    target_modules: list[Literal[LORA_TARGETS]] = field(default_factory=lambda: ["all-linear"])  # the Hugging Face linear modules that get adapters (PEFT's names): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear (all of them, as PEFT's); and lm_head, the output layer, when named (untied embeddings only)
     init: Literal["kaiming", "gaussian"] = "kaiming"  # A's initialisation (PEFT's init_lora_weights: true = kaiming, or gaussian); B starts at zero, so the adapted model starts as the base
 
 

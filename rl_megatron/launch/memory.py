@@ -180,22 +180,25 @@ def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, 
     which the weight sync sends merged from copies of their own."""
     table = table_for(hf, padded_vocab_size(hf["vocab_size"], 1, tp), transformer_engine)
 
-    def layer_counts(layer: int) -> tuple[int, int]:
-        adapters = merged = 0
-        for name in ADAPTABLE_LINEARS:
-            entry = table.layer_entries(layer).get(f"{name}.weight")
-            parts = [i for i, n in enumerate(entry.hf_names) if hf_module(n) in modules] if entry else []
-            if not parts:
-                continue
-            row = isinstance(entry.layout, Split) and entry.layout.dim == 1
-            adapters += sum(rank * entry.hf_shapes[p][1] for p in parts) // (tp if row else 1)
-            adapters += rank * (entry.hf_shapes[0][0] if row else entry.local_shape(tp)[0])
-            merged += math.prod(entry.local_shape(tp))
-        return adapters, merged
+    def counts(entry) -> tuple[int, int]:
+        parts = [i for i, n in enumerate(entry.hf_names) if hf_module(n) in modules] if entry else []
+        if not parts:
+            return 0, 0
+        row = isinstance(entry.layout, Split) and entry.layout.dim == 1
+        adapters = sum(rank * entry.hf_shapes[p][1] for p in parts) // (tp if row else 1)
+        adapters += rank * (entry.hf_shapes[0][0] if row else entry.local_shape(tp)[0])
+        return adapters, math.prod(entry.local_shape(tp))
 
     split = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages)
-    per_stage = [[layer_counts(layer) for layer in split.stage_layers(stage)] for stage in range(pp)]
-    return max(((sum(a for a, _ in s), sum(m for _, m in s)) for s in per_stage), key=lambda counts: counts[0])
+    per_stage = []
+    for stage in range(pp):
+        entries = [table.layer_entries(layer).get(f"{name}.weight") for layer in split.stage_layers(stage)
+                   for name in ADAPTABLE_LINEARS]
+        if stage == pp - 1:  # lm_head, on the last stage
+            entries.append(table.other["output_layer.weight"])
+        stage_counts = [counts(entry) for entry in entries]
+        per_stage.append((sum(a for a, _ in stage_counts), sum(m for _, m in stage_counts)))
+    return max(per_stage, key=lambda stage: stage[0])
 
 
 def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, cp: int,

@@ -45,7 +45,7 @@ from rl_megatron.config.schema import LoraConfig
 from rl_megatron.models.weight_tables import (ADAPTABLE_LINEARS, DenseTable, Entry, FusedGateUp, Replicated, Split,
                                              Stacked, hf_module, hf_view, local_view, shard_from_hf)
 
-_ADAPTED = re.compile(rf"^decoder\.layers\.(\d+)\.({'|'.join(map(re.escape, ADAPTABLE_LINEARS))})$")
+_ADAPTED = re.compile(rf"^(decoder\.layers\.\d+\.({'|'.join(map(re.escape, ADAPTABLE_LINEARS))})|output_layer)$")
 ADAPTER = "adapter"  # the adapter's attribute on its linear layer: parameters `<layer>.adapter.lora_A` / `.lora_B`
 
 
@@ -189,6 +189,8 @@ def _sharded_state_dict(module, linear_state, gate_up: bool, prefix: str = "", s
     if gate_up:
         singleton = (metadata or {}).get("singleton_local_shards", False)
         adapters[f"{own}lora_B"] = apply_swiglu_sharded_factory(adapters[f"{own}lora_B"], sharded_offsets, singleton)
+    if prefix.endswith("output_layer."):  # B's rows follow the padded vocabulary, whose padding depends on TP
+        adapters[f"{own}lora_B"].allow_shape_mismatch = True
     return state | adapters
 
 
@@ -203,6 +205,8 @@ def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, la
         parts = [i for i, hf_name in enumerate(entry.hf_names) if hf_module(hf_name) in wanted]
         if not parts:
             continue
+        if module.weight is None:  # the output layer of tied embeddings (pre-flight refuses lm_head there)
+            raise ValueError(f"{name} shares the embedding's weight: LoRA on lm_head needs untied embeddings")
         row_parallel = isinstance(entry.layout, Split) and entry.layout.dim == 1
         group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
         if hasattr(module, "return_layernorm_output"):  # Transformer Engine: the normed input, on this rank

@@ -192,6 +192,10 @@ def check_lora(cfg: Config, hf: dict) -> None:
                           f"model_type={hf['model_type']!r}, whose experts have no LoRA adapters yet: set "
                           "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (attention only), or "
                           "actor.lora.rank=0.")
+    if "lm_head" in lora.target_modules and hf.get("tie_word_embeddings"):
+        raise ConfigError("actor.lora.target_modules includes lm_head, but model.path's config.json ties the output "
+                          "layer to the embedding (tie_word_embeddings), which the engines hold as one tensor: "
+                          "remove lm_head from actor.lora.target_modules.")
     if uses_reference(cfg) and cfg.ref.placement == "separate":
         raise ConfigError("ref.placement=separate: with actor.lora the reference policy is the actor with its adapters "
                           "off, and no reference weights are held anywhere; remove ref.placement (and ref's other "

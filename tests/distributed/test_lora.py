@@ -16,7 +16,9 @@ from helpers.ranks import NEW_TOKENS, PROMPTS
 from helpers.parity import config, family_model_dir, make_batch
 from helpers.worlds import run_distributed
 from rl_megatron import convert
-from rl_megatron.config.choices import LORA_MODULES
+from rl_megatron.config.choices import LORA_MODULES, lora_modules
+from rl_megatron.launch.memory import lora_parameters
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.lora import PEFT_PREFIX
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import hf_model, saved_checkpoint
@@ -24,11 +26,12 @@ from rl_megatron.doctor.parity import hf_model, saved_checkpoint
 RANK, ALPHA = 4, 8.0
 
 
-@pytest.mark.parametrize("tp,pp,targets,packing", [(2, 1, ["all-linear"], True),
+@pytest.mark.parametrize("tp,pp,targets,packing", [(2, 1, ["all-linear", "lm_head"], True),
                                                    (1, 2, ["q_proj", "v_proj", "down_proj"], False)])
 def test_adapters_match_peft_and_only_they_train(tmp_path, tp, pp, targets, packing):
+    """TP=2: every module, the output layer (split over the vocabulary) too."""
     model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)  # grouped queries, q/k/v biases
-    modules = list(LORA_MODULES) if targets == ["all-linear"] else targets
+    modules = [*LORA_MODULES, "lm_head"] if "all-linear" in targets else targets
     model, adapters = peft_model(model_dir, RANK, ALPHA, modules, seed=7)
     cfg = config(model_dir, tp, pp, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA,
                                        "actor.lora.target_modules": f"[{','.join(targets)}]",
@@ -57,8 +60,11 @@ def test_adapters_match_peft_and_only_they_train(tmp_path, tp, pp, targets, pack
     peft_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in peft_grads.values()])).item()
     assert metrics["actor/grad_norm"] == pytest.approx(peft_norm, rel=1e-4)
 
-    # Only the adapters train: the optimizer holds them alone, and the base weights stay as loaded.
+    # Only the adapters train: the optimizer holds them alone (as many as the memory planner counts), and the base
+    # weights stay as loaded.
     assert optimized == adapter_numel
+    hf = read_hf_config(model_dir)
+    assert adapter_numel == lora_parameters(hf, lora_modules(targets), RANK, tp, pp)[0]
     saved = saved_checkpoint(model_dir)
     before, after = results[0][7], results[0][8]  # the export, gathered on rank 0
     assert set(before) == set(after) == set(saved)

@@ -27,7 +27,7 @@ def peft_model(model_dir: str, rank: int, alpha: float, targets: list[str], adap
     names = [n.removeprefix(PEFT_PREFIX).replace(".default.weight", ".weight") for n in params if ".lora_" in n]
     if adapters is None:
         g = torch.Generator().manual_seed(seed)
-        adapters = {n: 0.3 * torch.randn(params[peft_name(n)].shape, generator=g) for n in names}
+        adapters = {n: 0.1 * torch.randn(params[peft_name(n)].shape, generator=g) for n in names}
     assert set(adapters) == set(names), set(adapters) ^ set(names)
     with torch.no_grad():
         for name, tensor in adapters.items():
