@@ -653,6 +653,11 @@ def test_lora_keys_and_where_adapters_cannot_go_yet(tmp_path):
     message = config_error(moe, "actor.lora.rank=8")
     assert "gate_proj, up_proj, down_proj" in message and "target_modules=[q_proj,k_proj,v_proj,o_proj]" in message
     assert load_demo(moe, "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,o_proj]").actor.lora.rank == 8
+    # The output layer of tied embeddings is the embedding, one tensor in the engines: no adapter of its own.
+    assert load_demo("actor.lora.rank=8", "actor.lora.target_modules=[all-linear,lm_head]").actor.lora.rank == 8
+    message = config_error(f"model.path={model_folder(tmp_path / 't', tie_word_embeddings=True)}",
+                           "actor.lora.rank=8", "actor.lora.target_modules=[lm_head]")
+    assert "lm_head" in message and "tie_word_embeddings" in message
     mla = f"model.path={os.path.join(REPO, 'configs', 'models', 'tiny-deepseek-v3-digits')}"
     message = config_error(mla, "actor.lora.rank=8", "actor.lora.target_modules=[o_proj]")
     assert "latent attention" in message and "actor.lora.rank=0" in message
