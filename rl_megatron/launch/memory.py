@@ -107,7 +107,7 @@ from typing import Literal, Optional
 
 from rl_megatron.models.family import family_of, head_dim, moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
-from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, Split, hf_module, padded_vocab_size
+from rl_megatron.models.weight_tables import padded_vocab_size
 
 GIB = 1024 ** 3
 WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
@@ -170,35 +170,6 @@ def rank_parameters(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, vocab_divis
         extra = (embedding if stage == 0 else 0) + (final_norm + output if stage == pp - 1 else 0)
         per_stage.append(RankParameters(dense=sum(d for d, _ in counts) + extra, expert=sum(e for _, e in counts)))
     return max(per_stage, key=lambda params: params.total)
-
-
-def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
-                    stages: StageLayers = StageLayers(), transformer_engine: bool = False) -> tuple[int, int]:
-    """(adapter parameters, merged-weight elements) of one rank on its fullest pipeline stage with LoRA adapters of
-    rank `rank` on the HF `modules` (models/lora.py): per adapted projection A [r, in] (split over TP in a
-    row-parallel layer) and B [out, r] (split over TP in a column-parallel one); and the adapted layers' weights,
-    which the weight sync sends merged from copies of their own."""
-    table = table_for(hf, padded_vocab_size(hf["vocab_size"], 1, tp), transformer_engine)
-
-    def counts(entry) -> tuple[int, int]:
-        parts = [i for i, n in enumerate(entry.hf_names) if hf_module(n) in modules] if entry else []
-        if not parts:
-            return 0, 0
-        row = isinstance(entry.layout, Split) and entry.layout.dim == 1
-        adapters = sum(rank * entry.hf_shapes[p][1] for p in parts) // (tp if row else 1)
-        adapters += rank * (entry.hf_shapes[0][0] if row else entry.local_shape(tp)[0])
-        return adapters, math.prod(entry.local_shape(tp))
-
-    split = PipelineSplit(hf["num_hidden_layers"], pp, vpp, stages)
-    per_stage = []
-    for stage in range(pp):
-        entries = [table.layer_entries(layer).get(f"{name}.weight") for layer in split.stage_layers(stage)
-                   for name in ADAPTABLE_LINEARS]
-        if stage == pp - 1:  # lm_head, on the last stage
-            entries.append(table.other["output_layer.weight"])
-        stage_counts = [counts(entry) for entry in entries]
-        per_stage.append((sum(a for a, _ in stage_counts), sum(m for _, m in stage_counts)))
-    return max(per_stage, key=lambda stage: stage[0])
 
 
 def training_state_bytes(params: RankParameters, dtype: str, dp: int, ep: int, cp: int,

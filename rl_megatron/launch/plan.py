@@ -35,6 +35,7 @@ from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 from rl_megatron.launch.memory import gib_text
+from rl_megatron.launch.lora_memory import lora_parameters
 from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config
 from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
                                              pool_phases)
@@ -192,7 +193,7 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
                                     stages, transformer_engine=on_gpu)
     dtype, lora = cfg.model.dtype, cfg.actor.lora
     if name is Role.ACTOR and lora.rank:
-        adapters, merged = memory.lora_parameters(hf, lora_modules(lora.target_modules), lora.rank, tp, pp, vpp,
+        adapters, merged = lora_parameters(hf, lora_modules(lora.target_modules), lora.rank, tp, pp, vpp,
                                                   stages, transformer_engine=on_gpu)
         trained_state = memory.training_state_bytes(memory.RankParameters(dense=adapters, expert=0), dtype, dp, ep,
                                                     cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
