@@ -7,7 +7,7 @@ import math
 
 from rl_megatron.models.family import table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
-from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, Split, hf_module, padded_vocab_size
+from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, adapted_parts, is_row_parallel, padded_vocab_size
 
 
 def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -19,10 +19,10 @@ def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, 
     table = table_for(hf, padded_vocab_size(hf["vocab_size"], 1, tp), transformer_engine)
 
     def counts(entry) -> tuple[int, int]:
-        parts = [i for i, n in enumerate(entry.hf_names) if hf_module(n) in modules] if entry else []
+        parts = adapted_parts(entry, modules) if entry else []
         if not parts:
             return 0, 0
-        row = isinstance(entry.layout, Split) and entry.layout.dim == 1
+        row = is_row_parallel(entry)
         adapters = sum(rank * entry.hf_shapes[p][1] for p in parts) // (tp if row else 1)
         adapters += rank * (entry.hf_shapes[0][0] if row else entry.local_shape(tp)[0])
         return adapters, math.prod(entry.local_shape(tp))

@@ -43,7 +43,8 @@ from safetensors.torch import save_file
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.schema import LoraConfig
 from rl_megatron.models.weight_tables import (ADAPTABLE_LINEARS, DenseTable, Entry, FusedGateUp, Replicated, Split,
-                                             Stacked, hf_module, hf_view, local_view, shard_from_hf)
+                                             Stacked, adapted_parts, hf_view, is_row_parallel, local_view,
+                                             shard_from_hf)
 
 _ADAPTED = re.compile(rf"^(decoder\.layers\.\d+\.({'|'.join(map(re.escape, ADAPTABLE_LINEARS))})|output_layer)$")
 ADAPTER = "adapter"  # the adapter's attribute on its linear layer: parameters `<layer>.adapter.lora_A` / `.lora_B`
@@ -202,12 +203,12 @@ def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, la
         if _ADAPTED.match(name) is None:
             continue
         entry = table.lookup(f"{name}.weight", layer_offset)
-        parts = [i for i, hf_name in enumerate(entry.hf_names) if hf_module(hf_name) in wanted]
+        parts = adapted_parts(entry, wanted)
         if not parts:
             continue
         if module.weight is None:  # the output layer of tied embeddings (pre-flight refuses lm_head there)
             raise ValueError(f"{name} shares the embedding's weight: LoRA on lm_head needs untied embeddings")
-        row_parallel = isinstance(entry.layout, Split) and entry.layout.dim == 1
+        row_parallel = is_row_parallel(entry)
         group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
         if hasattr(module, "return_layernorm_output"):  # Transformer Engine: the normed input, on this rank
             module.return_layernorm_output = True

@@ -190,6 +190,16 @@ def hf_module(hf_name: str) -> str:
     return hf_name.split(".")[-2]
 
 
+def adapted_parts(entry: Entry, modules: tuple[str, ...]) -> list[int]:
+    """The indices of `entry`'s HF tensors whose modules are among `modules` (the projections LoRA adapts)."""
+    return [i for i, name in enumerate(entry.hf_names) if hf_module(name) in modules]
+
+
+def is_row_parallel(entry: Entry) -> bool:
+    """Whether the entry's layer splits its input over TP (linear_proj, linear_fc2), not its output."""
+    return isinstance(entry.layout, Split) and entry.layout.dim == 1
+
+
 # The linear layers of a decoder layer that LoRA adapts (models/lora.py), each holding the HF projections its weight
 # entry names (q/k/v, o, gate/up, down).
 ADAPTABLE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
