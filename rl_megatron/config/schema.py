@@ -86,6 +86,7 @@ class LoraConfig:
     alpha: float = checked(16.0, above(0))  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = checked(0.0, within(0, 1))  # dropout on the adapters' input (PEFT's lora_dropout)
     target_modules: list[Literal[LORA_TARGETS]] = field(default_factory=lambda: ["all-linear"])  # the Hugging Face linear modules that get adapters (PEFT's names): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear (all of them, as PEFT's); and lm_head, the output layer, when named (untied embeddings only)
+    merge: bool = False  # true: each weight sync sends the adapted layers with the adapters merged (W + alpha/r BA); false: the engines get the base weights once and after each update the adapters alone, loaded as a vLLM LoRA adapter (verl's lora.merge). Merged anyway where vLLM cannot serve the adapters: on lm_head, above rank 512, engines in processes of their own (rollout.placement=separate)
     init: Literal["kaiming", "gaussian"] = "kaiming"  # A's initialisation (PEFT's init_lora_weights: true = kaiming, or gaussian); B starts at zero, so the adapted model starts as the base
 
 

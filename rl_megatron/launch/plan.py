@@ -31,7 +31,7 @@ from typing import Optional
 
 from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
-from rl_megatron.config.pools import worker_pools
+from rl_megatron.config.pools import lora_merge_reason, worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.launch import memory
 from rl_megatron.launch.memory import gib_text
@@ -193,14 +193,21 @@ def _megatron_role(name: Role, pool: Pool, layout: dict, hf: dict, cfg: Config, 
                                     stages, transformer_engine=on_gpu)
     dtype, lora = cfg.model.dtype, cfg.actor.lora
     if name is Role.ACTOR and lora.rank:
-        adapters, merged = lora_parameters(hf, lora_modules(lora.target_modules), lora.rank, tp, pp, vpp,
-                                                  stages, transformer_engine=on_gpu)
+        modules = lora_modules(lora.target_modules)
+        adapters, merged = lora_parameters(hf, modules, lora.rank, tp, pp, vpp, stages, transformer_engine=on_gpu)
         trained_state = memory.training_state_bytes(memory.RankParameters(dense=adapters, expert=0), dtype, dp, ep,
                                                     cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
+        reason = lora_merge_reason(cfg)
+        if reason:
+            sync = f"{_count(merged)} merged for the weight sync ({reason})"
+        else:  # the engines load the whole adapter, gathered on each rank
+            merged = 0
+            whole = memory.weight_bytes(lora_parameters(hf, modules, lora.rank, transformer_engine=on_gpu)[0], dtype)
+            sync = f"weight sync: the base once, then only the adapters, {memory.gib_text(whole)} (vLLM LoRA)"
         weights = memory.weight_bytes(params.total + merged, dtype)
         bytes_ = weights + trained_state
         note = (f"{_count(params.total)} params/GPU frozen + {_count(adapters)} LoRA: weights + fp32 grads + Adam; "
-                f"{_count(merged)} merged for the weight sync")
+                + sync)
     elif trained:
         bytes_ = memory.training_state_bytes(params, dtype, dp, ep, cp, distributed_optimizer=on_gpu, tp=tp, etp=etp)
         shards = f"DP={dp}" if cp == 1 else f"DP x CP={dp * cp}"

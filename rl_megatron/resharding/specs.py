@@ -140,7 +140,9 @@ def vllm_targets(model) -> Held:
             raise RuntimeError(f"vLLM parameter '{name}' is empty: the engine repacked it for its CPU kernels, "
                                "so it cannot be updated in place (start engines through rl_megatron's VLLMEngine).")
         module_name, _, leaf = name.rpartition(".")
-        regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(name, packed))
+        # An engine serving LoRA wraps each linear layer that can take adapters: `<layer>.base_layer.weight`.
+        hf_like = name.replace(".base_layer.", ".")
+        regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(hf_like, packed))
         held[name] = (param.detach(), TensorSpec(name, tuple(param.shape), param.dtype, tuple(regions)))
     return held
 

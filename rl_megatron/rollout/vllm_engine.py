@@ -152,6 +152,7 @@ def remove_stale_cpu_shm() -> None:
 
 
 CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step
+ADAPTER_NAME, ADAPTER_ID = "policy", 1  # the one LoRA adapter an engine of a LoRA policy serves
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")  # what a sleeping engine reallocates, in vLLM's names
 
@@ -167,11 +168,12 @@ def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[in
 
 def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
                      load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None,
-                     routing: bool = False) -> dict:
+                     routing: bool = False, lora_rank: int = 0) -> dict:
     """vLLM's `LLM(...)` arguments (fields of its EngineArgs) for an engine of `model_path` on a CUDA device or not;
     `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's);
     `routing`: return each token's experts (`rollout/routing_capture.py`: vLLM's own on CUDA, which wants prefix
-    caching; captured here on CPU, which wants every position computed by its own request)."""
+    caching; captured here on CPU, which wants every position computed by its own request); `lora_rank`: serve one
+    LoRA adapter of up to this rank (0: none)."""
     device = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cuda
               else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
                     # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator, which
@@ -210,6 +212,8 @@ def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int,
         enable_sleep_mode=cuda,
         distributed_timeout_seconds=group_timeout_s,
         cpu_distributed_timeout_seconds=group_timeout_s,
+        # The policy's adapters, one at a time, replaced in place at each weight sync (`load_adapter`).
+        **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
         **device,
     )
 
@@ -225,12 +229,13 @@ def drop_prefix_cache(llm) -> None:
 
 class VLLMEngine:
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
-                 load_format: str = "dummy", routing: bool = False):
+                 load_format: str = "dummy", routing: bool = False, lora_rank: int = 0):
         """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
         model has them. `load_format`: "dummy" (the trainer writes every weight before the first generation) or
         "auto" (the folder's own safetensors, as any vLLM user loads it). Generation stops at the folder's
         end-of-sequence ids (`end_of_sequence_ids`: the engine has no tokenizer to take them from). `routing`: each
-        completion carries the experts of every position (moe.engine_routing)."""
+        completion carries the experts of every position (moe.engine_routing). `lora_rank`: generate through the
+        LoRA adapter that `load_adapter` loads (of up to this rank)."""
         configure_engine_process()
         from vllm import LLM  # after the environment is set: vLLM reads some of it at import
         from vllm.platforms import current_platform
@@ -250,6 +255,7 @@ class VLLMEngine:
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
+        self.adapter = None  # the LoRARequest of the adapter every request goes through (`load_adapter`)
         # vLLM's own groups among an engine's TP shards: a day with Ray's debugger on (a shard may be paused at a
         # breakpoint), vLLM's default (None) otherwise.
         timeout = collective_timeout(None)
@@ -259,9 +265,16 @@ class VLLMEngine:
         # its own start-up objects the same way afterwards.
         gc.freeze()
         with vllm_allocator_settings():  # the engine allocates its weights and KV cache here
-            self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
-                                              cuda=platform.has_cuda(), mla=family_of(hf).mla,
-                                              group_timeout_s=group_timeout_s, routing=routing))
+            try:
+                self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
+                                                  cuda=platform.has_cuda(), mla=family_of(hf).mla,
+                                                  group_timeout_s=group_timeout_s, routing=routing,
+                                                  lora_rank=lora_rank))
+            except ValueError as err:
+                if lora_rank and "support LoRA" in str(err):
+                    raise ValueError(f"{err} Set actor.lora.merge=true: the engines then receive the weights with "
+                                     "the adapters merged.") from err
+                raise
         self.routing = (EngineRouting(self._model_runner(), self.llm.llm_engine.output_processor.request_states,
                                       captured=not platform.has_cuda()) if routing else None)
 
@@ -282,7 +295,7 @@ class VLLMEngine:
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
         with device_mode_off():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
-                                        use_tqdm=False)
+                                        use_tqdm=False, lora_request=self.adapter)
         return [completion_of(sample, self._routing(output, sample))
                 for output in outputs for sample in sorted(output.outputs, key=lambda s: s.index)]
 
@@ -311,7 +324,8 @@ class VLLMEngine:
         for request in requests:
             params = SamplingParams(**self._sampling(n=1, temperature=request.temperature,
                                                      max_tokens=request.max_tokens, seed=request.seed))
-            engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params)
+            engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params,
+                               lora_request=self.adapter)
             self.unfinished[request.request_id] = None
         finished, steps = [], 0
         while not finished and engine.has_unfinished_requests() and steps != max_steps:
@@ -381,6 +395,40 @@ class VLLMEngine:
         """Drop cached KV computed with the previous weights, and remake what vLLM derives from the weights."""
         drop_prefix_cache(self.llm)
         rederive_after_sync(self.model())
+
+    def load_adapter(self, folder: str) -> None:
+        """The PEFT adapter folder `folder` (rewritten by each weight sync) as the adapter of every request from now
+        on, replacing the one loaded before in place; cached KV computed through the old one is dropped. Call it
+        with no request running (as a weight sync is)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder, load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the policy's LoRA adapter from {folder}.")
+        self.adapter = LoRARequest(ADAPTER_NAME, ADAPTER_ID, folder)
+        drop_prefix_cache(self.llm)
+
+    def adapter_mismatches(self, tensors: dict[str, torch.Tensor], scale: float) -> list[str]:
+        """The adapter tensors (`tensors`: PEFT's names without its prefix, as `load_adapter`'s folder holds them)
+        that the engine's loaded adapter does not hold bit for bit. vLLM folds the scale alpha / r into B."""
+        manager = self._model_runner().lora_manager._adapter_manager  # the worker's cache of loaded adapters
+        loaded = manager.get_adapter(ADAPTER_ID)
+        packed = manager.packed_modules_mapping
+        held = {}
+        for module, weights in loaded.loras.items():
+            prefix, _, last = module.rpartition(".")
+            parts = packed.get(last, [last]) if isinstance(weights.lora_a, list) else [last]
+            pairs = zip(weights.lora_a, weights.lora_b) if isinstance(weights.lora_a, list) else [
+                (weights.lora_a, weights.lora_b)]
+            for part, (a, b) in zip(parts, pairs):
+                if a is not None:
+                    held[f"{prefix}.{part}.lora_A.weight"] = a
+                    held[f"{prefix}.{part}.lora_B.weight"] = b
+        bad = [name for name in tensors if name not in held]
+        for name, tensor in tensors.items():
+            expected = tensor * scale if ".lora_B." in name else tensor
+            if name in held and not torch.equal(held[name].cpu(), expected.to(held[name].dtype)):
+                bad.append(name)
+        return bad + [f"{name} (not sent)" for name in held if name not in tensors]
 
     def release_process_groups(self) -> None:
         """What would outlive the process: a sharded engine's groups own /dev/shm segments that are only unlinked

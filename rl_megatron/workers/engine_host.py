@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config.pools import engine_lora_rank
 from rl_megatron.config.schema import Config
 from rl_megatron.models.hf_config import engine_routing, moe_hf_overrides
 from rl_megatron.platform.determinism import make_process_deterministic
@@ -49,7 +50,7 @@ class EngineHost:
         self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
                                  seed=cfg.trainer.seed + self.engine_index,
                                  hf_overrides=moe_hf_overrides(cfg, self.hf_config),
-                                 routing=engine_routing(cfg, self.hf_config))
+                                 routing=engine_routing(cfg, self.hf_config), lora_rank=engine_lora_rank(cfg))
 
     def _rollout_axis(self) -> tuple[int, int, bool]:
         """(engine index, engines, whether this rank returns its engine's samples: the engine's first rank)."""

@@ -20,6 +20,7 @@ from rl_megatron import platform
 from rl_megatron.batch import TokenOutputs, TrainBatch
 from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
+from rl_megatron.config.pools import engine_lora_rank
 from rl_megatron.config.schema import Config
 from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
 from rl_megatron.platform.startup import startup_done
@@ -46,7 +47,8 @@ class HybridWorker(EngineHost):
         self.rank, self.world_size = rank, world_size
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
         self.models = {}  # Role -> MegatronModel
-        self.resharder = self.sender = None
+        self.resharder = self.sender = self.adapters = None
+        self.engine_has_base = False  # LoRA adapters served by the engines: whether they hold the frozen base yet
         self._init_engine_host(logs)
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
@@ -57,6 +59,7 @@ class HybridWorker(EngineHost):
 
     def init(self, master_addr: str, master_port: int) -> None:
         # Megatron is imported here, in the worker: the controller names this class for Ray and never imports it.
+        from rl_megatron.resharding.adapters import AdapterSync
         from rl_megatron.workers.megatron_actor import MegatronActor
         from rl_megatron.workers.megatron_critic import MegatronCritic
 
@@ -93,6 +96,10 @@ class HybridWorker(EngineHost):
             self.resharder = Resharder(*self.models[Role.ACTOR].weight_sources(), vllm_targets(self.engine.model()),
                                        bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
                                        verify=cfg.resharding.verify)
+            if engine_lora_rank(cfg):  # the engines load the policy's adapters, on the base sent once
+                actor = self.models[Role.ACTOR]
+                self.adapters = AdapterSync(actor.chunks, cfg.actor.lora, cfg.model.path, self.engine,
+                                            actor.chunks[0].config.params_dtype, verify=cfg.resharding.verify)
         self.phases = PhaseMachine(offloaded=tuple(self.offloaders), engine=self.engine is not None,
                                    engine_sleeps=self.engine is not None and self.engine.sleeps)
         startup_done()
@@ -121,13 +128,18 @@ class HybridWorker(EngineHost):
 
     def _send_weights(self) -> None:
         """The policy's weights into the engines: colocated, every worker writes its part; separate, rank 0 gathers
-        the weights a bucket at a time and broadcasts each to the engine workers."""
+        the weights a bucket at a time and broadcasts each to the engine workers. A LoRA policy whose engines load
+        its adapters: the frozen base once (and after a checkpoint is loaded), then the adapters alone."""
         self.models[Role.ACTOR].merge_adapters()
         if self.sender is not None:
             self.sender.send()
             return
-        self.resharder.sync()
-        self.engine.weights_updated()
+        if not (self.adapters and self.engine_has_base):
+            self.resharder.sync()
+            self.engine.weights_updated()
+            self.engine_has_base = True
+        if self.adapters:
+            self.adapters.sync()
 
     def close(self) -> None:
         if self.resharder is not None:
@@ -135,6 +147,8 @@ class HybridWorker(EngineHost):
             self.engine.release_process_groups()  # the process ends next
         if self.sender is not None:
             self.sender.close()
+        if self.adapters is not None:
+            self.adapters.close()
         unlink_shared_parameters()
 
     def mesh(self) -> dict:
@@ -216,6 +230,7 @@ class HybridWorker(EngineHost):
             self.enter(train(role))  # loading changes the state, like an update: the engine's weights go stale
             model.load_checkpoint(os.path.join(step_dir, role.value))
             self.leave(train(role))
+        self.engine_has_base = False  # the base is the checkpoint's (a random model's is saved with it)
         return restore_rng_state(self._rng_file(step_dir), {**self.layout, "world_size": self.world_size})
 
     @dispatch(axis=None, phase=forward(Role.ACTOR))

@@ -14,6 +14,7 @@ import torch
 from rl_megatron import platform
 from rl_megatron.algorithms import POLICY_LOSSES, aggregate_loss, kl_divergence
 from rl_megatron.batch import TokenOutputs, TrainBatch
+from rl_megatron.config.pools import lora_merge_reason
 from rl_megatron.config.schema import Config
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
@@ -53,8 +54,10 @@ class MegatronActor(MegatronModel):
         self.replay_mode = cfg.actor.router_replay if trainable or cfg.actor.router_replay == "R3" else "disabled"
         if carries_routing(cfg, hf_config, trainable):
             self.routing_replay = RoutingReplay(self.chunks)
-        # LoRA: the engines receive the weights with the adapters merged, kept apart from the frozen base.
-        self.merged = MergedWeights(self.chunks) if trainable and cfg.actor.lora.rank else None
+        # LoRA: the engines receive the weights with the adapters merged, kept apart from the frozen base, where
+        # they do not load the adapters themselves (`lora_merge_reason`).
+        merges = trainable and lora_merge_reason(cfg) is not None
+        self.merged = MergedWeights(self.chunks) if merges else None
         if trainable and not platform.has_cuda() and not self.distributed_optimizer:
             # The rollout engines on this machine read the policy's shards in place at each weight sync (not with
             # the distributed optimizer: moving the parameters out of DDP's buffer would cut them off from it).
@@ -143,7 +146,8 @@ class MegatronActor(MegatronModel):
         return megatron_sources(self.chunks, self.table, self.merged.substitutes() if self.merged else None)
 
     def merge_adapters(self) -> None:
-        """Before a weight sync: the merged weights of the adapters as trained so far (nothing without LoRA)."""
+        """Before a weight sync: the merged weights of the adapters as trained so far (nothing without LoRA, or
+        where the engines load the adapters themselves)."""
         if self.merged is not None:
             self.merged.refresh()
 

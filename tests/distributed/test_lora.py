@@ -105,16 +105,23 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_a
     assert set(merged) == set(expected) and all((merged[n] - expected[n]).abs().max() <= 1e-6 for n in merged)
 
 
-@pytest.mark.parametrize("channel", ["auto", "process_group"])
-def test_engines_generate_as_peft_with_the_adapters_merged(tmp_path, channel):
-    """Trainer at TP=2, an engine per rank (TP=1): each weight sync sends the adapted layers with their adapters
-    merged (W + alpha / r B A, computed on the trainer's shards), read in place (auto) or in buckets. The engines'
-    greedy answers are those of transformers + PEFT with the same adapters, which differ from the base model's."""
+@pytest.mark.parametrize("merge,channel,engine_tp", [(True, "auto", 1), (False, "process_group", 2)])
+def test_engines_generate_as_peft_after_each_sync(tmp_path, merge, channel, engine_tp):
+    """Trainer at TP=2, two syncs of other adapters into the engines, whose greedy answers after each are those of
+    transformers + PEFT with the same adapters (which differ from the base model's). Merged: each sync sends the
+    adapted layers with their adapters merged (W + alpha / r B A, computed on the trainer's shards), read in place,
+    into an engine per rank. Otherwise into one engine over both ranks (TP=2): the base at the first sync, then the
+    adapters alone, the bytes of the whole adapter in fp32, loaded in place as a vLLM LoRA adapter that each shard
+    slices (resharding.verify: what the engine loaded is what was sent, bit for bit)."""
     model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
-    model, adapters = peft_model(model_dir, RANK, ALPHA, list(LORA_MODULES), seed=7)
-    cfg = config(model_dir, 2, 1, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA,
-                                     "rollout.tensor_parallel_size": 1, "rollout.max_tokens": NEW_TOKENS})
-    greedy = run_distributed(lora_sync_into_engine, 2, 2, 1, args=(cfg, adapters, channel, PROMPTS, NEW_TOKENS))
-    expected = hf_greedy(model.merge_and_unload(), PROMPTS, NEW_TOKENS)
-    assert greedy == [expected, expected]
-    assert expected != hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)
+    models = [peft_model(model_dir, RANK, ALPHA, list(LORA_MODULES), seed=seed) for seed in (7, 8)]
+    cfg = config(model_dir, 2, 1, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA, "actor.lora.merge": merge,
+                                     "rollout.tensor_parallel_size": engine_tp, "rollout.max_tokens": NEW_TOKENS})
+    syncs = run_distributed(lora_sync_into_engine, 2, 2, 1,
+                            args=(cfg, [adapters for _, adapters in models], channel, PROMPTS, NEW_TOKENS))
+    adapter_bytes = sum(t.numel() * 4 for t in models[0][1].values())
+    for i, (model, _) in enumerate(models):
+        expected = hf_greedy(model.merge_and_unload(), PROMPTS, NEW_TOKENS)
+        for rank_syncs in syncs:
+            assert rank_syncs[i] == (expected, 0 if merge else adapter_bytes), (i, rank_syncs[i])
+    assert syncs[0][0][0] != syncs[0][1][0] != hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)

@@ -106,25 +106,40 @@ def lora_passes(cfg, batch, adapters):
             optimized, adapter_numel)
 
 
-def lora_sync_into_engine(cfg, adapters, channel: str, prompts: list[list[int]], new_tokens: int):
-    """On each rank: an actor with `adapters` loaded syncs its weights (the adapters merged) into a real vLLM engine
-    of rollout.tensor_parallel_size; the engine's greedy answers."""
+def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, prompts: list[list[int]],
+                          new_tokens: int):
+    """On each rank: an actor syncs its weights into a real vLLM engine of rollout.tensor_parallel_size, once per
+    adapters in `adapters_each_sync` (loaded into the actor first), as the trainer does: the adapted layers merged,
+    or the base at the first sync and the adapters alone at each (a vLLM LoRA adapter; `lora_merge_reason`). Returns
+    per sync the engine's greedy answers and the adapter bytes it received (0 when merged)."""
     import torch.distributed as dist
 
+    from rl_megatron.config.pools import engine_lora_rank
     from rl_megatron.models.lora import load_adapter_tensors
     from rl_megatron.resharding import Resharder, vllm_targets
+    from rl_megatron.resharding.adapters import AdapterSync
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     actor = build_actor(cfg)
-    load_adapter_tensors(actor.chunks, adapters)
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=dist.get_rank() // cfg.rollout.tensor_parallel_size)
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, "float32", seed=dist.get_rank() // cfg.rollout.tensor_parallel_size,
+                        lora_rank=engine_lora_rank(cfg))
+    served = AdapterSync(actor.chunks, cfg.actor.lora, cfg.model.path, engine, torch.float32,
+                         verify=True) if engine_lora_rank(cfg) else None
+    out = []
     try:
         resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=16 << 10,
                               channel=channel, verify=True)
-        actor.merge_adapters()
-        resharder.sync()
+        for i, adapters in enumerate(adapters_each_sync):
+            load_adapter_tensors(actor.chunks, adapters)
+            actor.merge_adapters()
+            if served is None or i == 0:
+                resharder.sync()
+                engine.weights_updated()
+            received = served.sync() if served else 0
+            out.append(([g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)], received))
         resharder.close()
-        engine.weights_updated()
-        return [g.response_ids for g in engine.generate(prompts, n=1, temperature=0.0)]
+        return out
     finally:
+        if served:
+            served.close()
         engine.close()

@@ -159,10 +159,16 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
         assert ", routing " in plan  # the engines' routing (moe.engine_routing, on for MoE models) in the passes
     if recipe == "grpo_qwen2_5_7b_gsm8k_lora":  # the frozen base, rank-64 adapters trained, no reference model
-        assert "actor 7.4 GiB (1.9 B params/GPU frozen + 74.1 M LoRA" in plan and "1.63 B merged" in plan
-        assert "weight sync 15.4 GiB (actor weights 6.6 +" in plan and "ref " not in plan
-        full = load_config(f"{REPO}/configs/grpo_qwen2_5_7b_gsm8k.yaml", [
-            f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
+        # The engines load the adapters (all 28 layers' at rank 64, bf16) on the base they were sent once.
+        assert "actor 4.4 GiB (1.9 B params/GPU frozen + 74.1 M LoRA" in plan and "merged" not in plan
+        assert "then only the adapters, 0.3 GiB (vLLM LoRA)" in plan
+        assert "weight sync 12.4 GiB (actor weights 3.5 +" in plan and "ref " not in plan
+        data = [f"model.path={cfg.model.path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+        merged = format_plan(load_config(f"{REPO}/configs/{recipe}.yaml", [*data, "actor.lora.merge=true"]),
+                             gpu_memory_gib=80)  # the adapted layers' merged weights kept for the sync
+        assert "actor 7.4 GiB (1.9 B params/GPU frozen + 74.1 M LoRA" in merged and "1.63 B merged" in merged
+        assert "weight sync 15.4 GiB (actor weights 6.6 +" in merged
+        full = load_config(f"{REPO}/configs/grpo_qwen2_5_7b_gsm8k.yaml", data)
         assert "actor 21.3 GiB (1.9 B params/GPU: weights + fp32 grads + Adam" in format_plan(full, gpu_memory_gib=80)
     if task == "dapo":
         assert score("math_dapo", "3 + 4 = 7.\nAnswer: 7", "7")["score"] == 1.0  # DAPO's scorer reads its source
