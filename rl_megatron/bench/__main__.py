@@ -137,9 +137,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                          help="separate: engines in processes of their own, sent the weights by broadcast")
     reshard.add_argument("--engines", type=int, default=1,
                          help="engine processes with --placement separate (engine TP: --engine-tp, default 1)")
+    reshard.add_argument("--lora-rank", type=int, default=0,
+                         help="a LoRA policy (adapters of this rank on every linear layer of the decoder), colocated: "
+                              "also times the sync of the adapters alone (a vLLM LoRA adapter) and reports its bytes "
+                              "against the whole model's")
     args = parser.parse_args(argv)
     if args.peer is not None and args.name not in PEER_BENCHES[args.peer]:
         parser.error(f"--peer {args.peer} runs with {' and '.join(PEER_BENCHES[args.peer])} only")
+    if args.lora_rank and (args.name != "reshard" or args.placement != "colocated" or args.moe):
+        parser.error("--lora-rank runs with reshard of a dense model and colocated engines only (separate engines "
+                     "receive the adapters merged: docs/lora.md)")
     return args
 
 

@@ -2,6 +2,10 @@
 vLLM engines, one process per rank (gloo on CPU), the trainer's own sync path. The limit is a plain copy of the
 same bytes by the same ranks at the same time, measured in the same run.
 
+`--lora-rank R`: a LoRA policy whose engines load its adapters: after the sync of the (frozen) base, each sync sends
+the adapters alone (`rl_megatron/resharding/adapters.py`); reported: their bytes and seconds, and their bytes over
+the whole model's.
+
 `--placement separate [--engines N]`: engines in processes of their own (rollout.placement=separate), sent the
 weights by the actor's rank 0 over the broadcast group; the figure is model bytes per second of a whole sync
 (each bucket gathered on rank 0 and broadcast, each engine's copy into its parameters), the limit a copy of
@@ -47,6 +51,7 @@ def _timed_together(fn, repeats: int) -> float:
 def measure_rank(cfg, repeats: int) -> dict:
     import torch.distributed as dist
 
+    from rl_megatron.config.pools import engine_lora_rank
     from rl_megatron.models.hf_config import model_config
     from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
     from rl_megatron.rollout.vllm_engine import VLLMEngine
@@ -55,7 +60,8 @@ def measure_rank(cfg, repeats: int) -> dict:
     hf = model_config(cfg)
     actor = MegatronActor(cfg, hf, optimizer_steps=10)
     rank = dist.get_rank()
-    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=rank // cfg.rollout.tensor_parallel_size)
+    engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=rank // cfg.rollout.tensor_parallel_size,
+                        lora_rank=engine_lora_rank(cfg))
     try:
         sources = actor.weight_sources()
         resharder = Resharder(*sources, vllm_targets(engine.model()), bucket_bytes=cfg.resharding.bucket_mb << 20,
@@ -76,14 +82,29 @@ def measure_rank(cfg, repeats: int) -> dict:
         dst.copy_(src)
         memcpy_seconds = _timed_together(lambda: dst.copy_(src), repeats)
         largest = max(t.numel() * t.element_size() for t, _ in sources[0].values())
+        adapters = measure_adapter_sync(actor, engine, cfg, repeats) if engine_lora_rank(cfg) else {}
         # What a sync adds: its transient peak, plus the buffer the channel keeps between syncs.
-        return {"exact": exact, "bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
+        return adapters | {"exact": exact, "bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
                 "peak_extra_bytes": max(peaks) + kept, "largest_tensor_bytes": largest,
                 "channel": resharder.channel_name,
                 "seconds_in_place": statistics.median(s.seconds_in_place for s in stats),
                 "bytes_in_place": stats[-1].bytes_in_place}
     finally:
         engine.release_process_groups()  # the rank exits next (run_distributed)
+
+
+def measure_adapter_sync(actor, engine, cfg, repeats: int) -> dict:
+    """The trainer's sync of a LoRA policy's adapters alone into this rank's engine, checked bit for bit."""
+    from rl_megatron.resharding.adapters import AdapterSync
+
+    adapters = AdapterSync(actor.chunks, cfg.actor.lora, cfg.model.path, engine, actor.chunks[0].config.params_dtype,
+                           verify=True)
+    try:
+        received = [adapters.sync()]  # warm-up, and the check (raises if the engine's adapter differs)
+        seconds = _timed_together(lambda: received.append(adapters.sync()), repeats)
+    finally:
+        adapters.close()
+    return {"adapter_bytes": received[-1], "adapter_seconds": seconds}
 
 
 def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
@@ -189,6 +210,7 @@ def run(args, model_dir: str) -> dict:
                              f"rollout.tensor_parallel_size={engine_tp}",
                              f"resharding.bucket_mb={args.bucket_mb}", f"resharding.channel={args.channel}",
                              "data.max_prompt_length=8", "rollout.max_tokens=8", "rollout.n=1",
+                             f"actor.lora.rank={args.lora_rank}", "actor.lora.alpha=16",
                              f"data.train_batch_size={world}", f"actor.ppo_mini_batch_size={world}",
                              "actor.micro_batch_size=1"])
     if args.placement == "separate":
@@ -199,7 +221,13 @@ def run(args, model_dir: str) -> dict:
     seconds = max(r["seconds"] for r in per_rank)
     memcpy_seconds = max(r["memcpy_seconds"] for r in per_rank)
     gbps, memcpy_gbps = nbytes / seconds / 1e9, nbytes / memcpy_seconds / 1e9
-    return {"bench": "reshard", "exact": all(r["exact"] for r in per_rank), "bytes": nbytes, "seconds": seconds,
+    lora = {}
+    if args.lora_rank:  # every rank's engine loads the whole adapter
+        adapter_bytes = sum(r["adapter_bytes"] for r in per_rank)
+        lora = {"lora_rank": args.lora_rank, "adapter_bytes": adapter_bytes,
+                "adapter_seconds": max(r["adapter_seconds"] for r in per_rank),
+                "adapter_bytes_ratio": adapter_bytes / nbytes}
+    return lora | {"bench": "reshard", "exact": all(r["exact"] for r in per_rank), "bytes": nbytes, "seconds": seconds,
             "gbps": gbps, "memcpy_gbps": memcpy_gbps, "ratio": gbps / memcpy_gbps,
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in per_rank), "bucket_bytes": args.bucket_mb << 20,
             "largest_tensor_bytes": max(r["largest_tensor_bytes"] for r in per_rank),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
 import os
 import re
 import warnings
@@ -20,6 +19,7 @@ import torch
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
+from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, remove_stale_cpu_shm
 from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
@@ -85,70 +85,6 @@ def vllm_allocator_settings():
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
         if live:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-
-
-def keep_cpu_weights_in_place() -> None:
-    """vLLM's CPU backend repacks linear weights into oneDNN / AMX kernel formats after loading and leaves the
-    parameters empty, so they could only be updated through a full reload. Plain `F.linear` over the parameters
-    costs ~5% of decode speed on CPU and lets every sync write the weights in place. (GPU kernels read the
-    parameters as they are.)"""
-    import vllm._custom_ops as ops
-    from vllm.model_executor.layers import utils
-
-    ops._supports_onednn = False
-    utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
-    _pack_cpu_experts_from_parameters()
-
-
-def _pack_cpu_experts_from_parameters() -> None:
-    """vLLM's CPU MoE kernel has no path over plain weights: after loading it overwrites the expert parameters
-    with a blocked, transposed copy. Instead, the parameters keep the checkpoint layout (so a sync writes them in
-    place, and what the engine holds can be compared with the trainer's weights), and the kernel packs them into a
-    private copy whenever they changed since it last did (torch counts in-place writes in `_version`). Costs one
-    packed copy of the experts' weights."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    if getattr(CPUUnquantizedExperts, "packs_from_parameters", False):  # patched once per process
-        return
-    apply = CPUUnquantizedExperts.apply
-
-    def keep_parameters(self, layer) -> None:
-        self._use_zentorch = False  # zentorch (AMD's kernels) reads the parameters as they are; not installed here
-        width = self.moe_config.intermediate_size_per_partition
-        if self._padded_intermediate_size(self.moe_config) != width:
-            raise ValueError(f"vLLM's CPU MoE kernel needs the experts' width per rollout TP rank ({width}: "
-                             f"moe_intermediate_size / rollout.tensor_parallel_size) to be a multiple of "
-                             f"{self._intermediate_alignment()}; choose another rollout.tensor_parallel_size.")
-
-    def apply_packed(self, *, w1, w2, **kwargs):
-        import vllm._custom_ops as ops
-
-        if getattr(self, "packed_versions", None) != (w1._version, w2._version):
-            self.packed = ops.cpu_prepack_moe_weight(w1, self.isa), ops.cpu_prepack_moe_weight(w2, self.isa)
-            self.packed_versions = (w1._version, w2._version)
-        return apply(self, w1=self.packed[0], w2=self.packed[1], **kwargs)
-
-    CPUUnquantizedExperts.process_weights_after_loading = keep_parameters
-    CPUUnquantizedExperts.apply = apply_packed
-    CPUUnquantizedExperts.packs_from_parameters = True
-
-
-def remove_stale_cpu_shm() -> None:
-    """A sharded CPU engine all-reduces through /dev/shm segments whose names are the same in every run
-    ('-tp:0-[0-1]-cpushm_0', ...). A run that was killed leaves them behind, and the next engine then
-    fails with 'create shm in SHMManager failed. errno: 17'. Remove those that no live process maps."""
-    leftovers = set(glob.glob("/dev/shm/*-cpushm_*"))
-    if not leftovers:
-        return
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                leftovers -= {line.split(maxsplit=5)[-1].strip() for line in f if "cpushm_" in line}
-        except OSError:  # the process ended, or is not ours to read
-            continue
-    for path in leftovers:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step

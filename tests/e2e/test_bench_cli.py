@@ -80,13 +80,22 @@ def test_train_bench_reports_tokens_per_s_and_mfu():
 
 # The shared_memory bucket channel moves the same buckets as process_group (exactness of both:
 # tests/distributed/test_resharding.py). Reading in place (auto) is also what the MoE benchmark below runs: `slow`.
+# A LoRA policy's adapters at rank 8 on the reshard model (hidden 512 = 8 heads of 64, 2 KV heads, MLP 1408, 2
+# layers): A [8, in] and B [out, 8] of q, k, v, o, gate, up and down, fp32.
+ADAPTER_PARAMETERS = 2 * 8 * ((512 + 512) + 2 * (512 + 128) + (512 + 512) + 3 * (512 + 1408))
+
+
 @pytest.mark.parametrize("channel", [pytest.param("auto", marks=pytest.mark.slow), "process_group"])
 def test_reshard_is_exact_and_stays_within_its_memory_bound(channel):
     """TP=2 x PP=2 -> engines of TP=2, ~31 MB of weights, read in place (auto) or through 1 MiB buckets: a sync
     that gathered whole models (or whole layers) would blow the bound of one bucket plus the largest tensor
-    (a 2.9 MB MLP shard)."""
+    (a 2.9 MB MLP shard). The policy has rank-8 LoRA adapters, which the engines load alone after the base: each of
+    the 4 ranks' engines receives the whole adapter, under 4% of the model's bytes."""
     result = bench("reshard", "--tp", "2", "--pp", "2", "--hidden", "512", "--layers", "2", "--vocab", "2048",
-                   "--bucket-mb", "1", "--channel", channel, "--repeats", "3")
+                   "--bucket-mb", "1", "--channel", channel, "--repeats", "3", "--lora-rank", "8")
+    assert result["adapter_bytes"] == 4 * 4 * ADAPTER_PARAMETERS and result["lora_rank"] == 8
+    assert result["adapter_bytes_ratio"] == result["adapter_bytes"] / result["bytes"] < 0.04
+    assert_positive(result, "adapter_seconds")
     assert result["exact"] is True and result["channel"] == channel
     assert_positive(result, "bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "bucket_bytes", "largest_tensor_bytes")
     assert "peak_extra_bytes" in result

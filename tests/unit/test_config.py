@@ -661,3 +661,23 @@ def test_lora_keys_and_where_adapters_cannot_go_yet(tmp_path):
     mla = f"model.path={os.path.join(REPO, 'configs', 'models', 'tiny-deepseek-v3-digits')}"
     message = config_error(mla, "actor.lora.rank=8", "actor.lora.target_modules=[o_proj]")
     assert "latent attention" in message and "actor.lora.rank=0" in message
+
+
+def test_lora_engines_load_the_adapters_unless_vllm_cannot_serve_them():
+    from rl_megatron.config.pools import engine_lora_rank, lora_merge_reason
+
+    # Served by the engines (vLLM's max_lora_rank: the smallest of its choices that holds the rank).
+    for rank, engine_rank in ((8, 8), (12, 16), (64, 64), (300, 320), (512, 512)):
+        cfg = load_demo(f"actor.lora.rank={rank}")
+        assert lora_merge_reason(cfg) is None and engine_lora_rank(cfg) == engine_rank
+    # Merged, saying why: asked for, the output layer's adapters, above vLLM's largest rank, separate engines.
+    reasons = {("actor.lora.merge=true",): "actor.lora.merge=true",
+               ("actor.lora.target_modules=[all-linear,lm_head]",): "no LoRA adapter on lm_head",
+               ("actor.lora.rank=1024",): "up to rank 512 (actor.lora.rank=1024)",
+               ("rollout.placement=separate", "rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1",
+                "actor.tensor_model_parallel_size=1"): "rollout.placement=separate"}
+    for overrides, reason in reasons.items():
+        cfg = load_demo("actor.lora.rank=8", *overrides)
+        assert reason in lora_merge_reason(cfg) and engine_lora_rank(cfg) == 0
+    plain = load_demo()
+    assert lora_merge_reason(plain) is None and engine_lora_rank(plain) == 0  # no LoRA: nothing to serve
