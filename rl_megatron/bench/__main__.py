@@ -9,7 +9,8 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   by the same processes; one process per rank, a ~38M-parameter (150 MB fp32) Qwen2 with random weights; with
   `--moe --ep N` a Qwen3-MoE of the same width (8 experts of width 512, top-2; ~47M parameters, 190 MB fp32)
   whose experts are split over N ranks; with `--placement separate --engines N` the weights go by broadcast from
-  the actor's rank 0 to N engine processes of their own (the limit: a copy of the model's bytes);
+  the actor's rank 0 to N engine processes of their own (the limit: a copy of the model's bytes); with
+  `--lora-rank R` the policy's LoRA adapters alone, after the base (their bytes against the model's);
 - train (forward + backward + optimizer step): tokens/s and model FLOP/s against a plain matrix multiply of the
   model's largest GEMM in the same dtype, and MFU against the device's nominal bf16 peak; on GPU Qwen2.5-0.5B's
   shape in bfloat16 (rl_megatron/bench/train.py documents the FLOP count);

@@ -54,10 +54,26 @@ def _pack_cpu_experts_from_parameters() -> None:
     CPUUnquantizedExperts.packs_from_parameters = True
 
 
+def name_cpu_shm_by_world() -> None:
+    """A sharded CPU engine all-reduces through /dev/shm segments that vLLM names by the shards' ranks only
+    ('-tp:0-[0-1]-cpushm_0', ...): two runs on one machine (or two test processes) would both create the same and
+    the second fails with 'create shm in SHMManager failed. errno: 17'. Prefixed with the process id of the world's
+    rank 0, which rank 0 sends to every rank (a collective: every rank starts its engine together)."""
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    world = [f"rlm{os.getpid()}"]
+    dist.broadcast_object_list(world, src=0)
+    vllms_name = getattr(_CPUSHMDistributed, "vllms_name", _CPUSHMDistributed.make_group_name)
+    _CPUSHMDistributed.vllms_name = vllms_name
+    # vLLM's name starts with the slashes of its init method's "env://" (shm_open strips leading slashes only).
+    _CPUSHMDistributed.make_group_name = staticmethod(
+        lambda communicator: world[0] + vllms_name(communicator).lstrip("/"))
+
+
 def remove_stale_cpu_shm() -> None:
-    """A sharded CPU engine all-reduces through /dev/shm segments whose names are the same in every run
-    ('-tp:0-[0-1]-cpushm_0', ...). A run that was killed leaves them behind, and the next engine then
-    fails with 'create shm in SHMManager failed. errno: 17'. Remove those that no live process maps."""
+    """A sharded CPU engine's /dev/shm segments (`name_cpu_shm_by_world`) are left behind by a run that was killed.
+    Remove those that no live process maps."""
     leftovers = set(glob.glob("/dev/shm/*-cpushm_*"))
     if not leftovers:
         return

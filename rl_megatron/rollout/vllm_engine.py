@@ -19,7 +19,7 @@ import torch
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
-from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, remove_stale_cpu_shm
+from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, name_cpu_shm_by_world, remove_stale_cpu_shm
 from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
@@ -185,6 +185,7 @@ class VLLMEngine:
             keep_cpu_weights_in_place()
             if cfg.tensor_parallel_size > 1:
                 remove_stale_cpu_shm()
+                name_cpu_shm_by_world()
         self.cfg = cfg
         hf = read_hf_config(model_path)
         self.stop_token_ids = end_of_sequence_ids(model_path, hf)
