@@ -224,10 +224,19 @@ def add_adapters(chunk: torch.nn.Module, table: DenseTable, lora: LoraConfig, la
 
 
 def freeze_base(chunks: list[torch.nn.Module]) -> None:
-    """Only the adapters train: every other parameter keeps its value and gets no gradient (nor optimizer state)."""
+    """Only the adapters train: every other parameter keeps its value and gets no gradient (nor optimizer state).
+    The frozen embedding's output is made to need a gradient (PEFT's enable_input_require_grads): a recomputed
+    layer (actor.recompute_granularity=full) runs its backward only for an input that needs one, and would
+    otherwise leave its adapters without gradients."""
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             param.requires_grad_(is_adapter_parameter(name))
+        if getattr(chunk, "pre_process", False):
+            chunk.embedding.register_forward_hook(_needs_grad)
+
+
+def _needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(torch.is_grad_enabled())
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """LoRA adapters (actor.lora, rl_megatron/models/lora.py) on Megatron's tensor-parallel layers, held to PEFT's LoRA on
 transformers with the same weights and adapters: the log-probs, and every adapter's gradient in an update, at TP=2
 (column- and row-parallel layers, the fused QKV with grouped queries and its biases, the fused gate/up; sequence
-parallelism and packed rows) and at PP=2 on a subset of the modules. At initialisation (B = 0) and with the
-adapters disabled, the model is exactly the base model; only the adapters train."""
+parallelism and packed rows), at PP=2 x VPP=2 on a subset of the modules, and on an MoE model's attention at EP=2 with
+full recomputation. At initialisation (B = 0) and with the adapters disabled, the model is exactly the base model;
+only the adapters train."""
 import dataclasses
 import json
 
@@ -26,18 +27,30 @@ from rl_megatron.doctor.parity import hf_model, saved_checkpoint
 RANK, ALPHA = 4, 8.0
 
 
-@pytest.mark.parametrize("tp,pp,targets,packing", [(2, 1, ["all-linear", "lm_head"], True),
-                                                   (1, 2, ["q_proj", "v_proj", "down_proj"], False)])
-def test_adapters_match_peft_and_only_they_train(tmp_path, tp, pp, targets, packing):
-    """TP=2: every module, the output layer (split over the vocabulary) too."""
-    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)  # grouped queries, q/k/v biases
+RECOMPUTE_FULL = {"actor.recompute_granularity": "full", "actor.recompute_method": "uniform",
+                  "actor.recompute_num_layers": 1}
+
+
+# qwen2: grouped queries, q/k/v biases. qwen3_moe: the experts split over 2 expert-parallel ranks, adapters on the
+# attention (the experts take none yet), which is data-parallel over both ranks.
+@pytest.mark.parametrize("family,layers,tp,pp,vpp,ep,ranks,targets,extra", [
+    ("qwen2", 2, 2, 1, 1, 1, 2, ["all-linear", "lm_head"], {"actor.sequence_packing": True}),
+    ("qwen2", 4, 1, 2, 2, 1, 2, ["q_proj", "v_proj", "down_proj"], {"actor.sequence_packing": False}),
+    ("qwen3_moe", 2, 1, 1, 1, 2, 2, ["q_proj", "k_proj", "v_proj", "o_proj"], RECOMPUTE_FULL)])
+def test_adapters_match_peft_and_only_they_train(tmp_path, family, layers, tp, pp, vpp, ep, ranks, targets, extra):
+    """TP=2 (sequence parallel, packed rows): every module, the output layer (split over the vocabulary) too.
+    PP=2 x VPP=2, padded rows: a subset, each virtual chunk with its own layers' adapters. EP=2 (the attention
+    data-parallel over both ranks, each updating on its half of the batch) with every layer recomputed: the MoE
+    model's attention."""
+    model_dir = family_model_dir(tmp_path / family, family, tied=False, layers=layers)
     modules = [*LORA_MODULES, "lm_head"] if "all-linear" in targets else targets
     model, adapters = peft_model(model_dir, RANK, ALPHA, modules, seed=7)
-    cfg = config(model_dir, tp, pp, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA,
-                                       "actor.lora.target_modules": f"[{','.join(targets)}]",
-                                       "actor.optim.clip_grad": 0.0, "actor.sequence_packing": packing})
+    cfg = config(model_dir, tp, pp, vpp, **{"actor.lora.rank": RANK, "actor.lora.alpha": ALPHA,
+                                            "actor.lora.target_modules": f"[{','.join(targets)}]",
+                                            "actor.optim.clip_grad": 0.0, "actor.expert_model_parallel_size": ep,
+                                            "trainer.n_gpus_per_node": ranks, **extra})
     batch = make_batch()
-    results = run_distributed(lora_passes, tp * pp, tp, pp, args=(cfg, batch, adapters))
+    results = run_distributed(lora_passes, ranks, tp, pp, vpp, ep=ep, args=(cfg, batch, adapters))
     plain, initial, adapted, disabled, metrics, grads, initial_adapters, _, _, optimized, adapter_numel = results[-1]
     mask = batch.response_mask.bool()
 
@@ -64,7 +77,7 @@ def test_adapters_match_peft_and_only_they_train(tmp_path, tp, pp, targets, pack
     # weights stay as loaded.
     assert optimized == adapter_numel
     hf = read_hf_config(model_dir)
-    assert adapter_numel == lora_parameters(hf, lora_modules(targets), RANK, tp, pp)[0]
+    assert adapter_numel == lora_parameters(hf, lora_modules(targets), RANK, tp, pp, vpp)[0]
     saved = saved_checkpoint(model_dir)
     before, after = results[0][7], results[0][8]  # the export, gathered on rank 0
     assert set(before) == set(after) == set(saved)

@@ -86,6 +86,8 @@ def lora_passes(cfg, batch, adapters):
     """On each rank: an actor with actor.lora's adapters as initialised (B = 0) and an actor without; then `adapters`
     loaded: log-probs with the adapters, with them disabled, and one update (its metrics, the adapters' gradients,
     the base weights before and after it, and the numbers of parameters the optimizer and the adapters hold)."""
+    from megatron.core import parallel_state
+
     from rl_megatron.models.lora import adapters_disabled, adapters_of, load_adapter_tensors
 
     plain = owned_outputs(build_actor(dataclasses.replace(
@@ -98,7 +100,8 @@ def lora_passes(cfg, batch, adapters):
     with adapters_disabled(actor.chunks):
         disabled = owned_outputs(actor.log_probs(batch))
     base_before = actor.hf_state_dict()
-    metrics = actor.update(dataclasses.replace(batch, old_log_probs=adapted.log_probs))
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    metrics = actor.update(dataclasses.replace(batch, old_log_probs=adapted.log_probs).split(dp)[rank])
     grads = every_stages_adapters(actor, of_gradients=True)
     optimized = sum(p.numel() for group in actor.optimizer.param_groups for p in group["params"])
     adapter_numel = sum(p.numel() for a in adapters_of(actor.chunks) for p in a.parameters())
