@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel
 
 from helpers.lora import (lora_passes, lora_resume_update, lora_sync_into_engine, lora_update_save_update, peft_model,
-                          peft_reference)
+                          peft_reference, vllm_serves_peft_folder)
 from helpers.ranks import NEW_TOKENS, PROMPTS
 from helpers.parity import config, family_model_dir, make_batch
 from helpers.worlds import run_distributed
@@ -101,8 +101,8 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_a
     assert resumed_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
     assert all((resumed_after[n] - after[n]).abs().max() <= 1e-6 for n in after)
 
-    # The checkpoint as a PEFT adapter folder (PEFT loads it: the adapters saved), and as an HF model with them
-    # merged (PEFT's merge of the same adapters).
+    # The checkpoint as a PEFT adapter folder (PEFT loads it: the adapters saved; vLLM serves it), and as an HF
+    # model with them merged (PEFT's merge of the same adapters).
     adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
     assert convert.main(["to-peft", "--ckpt", ckpt, "--out", adapter_dir, "--tp", "2"]) == 0
     with open(f"{adapter_dir}/adapter_config.json") as f:
@@ -114,8 +114,13 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_and_resumes_a
               for n, p in peft.named_parameters() if ".lora_" in n}
     assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved)
     assert convert.main(["to-hf", "--ckpt", ckpt, "--out", merged_dir, "--pp", "2"]) == 0
-    merged, expected = saved_checkpoint(merged_dir), peft.merge_and_unload().state_dict()
+    merged_model = peft.merge_and_unload()
+    merged, expected = saved_checkpoint(merged_dir), merged_model.state_dict()
     assert set(merged) == set(expected) and all((merged[n] - expected[n]).abs().max() <= 1e-6 for n in merged)
+    # vLLM serves the adapter folder on the base model as PEFT's merged model answers.
+    rollout = config(model_dir, 1, 1, **{"rollout.max_tokens": NEW_TOKENS}).rollout
+    [served] = run_distributed(vllm_serves_peft_folder, 1, args=(model_dir, adapter_dir, rollout, RANK, PROMPTS))
+    assert served == hf_greedy(merged_model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("merge,channel,engine_tp", [(True, "auto", 1), (False, "process_group", 2)])

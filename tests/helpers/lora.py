@@ -146,3 +146,18 @@ def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, pro
         if served:
             served.close()
         engine.close()
+
+
+def vllm_serves_peft_folder(model_dir: str, adapter_dir: str, rollout, rank: int, prompts: list[list[int]]):
+    """One vLLM engine over `model_dir`'s own weights serving the PEFT adapter folder `adapter_dir` (of LoRA rank
+    `rank`), as a user serves `convert to-peft`'s output: its greedy answers."""
+    from rl_megatron.config.pools import VLLM_LORA_RANKS
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dir, rollout, "float32", seed=0, load_format="auto",
+                        lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank))
+    try:
+        engine.load_adapter(adapter_dir)
+        return [c.response_ids for c in engine.generate(prompts, n=1, temperature=0.0)]
+    finally:
+        engine.close()
