@@ -11,8 +11,9 @@ from helpers.runs import assert_same_metrics, latest_checkpoint, start_until, tr
 from rl_megatron.checkpoint.run import ROLLOUTS_FILE, step_dir
 
 # With token-level TIS (docs/async.md's recipe): the demo then learns in ~135 steps (~300 without the correction).
+# The demo one-step-off, its trainer on one device (DP 1): a mini-batch in one pass of 128, as the PPO and tool demos.
 ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
-                "trainer.rollout_staleness=1", "algorithm.rollout_correction.level=token")
+                "trainer.rollout_staleness=1", "algorithm.rollout_correction.level=token", "actor.micro_batch_size=128")
 # float32 on both sides, summed in different orders (the synchronous demo's bound: tests/e2e/test_train_cli.py).
 SAME_WEIGHTS_LOGPROB_DIFF = 5e-5
 
