@@ -210,7 +210,7 @@ def run(args, model_dir: str) -> dict:
                              f"rollout.tensor_parallel_size={engine_tp}",
                              f"resharding.bucket_mb={args.bucket_mb}", f"resharding.channel={args.channel}",
                              "data.max_prompt_length=8", "rollout.max_tokens=8", "rollout.n=1",
-                             f"actor.lora.rank={args.lora_rank}", "actor.lora.alpha=16",
+                             f"actor.lora.rank={args.lora_rank}",
                              f"data.train_batch_size={world}", f"actor.ppo_mini_batch_size={world}",
                              "actor.micro_batch_size=1"])
     if args.placement == "separate":

@@ -3,8 +3,9 @@
 
 This module is what that process imports: nothing of the project, so none of the project's process-wide settings
 reach the engine (on CPU: its kernel choice, `rollout.cpu_engine.keep_cpu_weights_in_place`; Megatron's CUDA-to-CPU
-function mode, `platform.cpu_compat`; frozen garbage). The process is spawned and inherits the environment, which the project's
-engines run in too (`rollout.vllm_engine.ENGINE_ENV`: the engine core in-process; on CPU no thread binding).
+function mode, `platform.cpu_compat`; frozen garbage). The process is spawned and inherits the environment, which
+the project's engines run in too (`rollout.vllm_engine.ENGINE_ENV`: the engine core in-process; on CPU no thread
+binding).
 """
 from __future__ import annotations
 
