@@ -9,6 +9,7 @@ import os
 import torch
 
 from rl_megatron.checkpoint.model import copy_side_files
+from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
 # The names config.json uses for a parameter dtype (transformers < 5 writes torch_dtype, >= 5 dtype).
 CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -30,10 +31,12 @@ def shard_groups(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> l
 def write_hf_folder(state_dict: dict[str, torch.Tensor], out_dir: str, hf_config: dict, side_files_dir: str | None,
                     dtype: torch.dtype, max_shard_bytes: int = 5 << 30, progress=print) -> None:
     """Write `state_dict` cast to `dtype` into the existing folder `out_dir` as an HF model folder; config.json is
-    `hf_config` with its dtype field set to `dtype`, the other side files are copied from `side_files_dir`."""
+    `hf_config` with its dtype field set to `dtype`, the other side files are copied from `side_files_dir`. The
+    tensors are written as the family's folders store them (gpt-oss: its experts stacked)."""
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.to(dtype).contiguous() for name, tensor in state_dict.items()}
+    stored = table_for(hf_config, hf_config["vocab_size"]).stored_tensors(state_dict)
+    tensors = {name: tensor.to(dtype).contiguous() for name, tensor in stored.items()}
     groups = shard_groups(tensors, max_shard_bytes)
     weight_map, total = {}, 0
     for number, names in enumerate(groups, 1):

@@ -57,7 +57,8 @@ def family_model_dir(folder, family: str, tied: bool, layers: int = 2, **extra) 
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+            # gpt-oss's experts clamp their gate and up projections at 7: wide enough weights that a quarter do.
+            param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.8 if name.endswith("gate_up_proj") else 0.1)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's and GLM's expert biases (zero when built)
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(std=0.1)

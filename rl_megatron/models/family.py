@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from typing import Callable
 
 from rl_megatron.errors import ConfigError
 from rl_megatron.models import families
@@ -41,13 +42,21 @@ class ModelFamily:
     mla: bool = False  # multi-head latent attention (DeepSeek): models/mla.py
     moe: MoeSpec | None = None  # None: a dense family
     sliding_window: bool = False  # config.json's sliding_window limits every layer's attention (Mistral)
+    layer_types: bool = False  # config.json's layer_types says which layers sliding_window limits (gpt-oss)
+    sinks: bool = False  # a learned logit per attention head joins each softmax and takes no value (gpt-oss)
+    linear_bias: bool = False  # every linear layer has a bias: attention output, router, experts (gpt-oss)
+    clamped_swiglu: bool = False  # experts' GLU: clamp, x * sigmoid(swiglu_alpha x) * (up + 1) (gpt-oss)
+    moe_table: type[MoeTable] = MoeTable  # the weight table of the family's MoE models
+    engine_check: Callable[[dict], None] | None = None  # ValueError where vLLM's model class computes otherwise
 
     @property
     def config_fields(self) -> tuple[str, ...]:
         """The config.json fields this family reads."""
         attention = tuple(key for key in (self.qkv_bias_key, self.qk_layernorm_key) if key)
         attention += MLA_FIELDS if self.mla else ()
-        attention += ("sliding_window",) if self.sliding_window else ("use_sliding_window",)
+        attention += ("sliding_window",) if self.sliding_window or self.layer_types else ("use_sliding_window",)
+        attention += ("layer_types",) if self.layer_types else ()
+        attention += ("swiglu_alpha", "swiglu_limit") if self.clamped_swiglu else ()
         moe = () if self.moe is None else self.moe.config_fields
         return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
 
@@ -57,7 +66,20 @@ class ModelFamily:
         if hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true (sliding-window attention in the layers from max_window_layers "
                              "on) is not supported; Qwen's released models leave it false.")
-        return hf.get("sliding_window") if self.sliding_window else None
+        return hf.get("sliding_window") if self.sliding_window or self.layer_types else None
+
+    def window_layers(self, hf: dict) -> list[bool] | None:
+        """Which layers the window limits (None: every layer, where there is one). gpt-oss: config.json's
+        layer_types, alternating sliding and full attention from the first layer when absent (its default)."""
+        if not self.layer_types or self.window(hf) is None:
+            return None
+        kinds = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(hf["num_hidden_layers"])]
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown or len(kinds) != hf["num_hidden_layers"]:
+            raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the "
+                             f"num_hidden_layers={hf['num_hidden_layers']} layers; it has {kinds}.")
+        return [kind == "sliding_attention" for kind in kinds]
 
     def qkv_bias(self, hf: dict) -> bool:
         return bool(hf.get(self.qkv_bias_key, self.qkv_bias_default)) if self.qkv_bias_key else self.qkv_bias_default
@@ -76,7 +98,18 @@ class ModelFamily:
         """Megatron TransformerConfig fields of the family's attention (with MLA: MLATransformerConfig's)."""
         if self.mla:
             return mla_fields(hf)
-        return dict(kv_channels=head_dim(hf), add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_norm(hf))
+        fields = dict(kv_channels=head_dim(hf), add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_norm(hf))
+        return dict(fields, softmax_type="learnable") if self.sinks else fields
+
+    def mlp_fields(self, hf: dict) -> dict:
+        """Megatron TransformerConfig fields of the MLPs (experts included): biases, and the gated activation by
+        name (models.gpt maps it to Megatron's function). gpt-oss's clamped SwiGLU is Megatron's quick_gelu GLU
+        (x * sigmoid(1.702 x)) with glu_linear_offset 1 (the up projection plus one) and its clamp."""
+        fields = dict(activation="silu", add_bias_linear=self.linear_bias)
+        if self.clamped_swiglu:
+            fields.update(activation="quick_gelu", glu_linear_offset=1.0,
+                          activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)))
+        return fields
 
     def moe_fields(self, hf: dict) -> dict:
         """Megatron TransformerConfig fields of the family's router and experts (none for a dense family)."""
@@ -99,7 +132,7 @@ class ModelFamily:
             table = DenseTable(hf, padded_vocab, qkv_bias, qk_norm)
         else:
             shared = self.moe.shared
-            table = MoeTable(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], qkv_bias,
+            table = self.moe_table(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], qkv_bias,
                              qk_norm, sparse_layers=self.moe.sparse_layers(hf),
                              shared=(shared.module, shared.width(hf), shared.gate) if shared and shared.width(hf)
                              else None, expert_bias=self.moe.expert_bias)
@@ -112,7 +145,10 @@ class ModelFamily:
         try:
             check_rope(hf)
             self.window(hf)
+            self.window_layers(hf)
             self.attention_fields(hf)
+            if self.engine_check is not None:
+                self.engine_check(hf)
         except ValueError as err:
             raise ConfigError(f"{source}: {err}") from None
         if self.moe is None:
@@ -133,6 +169,15 @@ class ModelFamily:
             fields["mla"] = {key: hf.get(key) for key in MLA_FIELDS}
         if self.window(hf) is not None:  # only where set: other checkpoints keep their recorded hash
             fields["sliding_window"] = self.window(hf)
+        # gpt-oss's, likewise only where set.
+        if self.window_layers(hf) is not None:
+            fields["window_layers"] = self.window_layers(hf)
+        if self.sinks:
+            fields["attention_sinks"] = True
+        if self.linear_bias:
+            fields["linear_bias"] = True
+        if self.clamped_swiglu:
+            fields["swiglu_limit"] = self.mlp_fields(hf)["activation_func_clamp_value"]
         if self.moe is not None:
             fields.update(expert_width=hf[self.moe.width_key], num_experts_per_tok=hf["num_experts_per_tok"])
             # Only where set, as the sliding window above.

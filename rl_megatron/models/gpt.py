@@ -8,10 +8,12 @@ import os
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from rl_megatron import platform
+from rl_megatron.platform import megatron_fixes
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.family import family_of, head_dim, table_for
@@ -23,6 +25,9 @@ from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The gated MLPs' activations, by the name a family's mlp_fields gives (quick_gelu: Megatron's, which its fused
+# kernels recognise).
+ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}
 
 
 def token_dispatcher(moe: MoeConfig) -> str:
@@ -100,8 +105,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        **mlp_fields(hf),
         **family.attention_fields(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -128,6 +132,12 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
     )
 
 
+def mlp_fields(hf: dict) -> dict:
+    """Megatron TransformerConfig fields of the family's MLPs (models/family.py), with the activation's function."""
+    fields = family_of(hf).mlp_fields(hf)
+    return dict(fields, activation_func=ACTIVATIONS[fields.pop("activation")])
+
+
 def position_fields(hf: dict) -> dict:
     """Megatron TransformerConfig fields of the model's rotary embedding and attention window. YaRN scales cos and
     sin by its attention factor m, on queries and keys alike: with every dimension rotated that is the softmax
@@ -142,6 +152,9 @@ def position_fields(hf: dict) -> dict:
     if window is not None:
         # HF's window counts the token itself: W positions, this one and the W - 1 before it.
         fields["window_size"] = (window - 1, 0)
+        layers = family_of(hf).window_layers(hf)
+        if layers is not None:  # Megatron's list form: 1 where the layer's attention is windowed
+            fields["window_attn_skip_freq"] = [int(windowed) for windowed in layers]
     return fields
 
 
@@ -250,6 +263,7 @@ def build_gpt(hf: dict, dtype: str, make_vocab_size_divisible_by: int, vp_stage:
     if value_head_seed is not None and model.post_process:
         model.output_layer = ValueHead(config, value_head_seed)
     model = model.to(DTYPES[dtype])
+    megatron_fixes.fix_expert_biases(model)
     for module in model.modules():  # the expert biases stay in fp32, as Megatron updates and applies them
         if getattr(module, "expert_bias", None) is not None:
             module.expert_bias.data = module.expert_bias.data.float()
@@ -340,12 +354,12 @@ class SafetensorsReader:
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, hf: dict, folder: str) -> None:
     """Copy the HF weights into this rank's TP/PP shard of `model`, checking every shape."""
-    reader = SafetensorsReader(folder)
     table = weight_table(model, hf)
+    read = table.stored_reader(SafetensorsReader(folder).get)
     offset, experts = layer_offset(model), expert_offset(model)
     for name, param in hf_parameters(model):
         entry = table.lookup(name, offset, experts)
-        shard = shard_from_hf(entry, [reader.get(n) for n in entry.hf_names], *tp_shard(name))
+        shard = shard_from_hf(entry, [read(n) for n in entry.hf_names], *tp_shard(name))
         if shard.shape != param.shape:
             raise ValueError(f"Parameter '{name}' (from {', '.join(entry.hf_names)}) has shape "
                              f"{tuple(shard.shape)} in the checkpoint but {tuple(param.shape)} in the model.")

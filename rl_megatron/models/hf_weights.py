@@ -101,7 +101,8 @@ def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True)
     if not weight_map:  # no index: every tensor of every file (a later file's copy wins, as in the loader)
         weight_map = {name: file for file in files for name in headers[file]}
     try:
-        needed = table_for(hf, hf["vocab_size"]).hf_tensors(output_layer)
+        table = table_for(hf, hf["vocab_size"])
+        needed = table.stored_shapes(table.hf_tensors(output_layer))
     except ValueError as err:  # a family rl_megatron does not support (the pre-flight's model check names it first)
         raise ConfigError(f"{key}='{folder}': {one_line(err)}") from None
     fix = (f"{key} must hold the weights of the model its config.json describes ({hf.get('model_type')}, "

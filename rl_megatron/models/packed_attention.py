@@ -17,8 +17,8 @@ bounds back twice per layer. Grouped-query attention shares each key/value head 
   its batch (a flash kernel on CPU too: it never holds a span's score matrix, so memory grows with the row's
   tokens, not with the square of its longest sample).
 
-Unpacked rows keep Megatron's own path unless a sliding window is set (Mistral), whose mask Megatron's local
-attention builds on CUDA only.
+Unpacked rows keep Megatron's own path unless the layer has a sliding window (Mistral, gpt-oss), whose mask
+Megatron's local attention builds on CUDA only, or attention sinks (gpt-oss: `attention_with_sinks`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import attention, multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from rl_megatron.batch import to_device
 
@@ -55,17 +56,28 @@ class HostPackedSeqParams(PackedSeqParams):
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """Megatron's local attention, plus packed rows and sliding windows (whose mask Megatron's local path builds on
-    CUDA only)."""
+    """Megatron's local attention, plus packed rows, sliding windows (whose mask Megatron's local path builds on
+    CUDA only; per layer where config.window_attn_skip_freq says which) and attention sinks."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.window = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
+        if self.softmax_offset is not None:
+            # Megatron draws each TP rank's sinks from its own generator; zero is the same model at every layout
+            # (weights loaded afterwards replace it).
+            with torch.no_grad():
+                self.softmax_offset.zero_()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        window = self.config.window_size
-        if packed_seq_params is None and window is None:
+        window, sinks = self.window, self.softmax_offset
+        if packed_seq_params is None and window is None and sinks is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         # (MLA's values are narrower than its queries and keys: flash kernels want one head width.)
-        if packed_seq_params is not None and query.is_cuda and HAS_VARLEN and query.shape[-1] == value.shape[-1]:
+        if (packed_seq_params is not None and query.is_cuda and HAS_VARLEN and query.shape[-1] == value.shape[-1]
+                and sinks is None):
             # [tokens, heads, d] in and out; window (before, 0): causal within it; (-1, 0): causal.
             out = varlen_attn(query, key, value, packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv,
                               packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv,
@@ -86,12 +98,28 @@ class PackedDotProductAttention(DotProductAttention):
             # The spans of one length as the batch of one call (in a packed row of short samples most share a few
             # lengths): the same kernel per (sample, head) as a call per span, with a fraction of the calls.
             q, k, v = (torch.cat([spans[i][part] for i in group]) for part in range(3))
-            out = F.scaled_dot_product_attention(q, k, v, **causal(length, window, q.device),
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            if sinks is None:
+                out = F.scaled_dot_product_attention(q, k, v, **causal(length, window, q.device),
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
+            else:
+                out = attention_with_sinks(q, k, v, causal_mask(length, window, q.device), self.softmax_scale, sinks)
             for i, span_out in zip(group, out.split(query.shape[0])):
                 outputs[i] = span_out
         out = torch.cat(outputs, dim=2)  # [batch, heads, tokens, d]
         return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
+
+
+def attention_with_sinks(query, key, value, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax over each query's keys also holds its head's sink logit, a column that takes
+    probability and gives no value (gpt-oss; transformers' eager attention). No fused kernel takes the sink here,
+    so the scores are formed explicitly: memory grows with the square of the span (TE's attention takes sinks
+    fused on GPU). [batch, heads, tokens, d] in and out; key/value may hold fewer (grouped) heads."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    scores = (query @ key.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+    return probs @ value
 
 
 def _by_length(lengths: list[int]) -> dict[int, list[int]]:
@@ -116,11 +144,14 @@ class LatentDotProductAttention(PackedDotProductAttention):
 def causal(length: int, window: tuple[int, int] | None, device) -> dict:
     """Scaled-dot-product attention's arguments for causal attention over `length` positions, within Megatron's
     `window_size` (positions before, positions after: 0, causal) where set."""
-    if window is None:
-        return {"is_causal": True}
+    return {"is_causal": True} if window is None else {"attn_mask": causal_mask(length, window, device)}
+
+
+def causal_mask(length: int, window: tuple[int, int] | None, device) -> torch.Tensor:
+    """[length, length]: whether each query position sees each key position (before it, within `window`)."""
     position = torch.arange(length, device=device)
     behind = position[:, None] - position[None, :]
-    return {"attn_mask": (behind >= 0) & (behind <= window[0])}
+    return (behind >= 0) & (behind <= (window[0] if window is not None else length))
 
 
 def packed_seq_params(cu_seqlens: list[int], device) -> HostPackedSeqParams:

@@ -174,6 +174,12 @@ FAMILY_FIELDS = {
     "glm4_moe": dict(partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-5),
+    # gpt-oss: every layer routes over biased experts (their width is intermediate_size); the window (4 positions,
+    # shorter than the demo's sequences) on every other layer; YaRN within the demo's few positions; its epsilon.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
+                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                        "beta_slow": 1.0, "truncate": False}),
 }
 # Llama 3.1's rope scaling with a short original context, so that it acts within the demo's few positions.
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -183,7 +189,7 @@ QWEN2_5_YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_po
 # configs/models/tiny-<name>-digits: (model_type, fields beyond FAMILY_FIELDS)
 TINY_FAMILIES = {"llama3": ("llama", LLAMA3_ROPE), "mistral": ("mistral", {"sliding_window": 4}),
                  "qwen2-moe": ("qwen2_moe", {}), "deepseek-v2": ("deepseek_v2", {}),
-                 "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {})}
+                 "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {}), "gpt-oss": ("gpt_oss", {})}
 
 
 def family_config(model_type: str, tied: bool = False, layers: int = 2, **extra):

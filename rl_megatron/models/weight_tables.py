@@ -218,7 +218,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # layer per expert (SequentialMLP) or one grouped GEMM (TEGroupedMLP: TE's GroupedLinear names expert j's
 # weight `weight<j>`).
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 class DenseTable:
@@ -284,6 +284,16 @@ class DenseTable:
                                   for name, shape in zip(entry.hf_names, entry.hf_shapes))
         return needed
 
+    # A folder's tensors are the table's HF names unless a family stores them otherwise (models/expert_stacks.py).
+    def stored_shapes(self, needed: dict[str, Shape]) -> dict[str, Shape]:
+        return needed
+
+    def stored_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state
+
+    def stored_reader(self, get):
+        return get
+
     def replace_attention(self, entries: dict[str, Entry]) -> None:
         """Another attention's entries in place of the q/k/v ones (multi-head latent attention)."""
         self.layer = {**{name: entry for name, entry in self.layer.items()
@@ -307,7 +317,7 @@ class DenseTable:
         if (expert := _LOCAL_EXPERT.match(suffix)) is not None:
             expert_index, suffix = int(expert.group(1)), "mlp.experts." + expert.group(2)
         elif (expert := _GROUPED_EXPERT.match(suffix)) is not None:
-            expert_index, suffix = int(expert.group(2)), f"mlp.experts.{expert.group(1)}.weight"
+            expert_index, suffix = int(expert.group(3)), f"mlp.experts.{expert.group(1)}.{expert.group(2)}"
         entries = self.layer_entries(local + layer_offset)
         if suffix not in entries:
             raise KeyError(f"No Hugging Face name for Megatron parameter '{megatron_name}'")

@@ -43,6 +43,13 @@ def check_actor_layout(cfg: Config) -> None:
         raise ConfigError(f"actor.expert_tensor_parallel_size={etp} exceeds actor.tensor_model_parallel_size={tp}: "
                           "experts split over at most the attention's TP ranks. Lower it (1 is common: whole experts, "
                           "spread by actor.expert_model_parallel_size).")
+    if ep * etp < tp:
+        # Then each rank runs its own sequence-parallel tokens through whole experts, and one update's expert
+        # gradients differ from one device's (tests/distributed/test_gpt_oss.py measured it at TP=2, EP=1, ETP=1).
+        raise ConfigError(f"actor.expert_model_parallel_size={ep} x actor.expert_tensor_parallel_size={etp} is "
+                          f"below actor.tensor_model_parallel_size={tp}; Megatron's all-gather dispatcher then trains "
+                          f"the experts on part of the tokens. Make their product at least {tp}: raise "
+                          "actor.expert_model_parallel_size, or actor.expert_tensor_parallel_size.")
     if world % (etp * ep * pp):
         raise ConfigError(
             f"actor.expert_model_parallel_size={ep} x actor.expert_tensor_parallel_size={etp} x "

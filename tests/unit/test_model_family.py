@@ -3,6 +3,7 @@ gives Megatron and the weight tables, and the message for a model_type without o
 import math
 
 import pytest
+import torch
 
 from rl_megatron.config import ConfigError
 from rl_megatron.models.checks import check_model_layout
@@ -14,15 +15,19 @@ DENSE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads"
 MOE = {**DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6}
 MLA = {"num_key_value_heads": 4, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
        "v_head_dim": 2}
+# gpt-oss's configs always say YaRN (vLLM's gpt_oss class builds nothing else).
+EXTRA = {"gpt_oss": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 16}, "sliding_window": 4}}
 
 
 def model(model_type: str) -> dict:
     family = FAMILIES[model_type]
-    return {**(MOE if family.moe else DENSE), **(MLA if family.mla else {}), "model_type": model_type}
+    return {**(MOE if family.moe else DENSE), **(MLA if family.mla else {}), **EXTRA.get(model_type, {}),
+            "model_type": model_type}
 
 
 def test_the_supported_families_are_registered_by_model_type():
-    assert sorted(FAMILIES) == ["deepseek_v2", "deepseek_v3", "glm4_moe", "llama", "mistral", "mixtral", "qwen2",
+    assert sorted(FAMILIES) == ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
                                 "qwen2_moe", "qwen3", "qwen3_moe"]
     assert all(family.model_type == name for name, family in FAMILIES.items())
 
@@ -63,7 +68,7 @@ def test_family_specific_settings():
 
 def test_an_unknown_model_type_lists_the_supported_ones():
     hf = {**DENSE, "model_type": "gpt_neox"}
-    supported = "deepseek_v2, deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    supported = "deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
     with pytest.raises(ValueError, match=f"'gpt_neox' .*supported: {supported}"):
         family_of(hf)
     with pytest.raises(ValueError, match="gpt_neox"):
@@ -133,3 +138,40 @@ def test_glm_reads_its_q_k_norm_switch():
     assert glm.qk_norm({**model("glm4_moe"), "use_qk_norm": True})
     assert not glm.qk_norm(model("glm4_moe"))  # GLM-4.5-Air
     assert glm.qkv_bias({**model("glm4_moe"), "attention_bias": True})
+
+
+def test_gpt_oss_record():
+    """Sinks, biases everywhere, the clamped SwiGLU as Megatron's quick_gelu GLU, the window on every other layer;
+    what vLLM's gpt_oss class fixes is refused otherwise, naming the field."""
+    family, hf = FAMILIES["gpt_oss"], model("gpt_oss")
+    assert family.attention_fields(hf)["softmax_type"] == "learnable"
+    assert family.mlp_fields(hf) == {"activation": "quick_gelu", "add_bias_linear": True, "glu_linear_offset": 1.0,
+                                     "activation_func_clamp_value": 7.0}
+    assert family.window(hf) == 4 and family.window_layers(hf) == [True, False]
+    assert family.checkpoint_fields(hf)["window_layers"] == [True, False]
+    table = family.weight_table(hf, padded_vocab=16)
+    assert {"self_attention.core_attention.softmax_offset", "mlp.router.bias", "mlp.experts.linear_fc1.bias",
+            "mlp.experts.linear_fc2.bias", "self_attention.linear_proj.bias"} <= set(table.layer)
+    for field, value, words in [("swiglu_limit", 5.0, "swiglu_limit=5.0"), ("rms_norm_eps", 1e-6, "rms_norm_eps"),
+                                ("layer_types", ["full_attention", "sliding_attention"], "alternate"),
+                                ("layer_types", ["sliding_attention"], "each of the num_hidden_layers=2"),
+                                ("rope_parameters", {"rope_type": "default"}, "YaRN")]:
+        with pytest.raises(ConfigError, match=words):
+            family.check({**hf, field: value}, "config.json")
+
+
+def test_gpt_oss_folders_store_the_experts_stacked():
+    """Per-expert tensors <-> the stacked, input-major, gate/up-interleaved tensors of gpt-oss's folders."""
+    hf = model("gpt_oss")
+    table = FAMILIES["gpt_oss"].weight_table(hf, padded_vocab=16)
+    g = torch.Generator().manual_seed(0)
+    needed = table.hf_tensors()
+    state = {name: torch.randn(shape, generator=g) for name, shape in needed.items()}
+    stored = table.stored_tensors(state)
+    assert {name: tuple(t.shape) for name, t in stored.items()} == table.stored_shapes(needed)
+    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (4, 8, 32)  # [experts, hidden, 2 x width]
+    assert torch.equal(gate_up[2, :, 0::2], state["model.layers.1.mlp.experts.2.gate_proj.weight"].t())
+    assert torch.equal(gate_up[2, :, 1::2], state["model.layers.1.mlp.experts.2.up_proj.weight"].t())
+    read = table.stored_reader(stored.__getitem__)
+    assert all(torch.equal(read(name), tensor) for name, tensor in state.items())

@@ -121,6 +121,8 @@ def test_expert_tensor_parallelism_apart_from_attention_tp():
 @pytest.mark.parametrize("overrides, words", [
     (["actor.tensor_model_parallel_size=1", "actor.expert_tensor_parallel_size=2"], ["exceeds", "1 is common"]),
     (["actor.tensor_model_parallel_size=2"], ["x actor.expert_tensor_parallel_size=2", "must divide the actor's 2"]),
+    (["actor.tensor_model_parallel_size=2", "actor.expert_model_parallel_size=1", "actor.expert_tensor_parallel_size=1"],
+     ["=1 x actor.expert_tensor_parallel_size=1 is below actor.tensor_model_parallel_size=2", "at least 2"]),
 ])
 def test_expert_layout_must_fit_the_devices(overrides, words):
     message = error(*overrides)
