@@ -20,8 +20,9 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class Region:
     """HF tensor `hf_name` (full shape `hf_shape`), box `start..stop` (per dim), is held by a local tensor at
-    `local[index][origin .. origin + (stop - start)]`. `index` selects a sub-tensor first (one expert of a
-    tensor that stacks experts)."""
+    `local[index][origin .. origin + (stop - start)]`, every `step`-th element along each dim (empty: every one;
+    vLLM's gpt-oss experts interleave gate and up rows). `index` selects a sub-tensor first (one expert of a tensor
+    that stacks experts)."""
 
     hf_name: str
     hf_shape: Shape
@@ -29,15 +30,23 @@ class Region:
     stop: Shape
     origin: Shape
     index: tuple[int, ...] = ()
+    step: Shape = ()
+
+    @property
+    def steps(self) -> Shape:
+        return self.step or (1,) * len(self.start)
 
 
-def along(hf_name: str, hf_shape: Shape, dim: int, start: int, stop: int, at: int, index=()) -> Region:
-    """Rows start..stop of `hf_shape` along `dim` (everything along the other dims), at `at` in the local tensor."""
+def along(hf_name: str, hf_shape: Shape, dim: int, start: int, stop: int, at: int, index=(), every: int = 1) -> Region:
+    """Rows start..stop of `hf_shape` along `dim` (everything along the other dims), at `at` in the local tensor
+    (and every `every`-th row from there)."""
     begin = [0] * len(hf_shape)
     end = list(hf_shape)
     origin = [0] * len(hf_shape)
-    begin[dim], end[dim], origin[dim] = start, stop, at
-    return Region(hf_name, tuple(hf_shape), tuple(begin), tuple(end), tuple(origin), tuple(index))
+    step = [1] * len(hf_shape)
+    begin[dim], end[dim], origin[dim], step[dim] = start, stop, at, every
+    return Region(hf_name, tuple(hf_shape), tuple(begin), tuple(end), tuple(origin), tuple(index),
+                  tuple(step) if every != 1 else ())
 
 
 def whole(hf_name: str, hf_shape: Shape) -> Region:
@@ -47,7 +56,8 @@ def whole(hf_name: str, hf_shape: Shape) -> Region:
 def local_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
     """The part of a local tensor that holds `region`."""
     t = tensor[region.index] if region.index else tensor
-    return t[tuple(slice(o, o + b - a) for o, a, b in zip(region.origin, region.start, region.stop))]
+    return t[tuple(slice(o, o + (b - a - 1) * k + 1, k)
+                   for o, a, b, k in zip(region.origin, region.start, region.stop, region.steps))]
 
 
 def hf_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:

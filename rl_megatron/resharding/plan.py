@@ -124,8 +124,8 @@ def _subtract(box, hole) -> list:
 
 def _restrict(region: Region, box) -> Region:
     """The part of `region` that covers `box` (HF coordinates), in the same local tensor."""
-    origin = tuple(o + s - r for o, s, r in zip(region.origin, box[0], region.start))
-    return Region(region.hf_name, region.hf_shape, box[0], box[1], origin, region.index)
+    origin = tuple(o + (s - r) * k for o, s, r, k in zip(region.origin, box[0], region.start, region.steps))
+    return Region(region.hf_name, region.hf_shape, box[0], box[1], origin, region.index, region.step)
 
 
 def _split_rows(piece: Piece, max_bytes: int) -> list[Piece]:

@@ -53,21 +53,30 @@ def _unpacked_names(name: str, packed: dict[str, list[str]]) -> list[str]:
 
 def _expert_regions(layer, leaf: str, param: torch.Tensor) -> list[Region]:
     """vLLM's routed experts stack this rank's experts: `w13_weight[j]` = [gate shard; up shard] and `w2_weight[j]` =
-    the down projection's column shard of the global expert the layer's expert map puts in slot j. Shards are over
-    the layer's MoE TP ranks; the HF names are the layer's own checkpoint names."""
+    the down projection's column shard of the global expert the layer's expert map puts in slot j (gpt-oss's
+    activation, swigluoai, reads gate and up rows interleaved instead, and its biases are `w13_bias`, likewise, and
+    `w2_bias`, held by the first MoE TP rank alone since the ranks' outputs are summed). Shards are over the layer's
+    MoE TP ranks; the HF names are the layer's own checkpoint names."""
     parallel, experts = layer.moe_config.moe_parallel_config, layer.expert_map_manager
     rank, out = parallel.tp_rank, []
+    interleaved = str(layer.moe_config.activation.value) == "swigluoai"
     for expert in experts.get_local_expert_ids():
         slot, prefix = (experts.map_global_to_local(expert),), f"{layer.layer_name}.{expert}."
-        if leaf == "w13_weight":
-            n, hidden = param.shape[1] // 2, param.shape[2]
-            shape = (n * parallel.tp_size, hidden)
-            out += [along(prefix + layer.ckpt_gate_proj_name + ".weight", shape, 0, rank * n, (rank + 1) * n, 0, slot),
-                    along(prefix + layer.ckpt_up_proj_name + ".weight", shape, 0, rank * n, (rank + 1) * n, n, slot)]
+        if leaf in ("w13_weight", "w13_bias"):
+            n, kind = param.shape[1] // 2, leaf.rpartition("_")[2]
+            shape = (n * parallel.tp_size, *param.shape[2:])
+            (gate_at, up_at), every = ((0, 1), 2) if interleaved else ((0, n), 1)
+            out += [along(f"{prefix}{layer.ckpt_gate_proj_name}.{kind}", shape, 0, rank * n, (rank + 1) * n, gate_at,
+                          slot, every),
+                    along(f"{prefix}{layer.ckpt_up_proj_name}.{kind}", shape, 0, rank * n, (rank + 1) * n, up_at,
+                          slot, every)]
         elif leaf == "w2_weight":
             hidden, n = param.shape[1], param.shape[2]
             out.append(along(prefix + layer.ckpt_down_proj_name + ".weight", (hidden, n * parallel.tp_size), 1,
                              rank * n, (rank + 1) * n, 0, slot))
+        elif leaf == "w2_bias":  # the other ranks' stay zero (`zero_what_no_region_holds`)
+            out += [along(prefix + layer.ckpt_down_proj_name + ".bias", tuple(param.shape[1:]), 0, 0,
+                          param.shape[1], 0, slot)] if rank == 0 else []
         else:
             raise NotImplementedError(f"vLLM expert parameter '{leaf}' of '{layer.layer_name}' has no HF mapping yet "
                                       "(expert biases and quantised experts are not supported).")
@@ -82,6 +91,9 @@ def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str]) -> l
 
     if isinstance(module, RoutedExperts):
         return _expert_regions(module, leaf, param)
+    if leaf == "sinks":  # gpt-oss's attention sink logits, one per query head: split over TP with the heads
+        n, rank = param.shape[0], module.qkv_proj.tp_rank
+        return [along(names[0], (n * module.qkv_proj.tp_size,), 0, rank * n, (rank + 1) * n, 0)]
     tail = tuple(param.shape[1:])
     if isinstance(module, QKVParallelLinear):
         q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.v_head_size
@@ -128,6 +140,25 @@ def rederive_after_sync(model) -> None:
             module.process_weights_after_loading(module.kv_b_proj.weight.dtype)
 
 
+def _hf_name(mapper, name: str) -> str:
+    """The HF name of a vLLM parameter that vLLM's model class renames (gpt-oss: self_attn -> attn, embed_tokens ->
+    embedding): the first substitution back whose forward mapping gives `name` again; `name` where none does."""
+    if mapper is None:
+        return name
+    candidates = [name.replace(new, old, 1) for old, new in mapper.orig_to_new_substr.items() if new and new in name]
+    candidates += [old.join(name.rsplit(new, 1)) for old, new in mapper.orig_to_new_suffix.items()
+                   if new and name.endswith(new)]
+    return next((candidate for candidate in candidates if mapper.map_name(candidate) == name), name)
+
+
+def zero_what_no_region_holds(model) -> None:
+    """Zero the engine's parameters that hold no HF region on this rank (gpt-oss's expert output biases beyond the
+    first MoE TP rank; vocabulary padding): no sync writes them, and a dummy-loaded engine starts them random."""
+    for tensor, spec in vllm_targets(model).values():
+        if not spec.regions:
+            tensor.zero_()
+
+
 def vllm_targets(model) -> Held:
     """The engine's parameters on this rank (vLLM names) and the HF regions vLLM keeps in each (not those it
     derives: `DERIVED`)."""
@@ -141,7 +172,7 @@ def vllm_targets(model) -> Held:
                                "so it cannot be updated in place (start engines through rl_megatron's VLLMEngine).")
         module_name, _, leaf = name.rpartition(".")
         # An engine serving LoRA wraps each linear layer that can take adapters: `<layer>.base_layer.weight`.
-        hf_like = name.replace(".base_layer.", ".")
+        hf_like = _hf_name(getattr(model, "hf_to_vllm_mapper", None), name.replace(".base_layer.", "."))
         regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(hf_like, packed))
         held[name] = (param.detach(), TensorSpec(name, tuple(param.shape), param.dtype, tuple(regions)))
     return held

@@ -26,7 +26,7 @@ from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
 from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.platform.debugger import collective_timeout
-from rl_megatron.resharding.specs import rederive_after_sync
+from rl_megatron.resharding.specs import rederive_after_sync, zero_what_no_region_holds
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
 ENGINE_ENV = {
@@ -212,6 +212,9 @@ class VLLMEngine:
                     raise ValueError(f"{err} Set actor.lora.merge=true: the engines then receive the weights with "
                                      "the adapters merged.") from err
                 raise
+        if load_format == "dummy":  # the syncs write every region; what holds none must not stay random
+            with torch.no_grad():
+                zero_what_no_region_holds(self.model())
         self.routing = (EngineRouting(self._model_runner(), self.llm.llm_engine.output_processor.request_states,
                                       captured=not platform.has_cuda()) if routing else None)
 

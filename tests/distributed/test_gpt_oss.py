@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.parity import SEQ, config, family_model_dir, hf_model, hf_reference, hf_update_reference, make_batch
-from helpers.ranks import log_probs_and_export, update_and_export
+from helpers.ranks import check_engines_hold_the_trainer_weights, log_probs_and_export, update_and_export
 from helpers.worlds import run_distributed
 from rl_megatron.doctor.parity import saved_checkpoint
 from rl_megatron.models.family import table_for
@@ -83,3 +83,11 @@ def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2(tmp_path
     for name in ("model.layers.0.self_attn.sinks", "model.layers.1.mlp.router.bias",
                  "model.layers.1.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj"):
         assert not torch.equal(initial[name], after[name]), f"the update left {name} unchanged"
+
+
+# One engine per rank, and one engine over both ranks (its experts and sinks split over the engine's TP ranks, the
+# experts' output bias held by the first); the trainer at TP2 x EP2 or EP2.
+@pytest.mark.parametrize("tp,ep,engine_tp", [(1, 2, 1), (2, 2, 2)])
+def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, tp, ep, engine_tp):
+    check_engines_hold_the_trainer_weights(family_model_dir(tmp_path, "gpt_oss", tied=False), tp, 1, 1, ep, engine_tp,
+                                           "process_group", etp=1)

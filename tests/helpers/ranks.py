@@ -9,6 +9,8 @@ from helpers.parity import build_actor, config, hf_model
 from helpers.routing import owned_outputs, router_choices
 from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import saved_checkpoint
+from rl_megatron.models.family import table_for
+from rl_megatron.models.hf_config import read_hf_config
 from helpers.worlds import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
@@ -85,20 +87,23 @@ def actor_log_probs_everywhere(actor, batch):
 
 
 def check_engines_hold_the_trainer_weights(model_dir: str, tp: int, pp: int, vpp: int, ep: int, engine_tp: int,
-                                           channel: str) -> None:
-    """Train layout TP x PP (x VPP) with `ep` data-parallel ranks that split the experts -> engines of `engine_tp`."""
+                                           channel: str, etp: int | None = None) -> None:
+    """Train layout TP x PP (x VPP) with `ep` data-parallel ranks that split the experts (over `etp` expert-TP ranks,
+    default TP) -> engines of `engine_tp`."""
     same_layout = tp == engine_tp and pp == 1 and ep == 1
     # vLLM pads the vocabulary to a multiple of 64; with Megatron padding the same way, every rank already
     # holds its engine shard and nothing should cross ranks.
     padding = {"model.make_vocab_size_divisible_by": 64 // tp} if same_layout else {}
     cfg = config(model_dir, tp, pp, vpp, **{"rollout.tensor_parallel_size": engine_tp,
                                             "rollout.max_tokens": NEW_TOKENS, "actor.expert_model_parallel_size": ep,
-                                            "trainer.n_gpus_per_node": tp * pp * ep, **padding})
+                                            "trainer.n_gpus_per_node": tp * pp * ep, **padding,
+                                            **({"actor.expert_tensor_parallel_size": etp} if etp else {})})
     # Small buckets: many of them, and pieces cut across bucket boundaries.
-    results = run_distributed(sync_into_engine, tp * pp * ep, tp, pp, vpp, ep, args=(cfg, channel, 16 << 10))
+    results = run_distributed(sync_into_engine, tp * pp * ep, tp, pp, vpp, ep, args=(cfg, channel, 16 << 10), etp=etp)
     reference = hf_greedy(hf_model(model_dir), PROMPTS, NEW_TOKENS)
     saved = saved_checkpoint(model_dir)
-    exported = results[0][2]
+    hf = read_hf_config(model_dir)
+    exported = table_for(hf, hf["vocab_size"]).stored_tensors(results[0][2])  # as the family's folders store it
     assert set(exported) == set(saved) and all(torch.equal(exported[n], t) for n, t in saved.items())
     for rank, (mismatches, greedy, _, stats) in enumerate(results):
         assert mismatches == [], f"rank {rank}: {mismatches[:3]}"
