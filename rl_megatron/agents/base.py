@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.trajectory import ChatDeltas
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config.schema import RolloutConfig
@@ -30,11 +31,13 @@ class TurnGenerator(Protocol):
 @dataclass(frozen=True)
 class AgentContext:
     """What every trajectory of a run shares: the tokenizer, the rollout settings (rollout.multi_turn's limits), the
-    tools (None without rollout.multi_turn.tool_config_path) and the chat template's deltas."""
+    tools (None without rollout.multi_turn.tool_config_path) and the chat template's deltas (HarmonyDeltas for
+    gpt-oss's harmony format, whose tool messages carry the `name` of the function they answer)."""
     tokenizer: Any
     rollout: RolloutConfig
     tools: ToolSet | None
-    deltas: ChatDeltas | None  # None for SingleTurnLoop (no turn follows)
+    deltas: ChatDeltas | HarmonyDeltas | None  # as rollout.multi_turn.format says; None for SingleTurnLoop (no turn
+    # follows)
 
 
 class AgentLoop:

@@ -1,6 +1,8 @@
-"""The built-in tool-calling loop (rollout.agent_loop=tool_agent): the model answers, its Hermes tool calls
-(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen2.5/Qwen3 write them) run, their replies come back
-as tool messages, and the model goes on, until it answers without a call or a limit ends the trajectory.
+"""The built-in tool-calling loop (rollout.agent_loop=tool_agent): the model answers, its tool calls run, their
+replies come back as tool messages, and the model goes on, until it answers without a call or a limit ends the
+trajectory. Calls in the Hermes format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen2.5/Qwen3
+write them), or in gpt-oss's harmony format (messages to=functions.NAME; rl_megatron/tools/harmony.py), as
+rollout.multi_turn.format says: a harmony turn's answer, the one the reward reads, is its final channel.
 
 Limits (rollout.multi_turn): max_assistant_turns, max_tool_calls and max_response_length (every token after the
 prompt: the model's, the tools' and the template's). A trajectory that would pass one ends with status TRUNCATED:
@@ -13,9 +15,11 @@ import asyncio
 import time
 
 from rl_megatron.agents.base import AgentLoop, TurnGenerator
+from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.trajectory import Trajectory
 from rl_megatron.batch import Prompt, Sample, SampleStatus
 from rl_megatron.tools import ToolCall, ToolOutcome, parse_tool_calls
+from rl_megatron.tools.harmony import parse_harmony_turn
 
 TRUNCATION_NOTE = "\n...(truncated)"
 
@@ -24,21 +28,31 @@ class ToolAgentLoop(AgentLoop):
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         rollout, limits = self.context.rollout, self.context.rollout.multi_turn
         trajectory = Trajectory(prompt)
+        harmony = isinstance(self.context.deltas, HarmonyDeltas)  # rollout.multi_turn.format
         while True:
             room = limits.max_response_length - len(trajectory.response_ids)
             if trajectory.turns == limits.max_assistant_turns or room <= 0:
                 return trajectory.sample(SampleStatus.TRUNCATED)
             completion = await generate(trajectory.context(), min(rollout.max_tokens, room))
-            text = self.context.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-            trajectory.add_turn(completion, text)
-            parsed = parse_tool_calls(text)
+            if harmony:  # the markers (<|channel|>, <|call|>, ...) are special tokens: kept for the parser
+                turn = parse_harmony_turn(self.context.tokenizer.decode(completion.response_ids))
+                trajectory.add_turn(completion, turn.final, **turn.message_fields())
+                parsed = turn.calls
+            else:
+                text = self.context.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+                trajectory.add_turn(completion, text)
+                parsed = parse_tool_calls(text)
             attempts = len(parsed.calls) + len(parsed.errors)
             if attempts == 0 or completion.status == SampleStatus.ABORTED:
                 return trajectory.sample(completion.status)
             if trajectory.tool_stats.calls + attempts > limits.max_tool_calls:
                 return trajectory.sample(SampleStatus.TRUNCATED)
             replies = await self._replies(parsed.calls, parsed.errors, trajectory)
-            spliced = self.context.deltas.after_turn(replies, turn_ended=completion.status == SampleStatus.OK)
+            if harmony:  # each reply comes from the function it answers
+                replies = [dict(reply, name=name) for reply, name in zip(replies, turn.reply_names)]
+                spliced = self.context.deltas.after_turn(replies, closing=turn.closing)
+            else:
+                spliced = self.context.deltas.after_turn(replies, turn_ended=completion.status == SampleStatus.OK)
             if len(trajectory.response_ids) + len(spliced) >= limits.max_response_length:
                 return trajectory.sample(SampleStatus.TRUNCATED)  # no room left for another turn
             trajectory.add_context(spliced, replies)

@@ -111,13 +111,15 @@ class Trajectory:
         """What the model reads next: the prompt and everything after it."""
         return self.prompt.ids + self.response_ids
 
-    def add_turn(self, completion: Completion, text: str) -> None:
+    def add_turn(self, completion: Completion, text: str, **fields) -> None:
+        """The model's turn; `text` is its message's content (the last turn's is the answer the reward reads) and
+        `fields` its other keys (harmony: `thinking`, `tool_calls`)."""
         self.response_ids += completion.response_ids
         self.versions += completion.versions or [None] * len(completion.response_ids)
         self.loss_mask += [1] * len(completion.response_ids)
         self.log_probs += completion.log_probs
         self.routed_experts = known_routing_then(self.routed_experts, completion.routed_experts)
-        self.messages.append({"role": "assistant", "content": text})
+        self.messages.append({"role": "assistant", "content": text, **fields})
         self.turns += 1
 
     def add_context(self, ids: list[int], messages: list[dict]) -> None:

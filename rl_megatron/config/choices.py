@@ -21,6 +21,11 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # rollout.agent_loop's built-in single-turn value: each prompt answered in one batched generation (no agent loop)
 SINGLE_TURN = "single_turn"
 
+# rollout.multi_turn.format: how the model writes tool calls and reads their replies: hermes (`rl_megatron.tools.calls`,
+# Qwen's <tool_call> blocks), harmony (`rl_megatron.tools.harmony`, gpt-oss), or auto (from the chat template)
+AUTO_FORMAT, HERMES, HARMONY = "auto", "hermes", "harmony"
+TOOL_FORMATS = (AUTO_FORMAT, HERMES, HARMONY)
+
 # resharding.channel: auto (shared memory between CPU processes on one machine, the process group (NCCL) between
 # GPUs), or one of `rl_megatron.resharding.channels`' channels
 CHANNELS = ("auto", "process_group", "shared_memory")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from rl_megatron.config.choices import CHANNELS, DEFAULT_LOGGERS, KL_ESTIMATORS, LOGGERS, LOSS_AGG_MODES, \
-    LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES
+    LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES, TOOL_FORMATS
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
 
 Placement = Literal["colocated", "separate"]
@@ -183,6 +183,7 @@ class CriticConfig:
 @dataclass
 class MultiTurnConfig:
     tool_config_path: Optional[str] = None  # the tools the model may call: a YAML/JSON file in verl's layout (each tool's class_name, config and OpenAI function schema; see configs/tools/)
+    format: Literal[TOOL_FORMATS] = "auto"  # how the model writes tool calls and reads their replies: hermes (Qwen2.5/Qwen3's <tool_call>{"name": ..., "arguments": ...}</tool_call>), harmony (gpt-oss: a message to=functions.NAME, the reward reading the final channel), or auto (harmony when the chat template writes <|channel|>, else hermes)
     max_assistant_turns: int = checked(5, POSITIVE)  # the model's turns in a trajectory; one that would need another ends as truncated
     max_tool_calls: int = checked(8, POSITIVE)  # tool calls in a trajectory (malformed ones count); a turn that would pass it ends the trajectory as truncated
     max_response_length: Optional[int] = checked(None, POSITIVE)  # every token after the prompt (the model's, the tools' and the template's); a trajectory that would pass it ends as truncated (default: max_assistant_turns x (rollout.max_tokens + max_tool_response_length))
