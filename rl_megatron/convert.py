@@ -49,6 +49,14 @@ def _say(message: str) -> None:
     print(f"[convert] {message}", flush=True)
 
 
+def _expert_tp(hf: dict) -> int | None:
+    """The experts' TP size conversion runs at: 1 where they have biases (Megatron builds those at expert-TP 1 only;
+    a checkpoint is the same at any layout), Megatron's default (the TP size) otherwise."""
+    from rl_megatron.models.family import family_of
+
+    return 1 if family_of(hf).expert_biases else None
+
+
 def _check_layout(hf: dict, source: str, tp: int, pp: int, ep: int) -> None:
     """The model against the layout the command runs at: the trainer's check, naming the command's flags."""
     from rl_megatron.config import ConfigError
@@ -174,7 +182,7 @@ def from_hf(args) -> None:
     _say(f"{args.hf} ({hf['model_type']}, {hf['num_hidden_layers']} layers) -> {args.out}: "
          f"TP={args.tp} PP={args.pp} EP={args.ep}, {world} process(es), {dtype}")
     start = time.perf_counter()
-    run_distributed(_rank_from_hf, world, args.tp, args.pp, ep=args.ep,
+    run_distributed(_rank_from_hf, world, args.tp, args.pp, ep=args.ep, etp=_expert_tp(hf),
                     args=(args.hf, hf, args.out, dtype, args.make_vocab_size_divisible_by))
     _say(f"done in {time.perf_counter() - start:.1f} s: {args.out}")
 
@@ -200,7 +208,7 @@ def to_hf(args) -> None:
     _say(f"{args.ckpt} (saved at TP={saved['tp']} PP={saved['pp']}) -> {args.out}: loading at TP={args.tp} "
          f"PP={args.pp}, {world} process(es), writing {dtype}")
     start = time.perf_counter()
-    run_distributed(_rank_to_hf, world, args.tp, args.pp,
+    run_distributed(_rank_to_hf, world, args.tp, args.pp, etp=_expert_tp(hf),
                     args=(args.ckpt, hf, partial, dtype, args.make_vocab_size_divisible_by,
                           int(args.max_shard_size_gb * (1 << 30))))
     finish_partial(args.out)

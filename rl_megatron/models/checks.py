@@ -85,7 +85,7 @@ def check_moe_model(hf: dict, etp: Size) -> None:
                           "always for Mixtral) gives every token the weight 1, so the router would get no gradient "
                           "(Megatron refuses it): use moe.top_k >= 2.")
     etp_name, etp_size = etp
-    if family.linear_bias and etp_size > 1:
+    if family.expert_biases and etp_size > 1:
         raise ConfigError(f"The {hf['model_type']} experts' output biases would be added once per expert-TP rank "
                           f"before Megatron sums their partial outputs (at {etp_name}={etp_size}, the TP size by "
                           "default): set actor.expert_tensor_parallel_size=1 (the experts then split over EP).")

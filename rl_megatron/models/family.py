@@ -60,6 +60,11 @@ class ModelFamily:
         moe = () if self.moe is None else self.moe.config_fields
         return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
 
+    @property
+    def expert_biases(self) -> bool:
+        """Whether the routed experts have biases, which Megatron takes at expert-TP 1 only."""
+        return self.moe is not None and self.linear_bias
+
     def window(self, hf: dict) -> int | None:
         """Positions a token attends to (itself included), None for full causal attention. Qwen2's configs carry
         a sliding_window that applies only with use_sliding_window, and then to the upper layers alone: refused."""

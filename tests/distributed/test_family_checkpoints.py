@@ -4,7 +4,8 @@ greedily as transformers does on the original. (Each family's log-probs against 
 resharded into vLLM engines: tests/distributed/test_megatron_parity.py, test_moe.py, test_resharding.py.)
 
 In CI: DeepSeek-V3, whose export carries the most (latent attention, the routers' expert biases, shared experts,
-a dense first layer); the others are `slow` (RL_MEGATRON_SLOW=1)."""
+a dense first layer), and gpt-oss (sinks, biases everywhere, experts stacked as its folders store them); the others
+are `slow` (RL_MEGATRON_SLOW=1)."""
 import glob
 
 import pytest
@@ -29,6 +30,7 @@ def hf_tensors(folder) -> dict:
 # (family, its config fields, the layout the checkpoint is saved at, the layout it is loaded back at)
 @pytest.mark.parametrize("family,extra,saved,loaded", [
     ("deepseek_v3", {}, ["--ep", "2"], ["--tp", "2"]),
+    ("gpt_oss", {}, ["--ep", "2"], ["--tp", "2"]),  # its experts stacked in the folders; vLLM loads them itself
     pytest.param("qwen3_moe", {}, ["--ep", "2"], ["--tp", "2"], marks=pytest.mark.slow),
     pytest.param("deepseek_v2", {}, ["--pp", "2"], ["--tp", "2"], marks=pytest.mark.slow),
     pytest.param("glm4_moe", {}, ["--tp", "2", "--ep", "2"], [], marks=pytest.mark.slow),

@@ -49,14 +49,15 @@ def log_probs_then_update(cfg, batch):
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 # qwen2: QKV biases, separate output layer (and Qwen2.5's YaRN); qwen3: QK-norm, tied embeddings; Llama 3.1's rope
 # scaling; Mistral's sliding window (TE's window_size); the MoE families (float32 only: in bfloat16 near-tied router
 # scores may pick other experts than transformers does) with TE's grouped GEMM (TEGroupedMLP, moe.grouped_gemm)
 # when TE is installed: DeepSeek's latent attention (TE keeps its down projections whole), sigmoid routers with the
-# expert bias, shared experts, dense first layers; GLM-4.5's partial rotary.
+# expert bias, shared experts, dense first layers; GLM-4.5's partial rotary; gpt-oss's sinks (TE's learnable softmax
+# offset), windows on every other layer, biased experts and clamped SwiGLU (not yet run on a GPU: docs/gpu.md).
 @pytest.mark.parametrize("family,tied,dtype,extra", [(family, tied, dtype, {}) for family, tied in (("qwen2", False),
                                                                                                   ("qwen3", True))
                                                      for dtype in ("float32", "bfloat16")]

@@ -15,9 +15,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message
 
 
 def write_header_only_weights(folder: str, hf: dict, files: int = 1, dtype: str = "BF16") -> list[str]:
-    """Every tensor the model of config.json `hf` loads (its weight table's), in `files` safetensors files (with
-    the index when more than one) whose data are holes. Returns the file names."""
-    tensors = list(table_for(hf, hf["vocab_size"]).hf_tensors().items())
+    """Every tensor the model of config.json `hf` loads (its weight table's, as the family's folders store them), in
+    `files` safetensors files (with the index when more than one) whose data are holes. Returns the file names."""
+    table = table_for(hf, hf["vocab_size"])
+    tensors = list(table.stored_shapes(table.hf_tensors()).items())
     per_file = math.ceil(len(tensors) / files)
     names, weight_map = [], {}
     for number in range(files):

@@ -1,6 +1,6 @@
 """The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_gsm8k_lora.yaml, *_math_8k.yaml,
 *_math_async.yaml, *_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
-scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air) load, validate and fit their
+scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air, configs/gpt_oss/) load, validate and fit their
 cluster, activations included (every pool's peak phase under an H100's 80 GiB): each with the real model's config.json
 and data prepared by
 `python -m rl_megatron.data.prepare`'s entry point, called here (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
@@ -78,7 +78,19 @@ RELEASED = {"llama3.1-8b": dict(LLAMA3_1, hidden_size=4096, intermediate_size=14
                 first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
                 use_qk_norm=False, attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000,
                 vocab_size=151552, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
-                pad_token_id=151329, eos_token_id=[151329, 151336, 151338], num_nextn_predict_layers=1)}
+                pad_token_id=151329, eos_token_id=[151329, 151336, 151338], num_nextn_predict_layers=1),
+            # every layer routes over biased experts (4 a token), their width 2880; 64 query heads over 8 kv heads
+            # with sinks; a 128-token window on every other layer; YaRN to 128k
+            **{f"gpt-oss-{size}": dict(
+                architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=layers,
+                num_local_experts=experts, num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=64, attention_bias=True, sliding_window=128,
+                layer_types=["sliding_attention", "full_attention"] * (layers // 2), swiglu_limit=7.0,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+                vocab_size=201088, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                pad_token_id=199999, eos_token_id=[200002, 199999, 200012])
+               for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))}}
 
 
 def model_folder(tmp_path, size, tools=False):
@@ -130,7 +142,9 @@ def dapo_file(tmp_path):
                                               ("grpo_llama3_1_70b_math", "llama3.1-70b", "math"),
                                               ("grpo_moonlight_16b_a3b_math", "moonlight-16b-a3b", "math"),
                                               ("deepseek_v3/grpo_deepseek_v3_math", "deepseek-v3", "math"),
-                                              ("grpo_glm4_5_air_math", "glm-4.5-air", "math")])
+                                              ("grpo_glm4_5_air_math", "glm-4.5-air", "math"),
+                                              ("gpt_oss/grpo_gpt_oss_20b_math", "gpt-oss-20b", "math"),
+                                              ("gpt_oss/grpo_gpt_oss_120b_math", "gpt-oss-120b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "dapo":
         train = val = dapo_file(tmp_path)
@@ -158,6 +172,9 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if size == "30b-a3b":  # experts whole (ETP=1) and split over one node's 8 GPUs, apart from attention's TP=2
         assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "actor 23.0 GiB" in plan
         assert ", routing " in plan  # the engines' routing (moe.engine_routing, on for MoE models) in the passes
+    if size.startswith("gpt-oss"):  # the parameters counted with their biases and sinks, as released
+        assert {"20b": "20.9 B parameters", "120b": "117 B parameters"}[size.split("-")[-1]] in plan
+        assert "ETP=1" in plan and {"20b": "training 59.9 GiB", "120b": "training 70.8 GiB"}[size.split("-")[-1]] in plan
     if recipe == "grpo_qwen2_5_7b_gsm8k_lora":  # the frozen base, rank-64 adapters trained, no reference model
         # The engines load the adapters (all 28 layers' at rank 64, bf16) on the base they were sent once.
         assert "actor 4.4 GiB (1.9 B params/GPU frozen + 74.1 M LoRA" in plan and "merged" not in plan
