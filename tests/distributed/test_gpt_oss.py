@@ -62,7 +62,7 @@ def test_log_probs_and_export_match_transformers(tmp_path, tp, pp, ep, layers, p
         assert torch.equal(exported[name], tensor), name
 
 
-def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2(tmp_path):
+def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2_with_recompute(tmp_path):
     model_dir = family_model_dir(tmp_path, "gpt_oss", tied=False)
     batch = make_batch(18)
     lr = {"actor.optim.lr": 1e-5, "actor.expert_tensor_parallel_size": 1}
@@ -72,7 +72,10 @@ def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2(tmp_path
     hf_loss, hf_grad_norm = hf_update_reference(hf_model(model_dir), batch.__class__(
         **{**batch.__dict__, "old_log_probs": log_probs}), one)
     assert ref_metrics["actor/grad_norm"] == pytest.approx(hf_grad_norm, rel=1e-4)
-    cfg = config(model_dir, 2, 1, **lr, **{"actor.expert_model_parallel_size": 2, "trainer.n_gpus_per_node": 4})
+    # The sharded run recomputes every layer in its backward (the recipes' setting).
+    cfg = config(model_dir, 2, 1, **lr, **{"actor.expert_model_parallel_size": 2, "trainer.n_gpus_per_node": 4,
+                                          "actor.recompute_granularity": "full", "actor.recompute_method": "uniform",
+                                          "actor.recompute_num_layers": 1})
     metrics, state = run_distributed(update_and_export, 4, 2, ep=2, etp=1, args=(cfg, batch))[0]
     assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
     # (The clamp's wide weights give a gradient norm of about 10: fp32 sums in another order differ by ~1e-6 of it.)

@@ -51,3 +51,13 @@ def test_tiny_gpt_oss_learns_the_digits(tmp_path):
     assert len(rows) <= 300 and rows[0]["reward/mean"] < 0.3
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-4
     assert min(r["moe/routing_agreement"] for r in rows) >= 0.99
+
+
+def test_tiny_gpt_oss_on_a_separate_engine_gets_the_trainers_weights(tmp_path):
+    """rollout.placement=separate: the engine in a worker of its own, sent gpt-oss's weights by broadcast at every
+    step (checked bit for bit: resharding.verify), samples with the trainer's own log-probs."""
+    _, rows, _ = train(tmp_path, "trainer.total_steps=3", "trainer.target_reward=null", "trainer.n_gpus_per_node=1",
+                       "actor.expert_model_parallel_size=1", "rollout.placement=separate", "resharding.verify=true",
+                       config="moe/grpo_tiny_gpt_oss_cpu")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-5
