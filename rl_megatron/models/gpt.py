@@ -25,9 +25,20 @@ from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
 from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# The gated MLPs' activations, by the name a family's mlp_fields gives (quick_gelu: Megatron's, which its fused
-# kernels recognise).
-ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}
+
+
+def eager_quick_gelu(y: torch.Tensor) -> torch.Tensor:
+    """Megatron's quick_gelu, uncompiled: Megatron wraps it in torch.compile, which on the CPU builds a C++ kernel
+    in every process (about 2 s) for one multiply."""
+    return y * torch.sigmoid(1.702 * y)
+
+
+def activation_function(name: str):
+    """The gated MLPs' activation by the name a family's mlp_fields gives; quick_gelu is Megatron's own on CUDA,
+    which its fused kernels recognise."""
+    if name == "quick_gelu":
+        return quick_gelu if platform.has_cuda() else eager_quick_gelu
+    return {"silu": F.silu}[name]
 
 
 def token_dispatcher(moe: MoeConfig) -> str:
@@ -135,7 +146,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
 def mlp_fields(hf: dict) -> dict:
     """Megatron TransformerConfig fields of the family's MLPs (models/family.py), with the activation's function."""
     fields = family_of(hf).mlp_fields(hf)
-    return dict(fields, activation_func=ACTIVATIONS[fields.pop("activation")])
+    return dict(fields, activation_func=activation_function(fields.pop("activation")))
 
 
 def position_fields(hf: dict) -> dict:
