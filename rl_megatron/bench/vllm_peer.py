@@ -16,6 +16,7 @@ from rl_megatron import platform
 from rl_megatron.bench.vllm_alone import Conversation, Work, run_in_own_process
 from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.family import family_of
+from rl_megatron.models.mxfp4 import is_mxfp4_config
 from rl_megatron.rollout.vllm_engine import VLLMEngine, engine_arguments
 
 
@@ -24,9 +25,10 @@ def compare_with_vllm(engine: VLLMEngine, model_path: str, dtype: str, seed: int
                       repeats: int, threads: int) -> dict:
     """Close `engine` (built as `VLLMEngine(model_path, engine.cfg, dtype, seed)`), run `conversations` through
     vLLM alone, and compare with the project's `tokens_per_s` and responses (one per conversation)."""
+    hf = read_hf_config(model_path)
     arguments = engine_arguments(model_path, engine.cfg, dtype, seed, hf_overrides=None, load_format="dummy",
-                                 cuda=platform.has_cuda(), mla=family_of(read_hf_config(model_path)).mla,
-                                 group_timeout_s=None)
+                                 cuda=platform.has_cuda(), mla=family_of(hf).mla, group_timeout_s=None,
+                                 mxfp4_folder=is_mxfp4_config(hf))
     # Read off the project's engine, so that a sampling setting added there reaches the peer.
     sampling = engine._sampling(n=1, temperature=temperature)
     engine.close()  # on a GPU both engines would not fit

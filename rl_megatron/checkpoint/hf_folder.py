@@ -11,6 +11,7 @@ import torch
 from rl_megatron.checkpoint.model import copy_side_files
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_weights import INDEX_FILE
+from rl_megatron.models.mxfp4 import without_quantization_config
 # The names config.json uses for a parameter dtype (transformers < 5 writes torch_dtype, >= 5 dtype).
 CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -47,8 +48,9 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], out_dir: str, hf_config
         progress(f"wrote {file} ({len(names)} tensors)")
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    # transformers < 5 reads torch_dtype; >= 5 writes dtype, which then wins, so it is updated where present.
-    config = dict(hf_config, torch_dtype=CONFIG_DTYPE_NAMES[dtype])
+    # transformers < 5 reads torch_dtype; >= 5 writes dtype, which then wins, so it is updated where present. The
+    # tensors are plain even when the model came from an MXFP4 folder: no quantization_config (models/mxfp4.py).
+    config = dict(without_quantization_config(hf_config), torch_dtype=CONFIG_DTYPE_NAMES[dtype])
     if "dtype" in config:
         config["dtype"] = CONFIG_DTYPE_NAMES[dtype]
     with open(os.path.join(out_dir, "config.json"), "w") as f:

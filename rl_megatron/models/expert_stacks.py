@@ -29,7 +29,6 @@ _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_pro
 _STORED = {("gate_proj", "weight"): ("gate_up_proj", 0), ("up_proj", "weight"): ("gate_up_proj", 1),
            ("gate_proj", "bias"): ("gate_up_proj_bias", 0), ("up_proj", "bias"): ("gate_up_proj_bias", 1),
            ("down_proj", "weight"): ("down_proj", None), ("down_proj", "bias"): ("down_proj_bias", None)}
-STACKS_PER_LAYER = len({stored for stored, _ in _STORED.values()})
 
 
 def stored_part(name: str) -> tuple[str, int, int | None, bool] | None:
@@ -42,9 +41,8 @@ def stored_part(name: str) -> tuple[str, int, int | None, bool] | None:
     return f"{prefix}.{stored}", int(expert), half, kind == "weight"
 
 
-def per_expert(stacked: torch.Tensor, expert: int, half: int | None, weight: bool) -> torch.Tensor:
-    """One expert's tensor, as nn.Linear holds it, out of a stacked one."""
-    tensor = stacked[expert]
+def per_expert(tensor: torch.Tensor, half: int | None, weight: bool) -> torch.Tensor:
+    """One expert's tensor, as nn.Linear holds it, out of its slice of a stacked one."""
     if half is not None:
         tensor = tensor[..., half::2]
     return tensor.t().contiguous() if weight else tensor.contiguous()
@@ -80,10 +78,10 @@ class StackedExpertsTable(MoeTable):
                 stored[name] = shape
                 continue
             stacked, _, half, weight = part
-            width = shape[::-1] if weight else shape  # input-major
-            if half is not None:
-                width = (*width[:-1], 2 * width[-1])
-            stored[stacked] = (self.experts, *width)
+            one = shape[::-1] if weight else shape  # one expert's, input-major
+            if half is not None:  # gate and up side by side
+                one = (*one[:-1], 2 * one[-1])
+            stored[stacked] = (self.experts, *one)
         return stored
 
     def stored_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -106,21 +104,19 @@ class StackedExpertsTable(MoeTable):
             out[stacked] = torch.stack([stored_expert(parts, e) for e in range(self.experts)]).contiguous()
         return out
 
-    def stored_reader(self, get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
-        """`get` (stored name -> tensor) as a per-expert name -> tensor reader. The stacked tensors of the last layer
-        read are kept: a rank reads each of its experts' four tensors from the same four stacks in turn."""
-        cache: dict[str, torch.Tensor] = {}
+    def stored_reader(self, get: Callable[..., torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        """`get` (stored name, optionally an expert -> the tensor, or only that expert's slice of it) as a per-expert
+        name -> tensor reader. Each expert's slice of a stack is read alone (a rank loads only its own experts) and
+        kept while its four tensors are read."""
+        cache: dict[str, tuple[int, torch.Tensor]] = {}
 
         def read(name: str) -> torch.Tensor:
             part = stored_part(name)
             if part is None:
                 return get(name)
             stacked, expert, half, weight = part
-            if stacked not in cache:
-                if len(cache) >= STACKS_PER_LAYER:
-                    cache.clear()
-                cache[stacked] = get(stacked)
-            return per_expert(cache[stacked], expert, half, weight)
+            if cache.get(stacked, (None,))[0] != expert:
+                cache[stacked] = (expert, get(stacked, expert))
+            return per_expert(cache[stacked][1], half, weight)
 
         return read
-

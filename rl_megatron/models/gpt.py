@@ -17,6 +17,7 @@ from rl_megatron.platform import megatron_fixes
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.family import family_of, head_dim, table_for
+from rl_megatron.models import mxfp4
 from rl_megatron.models.hf_weights import INDEX_FILE
 from rl_megatron.models.lora import is_adapter_parameter
 from rl_megatron.models.packed_attention import LatentDotProductAttention, PackedDotProductAttention
@@ -350,16 +351,24 @@ class SafetensorsReader:
         self.folder, self.weight_map = folder, weight_map
         self._open = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Tensor `name` (with `expert`: only its slice `[expert]`, the one expert of a stacked tensor a rank needs,
+        read alone); one the folder stores in MXFP4 (`name`_blocks and `name`_scales: gpt-oss's experts as
+        released) dequantized, to bf16 (models/mxfp4.py)."""
         from safetensors import safe_open
 
+        if name not in self.weight_map and mxfp4.packed_names(name).blocks in self.weight_map:
+            # Dequantized with the expert's leading dimension kept: [1, ...] in, [1, ...] out.
+            part = self.get if expert is None else (lambda packed: self.get(packed, expert).unsqueeze(0))
+            tensor = mxfp4.read_dequantized(name, self.weight_map, part, self.folder)
+            return tensor if expert is None else tensor[0]
         if name not in self.weight_map:
             raise KeyError(f"Tensor '{name}' is not in the safetensors of '{self.folder}'; "
                            "does model.path hold the model its config.json describes?")
         file = self.weight_map[name]
         if file not in self._open:
             self._open[file] = safe_open(os.path.join(self.folder, file), framework="pt")
-        return self._open[file].get_tensor(name)
+        return self._open[file].get_tensor(name) if expert is None else self._open[file].get_slice(name)[expert]
 
 
 @torch.no_grad()

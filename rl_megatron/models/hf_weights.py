@@ -4,7 +4,8 @@ The workers read model.path's weights long after start (`models.gpt.load_hf_weig
 a missing, truncated or foreign file would cost a cluster's start-up and end in a worker's traceback. This module
 finds the same problems from the files' headers alone (no tensor data is read, so a 70B folder takes well under a
 second): every file the index names exists, every header parses and its tensors' data lie inside the file, and every
-tensor the model's weight table loads is there with the shape config.json implies.
+tensor the model's weight table loads is there with the shape config.json implies (one stored in MXFP4, as gpt-oss's
+experts are released, as its blocks and scales: `models/mxfp4.py`).
 
 A safetensors file is an 8-byte little-endian header length n, n bytes of JSON header, then the data section. The
 header maps each tensor's name to {"dtype", "shape", "data_offsets": [begin, end]}, the offsets counting from the
@@ -19,6 +20,7 @@ import struct
 from dataclasses import dataclass
 
 from rl_megatron.errors import ConfigError, one_line
+from rl_megatron.models import mxfp4
 from rl_megatron.models.family import table_for
 
 INDEX_FILE = "model.safetensors.index.json"  # a sharded folder's map of tensor name -> file
@@ -111,6 +113,9 @@ def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True)
            "to-hf` writes one from a checkpoint); or set model.random_init=true to start from random weights.")
     for name, shape in needed.items():
         file = weight_map.get(name)
+        if file is None and mxfp4.packed_names(name).blocks in weight_map:  # gpt-oss's experts as released
+            _check_mxfp4(folder, key, name, tuple(shape), weight_map, headers, fix)
+            continue
         if file is None:
             where = (f"{INDEX_FILE} does not list it" if os.path.isfile(os.path.join(folder, INDEX_FILE))
                      else f"none of its {len(files)} *.safetensors files ({_names(files)}) holds it")
@@ -122,6 +127,26 @@ def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True)
         if tensor.shape != tuple(shape):
             raise ConfigError(f"{key}='{folder}': tensor '{name}' in '{file}' has shape {list(tensor.shape)}, but "
                               f"config.json implies {list(shape)}. {fix}")
+
+
+def _check_mxfp4(folder: str, key: str, name: str, shape: tuple[int, ...], weight_map: dict[str, str],
+                 headers: dict[str, dict[str, TensorHeader]], fix: str) -> None:
+    """Tensor `name` of `shape`, stored in MXFP4 (models/mxfp4.py): its blocks and scales are there, uint8, of the
+    shapes that `shape` packs into. ConfigError naming the tensor and its file otherwise."""
+    packed = mxfp4.packed_names(name)
+    expected = dict(zip((packed.blocks, packed.scales), mxfp4.packed_shapes(shape)))
+    for part, part_shape in expected.items():
+        file = weight_map.get(part)
+        tensor = headers[file].get(part) if file is not None else None
+        if tensor is None:
+            where = f"'{file}' does not hold it" if file is not None else "no file of the folder holds it"
+            raise ConfigError(f"{key}='{folder}' stores tensor '{name}' in MXFP4 ('{packed.blocks}' in "
+                              f"'{weight_map[packed.blocks]}'), but '{part}' is missing: {where}. Download or copy "
+                              "the folder's *.safetensors and index again.")
+        if tensor.dtype != "U8" or tensor.shape != part_shape:
+            raise ConfigError(f"{key}='{folder}': tensor '{part}' in '{file}' is {tensor.dtype} of shape "
+                              f"{list(tensor.shape)}, but the MXFP4 form of '{name}' {list(shape)} is U8 of shape "
+                              f"{list(part_shape)}. {fix}")
 
 
 def _weight_files(folder: str, key: str) -> tuple[list[str], dict[str, str]]:

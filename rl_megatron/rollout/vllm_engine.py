@@ -24,6 +24,7 @@ from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
+from rl_megatron.models.mxfp4 import is_mxfp4_config, unquantized_engine_overrides
 from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.platform.debugger import collective_timeout
 from rl_megatron.resharding.specs import rederive_after_sync, zero_what_no_region_holds
@@ -104,12 +105,18 @@ def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[in
 
 def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
                      load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None,
-                     routing: bool = False, lora_rank: int = 0) -> dict:
+                     routing: bool = False, lora_rank: int = 0, mxfp4_folder: bool = False) -> dict:
     """vLLM's `LLM(...)` arguments (fields of its EngineArgs) for an engine of `model_path` on a CUDA device or not;
     `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's);
     `routing`: return each token's experts (`rollout/routing_capture.py`: vLLM's own on CUDA, which wants prefix
     caching; captured here on CPU, which wants every position computed by its own request); `lora_rank`: serve one
-    LoRA adapter of up to this rank (0: none)."""
+    LoRA adapter of up to this rank (0: none); `mxfp4_folder`: model_path's config.json declares MXFP4 weights
+    (`models.mxfp4.is_mxfp4_config`: gpt-oss as released)."""
+    if mxfp4_folder:
+        # vLLM would build MXFP4 expert layers from the folder's quantization_config, which the weight sync (the
+        # trainer's bf16/fp32 tensors) cannot write: the engine is built unquantized, in `dtype`, as the trainer
+        # holds the model (its experts dequantized on load).
+        hf_overrides = unquantized_engine_overrides(hf_overrides, load_format)
     device = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cuda
               else {"kv_cache_memory_bytes": cfg.kv_cache_bytes,
                     # A prompt split over two scheduler steps (chunked prefill) rewinds its seeded generator, which
@@ -206,7 +213,7 @@ class VLLMEngine:
                 self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
                                                   cuda=platform.has_cuda(), mla=family_of(hf).mla,
                                                   group_timeout_s=group_timeout_s, routing=routing,
-                                                  lora_rank=lora_rank))
+                                                  lora_rank=lora_rank, mxfp4_folder=is_mxfp4_config(hf)))
             except ValueError as err:
                 if lora_rank and "support LoRA" in str(err):
                     raise ValueError(f"{err} Set actor.lora.merge=true: the engines then receive the weights with "

@@ -1,13 +1,15 @@
 """gpt-oss on gloo against transformers: attention sinks, the window on every other layer (sequences longer than
 it), biased experts whose clamped SwiGLU clamps (a quarter of the gate and up values of the test's weights), the
 biased router; at TP=2 (sequence parallel), EP=2 and PP=2, packed and padded rows. Exports are the folder's own
-stacked experts, bit for bit."""
+stacked experts, bit for bit; a folder as released (MXFP4 experts) loads dequantized."""
 import pytest
 import torch
 
+from helpers.mxfp4 import write_released
 from helpers.parity import SEQ, config, family_model_dir, hf_model, hf_reference, hf_update_reference, make_batch
 from helpers.ranks import check_engines_hold_the_trainer_weights, log_probs_and_export, update_and_export
 from helpers.worlds import run_distributed
+from rl_megatron.convert import main as convert
 from rl_megatron.doctor.parity import saved_checkpoint
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_config import read_hf_config
@@ -94,3 +96,20 @@ def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2_with_rec
 def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, tp, ep, engine_tp):
     check_engines_hold_the_trainer_weights(family_model_dir(tmp_path, "gpt_oss", tied=False), tp, 1, 1, ep, engine_tp,
                                            "process_group", etp=1)
+
+
+def test_an_mxfp4_folder_loads_at_ep2_as_transformers_dequantizes_it(tmp_path):
+    """gpt-oss as released (its experts in MXFP4): `convert from-hf` at EP=2, each rank reading and dequantizing only
+    its own experts, then `to-hf` at TP=2 writes the plain folder of transformers' dequantized model, bit for bit."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    folder, _, _ = write_released(str(tmp_path / "released"))
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert convert(["from-hf", "--hf", folder, "--out", ckpt, "--ep", "2"]) == 0
+    assert convert(["to-hf", "--ckpt", ckpt, "--out", out, "--tp", "2"]) == 0
+    dequantized = GptOssForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
+                                                    dtype=torch.bfloat16).state_dict()
+    exported = saved_checkpoint(out)
+    assert set(exported) == set(dequantized) and "quantization_config" not in read_hf_config(out)
+    for name, tensor in dequantized.items():
+        assert torch.equal(exported[name], tensor), name

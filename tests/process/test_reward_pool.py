@@ -133,10 +133,11 @@ def test_a_hung_scorer_is_killed_and_counted_as_a_timeout(user_module, tmp_path,
 
 
 def test_the_timeout_is_per_sample_not_per_chunk(user_module):
-    # One process gets chunks of several 0.1 s samples: a chunk takes longer than the timeout, no sample does.
-    with RewardScorer(reward_cfg(user_module, num_workers=1, timeout_s=0.3)) as scorer:
-        scored = user_score(scorer, ["sleep:0.1"] * 12, ["sleep:0.1"] * 12)
-    assert scored.scores.tolist() == [1.0] * 12 and scored.stats["reward/timeouts"] == 0
+    # One process gets chunks of 12 samples of 0.05 s (48 in CHUNKS_PER_WORKER chunks): a chunk takes longer than the
+    # timeout, no sample nearly does (9x margin: a busy machine delays a sample by far less than 0.4 s).
+    with RewardScorer(reward_cfg(user_module, num_workers=1, timeout_s=0.45)) as scorer:
+        scored = user_score(scorer, ["sleep:0.05"] * 48, ["sleep:0.05"] * 48)
+    assert scored.scores.tolist() == [1.0] * 48 and scored.stats["reward/timeouts"] == 0
 
 
 @pytest.mark.parametrize("failure, message", [

@@ -173,5 +173,5 @@ def test_gpt_oss_folders_store_the_experts_stacked():
     assert gate_up.shape == (4, 8, 32)  # [experts, hidden, 2 x width]
     assert torch.equal(gate_up[2, :, 0::2], state["model.layers.1.mlp.experts.2.gate_proj.weight"].t())
     assert torch.equal(gate_up[2, :, 1::2], state["model.layers.1.mlp.experts.2.up_proj.weight"].t())
-    read = table.stored_reader(stored.__getitem__)
+    read = table.stored_reader(lambda name, expert=None: stored[name] if expert is None else stored[name][expert])
     assert all(torch.equal(read(name), tensor) for name, tensor in state.items())
