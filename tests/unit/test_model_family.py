@@ -155,7 +155,8 @@ def test_gpt_oss_record():
     for field, value, words in [("swiglu_limit", 5.0, "swiglu_limit=5.0"), ("rms_norm_eps", 1e-6, "rms_norm_eps"),
                                 ("layer_types", ["full_attention", "sliding_attention"], "alternate"),
                                 ("layer_types", ["sliding_attention"], "each of the num_hidden_layers=2"),
-                                ("rope_parameters", {"rope_type": "default"}, "YaRN")]:
+                                ("rope_parameters", {"rope_type": "default"}, "YaRN"),
+                                ("tie_word_embeddings", True, "tie_word_embeddings=true")]:
         with pytest.raises(ConfigError, match=words):
             family.check({**hf, field: value}, "config.json")
 

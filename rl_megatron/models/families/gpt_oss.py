@@ -10,7 +10,7 @@ from rl_megatron.models.rotary import rope_parameters
 from rl_megatron.models.weight_tables import ExpertNames
 
 # vLLM 0.32's gpt_oss class fixes these instead of reading config.json: its swigluoai activation's alpha and limit,
-# its norms' epsilon, YaRN rope, and the window on even layers.
+# its norms' epsilon; also YaRN rope, an untied lm_head and the window on even layers (checked below).
 ENGINE_CONSTANTS = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5}
 
 
@@ -20,6 +20,9 @@ def check_engine_constants(hf: dict) -> None:
         if hf.get(key, value) != value:
             raise ValueError(f"{key}={hf[key]}, but vLLM's gpt_oss model computes with {key}={value} whatever "
                              f"config.json says: only {value} is supported.")
+    if hf.get("tie_word_embeddings"):
+        raise ValueError("tie_word_embeddings=true, but vLLM's gpt_oss model keeps its own lm_head whatever config.json "
+                         "says (the released models are untied): set it to false and give the folder an lm_head.")
     if rope_parameters(hf)["rope_type"] != "yarn":
         raise ValueError("gpt-oss models need YaRN rope (rope_parameters.rope_type='yarn'), the only rope vLLM's "
                          "gpt_oss model builds.")
