@@ -44,11 +44,12 @@ def test_moe_grpo_run_logs_router_metrics(tmp_path):
 
 def test_tiny_gpt_oss_learns_the_digits(tmp_path):
     """configs/moe/grpo_tiny_gpt_oss_cpu.yaml as a user runs it: the tiny gpt-oss (sinks, the window on its first
-    layer, biased experts with the clamped SwiGLU split over the two workers) climbs from chance to the target. The
-    engines sample with the trainer's own log-probs at every step and route every token as its routers do."""
-    stdout, rows, _ = train(tmp_path, config="moe/grpo_tiny_gpt_oss_cpu")
-    assert "Target mean reward 0.8 reached" in stdout
-    assert len(rows) <= 300 and rows[0]["reward/mean"] < 0.3
+    layer, biased experts with the clamped SwiGLU split over the two workers) climbs from chance (0.07) to 0.6 in the
+    last 5 steps (step 80 on this machine; the recipe's 0.8 at step 171, docs/benchmarks.md). The engines sample
+    with the trainer's own log-probs at every step and route every token as its routers do."""
+    stdout, rows, _ = train(tmp_path, "trainer.target_reward=0.6", config="moe/grpo_tiny_gpt_oss_cpu")
+    assert "Target mean reward 0.6 reached" in stdout
+    assert len(rows) <= 200 and rows[0]["reward/mean"] < 0.3
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-4
     assert min(r["moe/routing_agreement"] for r in rows) >= 0.99
 
