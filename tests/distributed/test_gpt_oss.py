@@ -64,8 +64,14 @@ def test_log_probs_and_export_match_transformers(tmp_path, tp, pp, ep, layers, p
         assert torch.equal(exported[name], tensor), name
 
 
-def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2_with_recompute(tmp_path):
-    model_dir = family_model_dir(tmp_path, "gpt_oss", tied=False)
+# TP=2 x EP=2 recomputing every layer in its backward (the recipes' setting), and PP=2 (a windowed and a full layer
+# a stage): each against one rank of the same model, which is held to transformers.
+@pytest.mark.parametrize("tp,pp,ep,layers,extra", [
+    (2, 1, 2, 2, {"actor.recompute_granularity": "full", "actor.recompute_method": "uniform",
+                  "actor.recompute_num_layers": 1}),
+    (1, 2, 1, 4, {})])
+def test_one_update_matches_transformers_and_equals_one_rank(tmp_path, tp, pp, ep, layers, extra):
+    model_dir = family_model_dir(tmp_path, "gpt_oss", tied=False, layers=layers)
     batch = make_batch(18)
     lr = {"actor.optim.lr": 1e-5, "actor.expert_tensor_parallel_size": 1}
     one = config(model_dir, 1, 1, **lr, **{"trainer.n_gpus_per_node": 1})
@@ -74,11 +80,11 @@ def test_one_update_matches_transformers_and_equals_one_rank_at_tp2_ep2_with_rec
     hf_loss, hf_grad_norm = hf_update_reference(hf_model(model_dir), batch.__class__(
         **{**batch.__dict__, "old_log_probs": log_probs}), one)
     assert ref_metrics["actor/grad_norm"] == pytest.approx(hf_grad_norm, rel=1e-4)
-    # The sharded run recomputes every layer in its backward (the recipes' setting).
-    cfg = config(model_dir, 2, 1, **lr, **{"actor.expert_model_parallel_size": 2, "trainer.n_gpus_per_node": 4,
-                                          "actor.recompute_granularity": "full", "actor.recompute_method": "uniform",
-                                          "actor.recompute_num_layers": 1})
-    metrics, state = run_distributed(update_and_export, 4, 2, ep=2, etp=1, args=(cfg, batch))[0]
+    cfg = config(model_dir, tp, pp, **lr, **{"actor.expert_model_parallel_size": ep,
+                                            "trainer.n_gpus_per_node": tp * pp * ep, **extra})
+    results = run_distributed(update_and_export, tp * pp * ep, tp, pp, ep=ep, etp=1, args=(cfg, batch))
+    # The last stage's first rank reports the (all-reduced) loss, rank 0 the weights.
+    metrics, state = results[(pp - 1) * tp * ep][0], results[0][1]
     assert abs(metrics["actor/pg_loss"] - ref_metrics["actor/pg_loss"]) <= 1e-6
     # (The clamp's wide weights give a gradient norm of about 10: fp32 sums in another order differ by ~1e-6 of it.)
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-5)
