@@ -92,7 +92,7 @@ def parity_check(actor: MegatronActor, model_type: str, batch: TrainBatch, cfg: 
     saved = saved_checkpoint(cfg.model.path)
     layers = "transformer_engine" if uses_transformer_engine() else "local"
     return parity_result(model_type, gap, LOG_PROB_TOLERANCE[layers],
-                         tensor_differences(actor.hf_state_dict(), saved), len(saved))
+                         tensor_differences(actor.table.stored_tensors(actor.hf_state_dict()), saved), len(saved))
 
 
 def parity_result(model_type: str, gap: float, tolerance: float, mismatched: list[str], weights: int) -> Result:

@@ -10,6 +10,8 @@ from helpers.parity import SEQ, config, family_model_dir, hf_model, hf_reference
 from helpers.ranks import check_engines_hold_the_trainer_weights, log_probs_and_export, update_and_export
 from helpers.worlds import run_distributed
 from rl_megatron.convert import main as convert
+from rl_megatron.doctor.model_checks import run_checks
+from rl_megatron.doctor.report import PASS
 from rl_megatron.doctor.parity import saved_checkpoint
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_config import read_hf_config
@@ -119,3 +121,12 @@ def test_an_mxfp4_folder_loads_at_ep2_as_transformers_dequantizes_it(tmp_path):
     assert set(exported) == set(dequantized) and "quantization_config" not in read_hf_config(out)
     for name, tensor in dequantized.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_the_doctors_model_checks_pass_on_a_tiny_gpt_oss():
+    """`python -m rl_megatron.doctor` with a gpt-oss model.path: the router, parity (the export compared as gpt-oss
+    folders store it) and update checks pass."""
+    results = {r.name: r for r in run_distributed(run_checks, 1, args=("gpt_oss", False))[0]}
+    for name in ("stack: MoE router", "Megatron vs transformers (gpt_oss)", "update"):
+        assert results[name].status == PASS, results[name]
+    assert "37 of 37 weights exported bitwise" in results["Megatron vs transformers (gpt_oss)"].figure
