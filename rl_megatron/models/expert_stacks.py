@@ -42,10 +42,11 @@ def stored_part(name: str) -> tuple[str, int, int | None, bool] | None:
 
 
 def per_expert(tensor: torch.Tensor, half: int | None, weight: bool) -> torch.Tensor:
-    """One expert's tensor, as nn.Linear holds it, out of its slice of a stacked one."""
+    """One expert's tensor, as nn.Linear holds it, out of its slice of a stacked one (a view: the loader copies it
+    into its shard)."""
     if half is not None:
         tensor = tensor[..., half::2]
-    return tensor.t().contiguous() if weight else tensor.contiguous()
+    return tensor.t() if weight else tensor
 
 
 class StackedExpertsTable(MoeTable):

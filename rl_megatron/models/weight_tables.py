@@ -302,7 +302,7 @@ class DenseTable:
         return state
 
     def stored_reader(self, get):
-        return lambda name: get(name)
+        return get
 
     def replace_attention(self, entries: dict[str, Entry]) -> None:
         """Another attention's entries in place of the q/k/v ones (multi-head latent attention)."""
