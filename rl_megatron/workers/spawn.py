@@ -1,7 +1,7 @@
 """Run a function on N local processes that form a gloo world with Megatron's parallel state (benchmarks, conversion
 and tests: the same process-group setup the Ray workers use, without Ray). `LocalWorld` keeps its processes between
 runs, each run laying Megatron's parallel state out anew: the distributed tests share one world per size instead of
-paying the start-up (spawn, import torch, Megatron and vLLM: 10-20 s on 2 cores) in every test."""
+paying the start-up (a process, torch, Megatron and vLLM imported, the world joined) in every test."""
 from __future__ import annotations
 
 import io
@@ -13,16 +13,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rl_megatron import platform
 from rl_megatron.workers.distributed import connect_store, init_distributed, init_model_parallel, listen_store
 
 HOST = "127.0.0.1"
 SEED = 0
+# What every rank imports before its first task, imported once by the server that forks the ranks (CPU only:
+# `rank_context`). Not vLLM: an engine process sets vLLM's environment before importing it.
+FORK_SERVER_PRELOAD = ["rl_megatron.workers.spawn", "rl_megatron.workers.megatron_actor"]
 
 
-def _serve(rank, world_size, tasks, results):
+def rank_context():
+    """How ranks start. On CUDA, as fresh interpreters (spawn), as the GPU checks ran them: CUDA cannot start in a
+    child forked from a process where it had started, and imports (Transformer Engine's) may start it. Without CUDA, forked from one server process per
+    parent (multiprocessing's forkserver), which imported torch and Megatron once: each fresh rank would import them
+    again, 2-3 s of CPU on 2 cores, more than many runs' own work."""
+    if platform.has_cuda():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return context
+
+
+def _serve(rank, world_size, tasks, results, environment):
     """A rank's life: run tasks until told to stop (None). A task that carries a store's port joins the world there
     first: the first task, and the one after a run that took the world's process group down (closing a vLLM
-    engine in-process does)."""
+    engine in-process does). `environment`: the starting process's, as a spawned rank inherits it (a forked one has
+    its fork server's, from when the server started)."""
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Every process sees every GPU of the machine: each takes its own (all on cuda:0, NCCL finds duplicate GPUs).
     os.environ["LOCAL_RANK"] = str(rank)
@@ -65,13 +84,14 @@ class LocalWorld:
     collective); `alive` then says False."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.world_size = world_size
         self._stores = [listen_store(HOST)]  # each listens while the world lives
         self._join_port = self._stores[-1].port  # where the next run's ranks join the world first, if anywhere
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_serve, args=(r, world_size, self._tasks[r], self._results))
+        environment = dict(os.environ)
+        self._procs = [ctx.Process(target=_serve, args=(r, world_size, self._tasks[r], self._results, environment))
                        for r in range(world_size)]
         for p in self._procs:
             p.start()

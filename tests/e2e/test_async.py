@@ -1,13 +1,14 @@
 """Asynchronous RL through the user's command, on the demo with its engine on a worker of its own
 (rollout.placement=separate, the trainer at TP=1): one-step-off learns the task and never trains on a batch more
-than one version old; a one-step-off run killed with SIGKILL resumes exactly; partial rollouts keep each token's
+than one version old, in a run killed with SIGKILL on the way and resumed exactly by the same command; partial rollouts keep each token's
 version and log-prob, so the tokens the newest weights sampled agree with the trainer as in synchronous RL."""
 import os
 import signal
 
 import pytest
 
-from helpers.runs import assert_same_metrics, latest_checkpoint, start_until, train, train_command
+from helpers.runs import (assert_same_metrics, latest_checkpoint, read_rows_if_any, start_until, train,
+                          train_command)
 from rl_megatron.checkpoint.run import ROLLOUTS_FILE, step_dir
 
 # With token-level TIS (docs/async.md's recipe): the demo then learns in ~135 steps (~300 without the correction).
@@ -18,14 +19,33 @@ ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1
 SAME_WEIGHTS_LOGPROB_DIFF = 5e-5
 
 
+# The one-step-off run is SIGKILLed once it has logged two steps past its first checkpoint (with the batch after it,
+# generated ahead), then resumed by the same command to the target: the steps it logged past the checkpoint are the
+# reference the resumed run must reproduce.
+SAVE_EVERY = 40
+
+
 @pytest.fixture(scope="module")
 def one_step_off(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("one_step_off"), *ONE_STEP_OFF)
+    """(the killed run's records, the resumed run's stdout, every record of the run once resumed, the checkpoint it
+    resumed from)."""
+    log_dir = tmp_path_factory.mktemp("one_step_off")
+    run = (*ONE_STEP_OFF, f"trainer.save_every={SAVE_EVERY}")
+    killed = start_until(train_command(log_dir, *run), lambda: latest_checkpoint(log_dir, "demo_cpu") == SAVE_EVERY
+                         and SAVE_EVERY + 2 in read_rows_if_any(log_dir, "demo_cpu"), start_new_session=True)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    before = read_rows_if_any(log_dir, "demo_cpu")
+    checkpoint = step_dir(os.path.join(log_dir, "demo_cpu", "checkpoints"), SAVE_EVERY)
+    assert os.path.isfile(os.path.join(checkpoint, ROLLOUTS_FILE))
+    stdout, rows, _ = train(log_dir, *run)
+    return before, stdout, rows, checkpoint
 
 
 def test_one_step_off_learns_the_demo_within_its_bound(one_step_off):
-    stdout, rows, _ = one_step_off
+    _, stdout, rows, _ = one_step_off
     assert "Target mean reward 0.8 reached." in stdout and len(rows) < 250
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
     # Batch 1 comes from the initial weights; every later batch from the weights one update behind the trainer.
     assert [r["async/staleness/max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
@@ -36,23 +56,14 @@ def test_one_step_off_learns_the_demo_within_its_bound(one_step_off):
     assert all({"timing_s/wait_for_rollout", "timing_s/wait_for_train", "timing_s/gen"} <= set(r) for r in rows)
 
 
-def test_a_killed_one_step_off_run_continues_exactly_where_it_stopped(one_step_off, tmp_path):
-    """Killed once step 2's checkpoint (with batch 3, generated ahead) is complete; the same command resumes and
-    reproduces the uninterrupted run's steps 3 and 4 (the uninterrupted run did not save: saving changes nothing)."""
-    expected = {r["step"]: r for r in one_step_off[1]}
-    run = (*ONE_STEP_OFF, "trainer.save_every=2", "trainer.total_steps=4", "trainer.target_reward=null")
-    checkpoints = os.path.join(tmp_path, "demo_cpu", "checkpoints")
-    killed = start_until(train_command(tmp_path, *run), lambda: latest_checkpoint(tmp_path, "demo_cpu") == 2,
-                         start_new_session=True)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
-    assert os.path.isfile(os.path.join(step_dir(checkpoints, 2), ROLLOUTS_FILE))
-    stdout, rows, _ = train(tmp_path, *run)
-    assert "(step 2)" in stdout
+def test_a_killed_one_step_off_run_continues_exactly_where_it_stopped(one_step_off):
+    """Killed (SIGKILL, the whole process group) two steps after its first checkpoint, whose folder holds the batch
+    generated ahead; the same command resumes there and reproduces the killed run's next two steps."""
+    before, stdout, rows, checkpoint = one_step_off
+    assert f"Resumed from {checkpoint} (step {SAVE_EVERY})" in stdout
     rows = {r["step"]: r for r in rows}
-    assert sorted(rows) == [1, 2, 3, 4]
-    for step in (3, 4):
-        assert_same_metrics(expected[step], rows[step], tolerance=1e-6)
+    for step in (SAVE_EVERY + 1, SAVE_EVERY + 2):
+        assert_same_metrics(before[step], rows[step], tolerance=1e-6)
 
 
 def test_partial_rollouts_continue_samples_across_updates_with_each_tokens_version(tmp_path):

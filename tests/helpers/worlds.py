@@ -1,5 +1,5 @@
 """The distributed tier's ranks: one `LocalWorld` per size, shared by every test that asks for that many ranks (a
-fresh world costs 10-20 s of spawning and importing on 2 cores, more than many tests' own work). Each run lays
+fresh world costs a process per rank and the joining of its group, and on a GPU machine the imports). Each run lays
 Megatron's parallel state out anew and reseeds, so a test sees what fresh ranks would show it."""
 import atexit
 
