@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -27,8 +26,7 @@ from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.train import WORKER_DIED
 
 CONFIG = "demo_cpu_ppo"
-SAVE_EVERY = 3  # saved at steps 3 and 6
-RUN = ("trainer.target_reward=null", f"trainer.save_every={SAVE_EVERY}", "algorithm.use_kl_in_reward=true",
+RUN = ("trainer.target_reward=null", "trainer.save_every=2", "algorithm.use_kl_in_reward=true",
        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.01",
        "algorithm.kl_ctrl.horizon=1000", "actor.use_kl_loss=true", "trainer.progress_bar=false")
 ROLES = ("actor", "critic", "ref")
@@ -62,42 +60,22 @@ def worker_processes(controller_pid: int) -> list[psutil.Process]:
             if p.name().startswith("ray::HybridWorker")]
 
 
-@dataclass
-class KilledAndResumed:
-    log_dir: str
-    killed_rows: dict[int, dict]  # what the killed run logged: steps 1-5
-    workers: list  # the killed controller's worker processes
-    left_alive: list  # its processes still running 20 s after it was killed
-    latest_when_killed: int | None
-    stdout: str  # the resumed run's
-
-
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory) -> KilledAndResumed:
-    """Six steps, saved at steps 3 and 6, started where a run killed before its first checkpoint left its records
-    (steps 1-3, no checkpoint): nothing to resume, so they are started afresh. The controller alone is SIGKILLed once
-    step 5 is logged (after step 3's checkpoint): its reaper takes down the local Ray, its agents, the workers and the
-    scorers. The same command then continues: steps 4 and 5 (after the checkpoint) are dropped and logged again."""
-    log_dir = str(tmp_path_factory.mktemp("killed_and_resumed"))
+def uninterrupted(tmp_path_factory):
+    """Four steps without interruption, saved at steps 2 and 4, started where a run killed before its first
+    checkpoint left its records (steps 1-3, no checkpoint): nothing to resume, so they are started afresh."""
+    log_dir = tmp_path_factory.mktemp("uninterrupted")
     os.makedirs(os.path.join(log_dir, CONFIG))
     with open(os.path.join(log_dir, CONFIG, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": step, "left_by_the_killed_run": 1.0}) + "\n" for step in (1, 2, 3))
-    killed = start_until(log_dir, lambda: 5 in read_rows_if_any(log_dir), "trainer.total_steps=6")
-    tree = psutil.Process(killed.pid).children(recursive=True)
-    workers, killed_rows = worker_processes(killed.pid), read_rows(log_dir)
-    killed.kill()
-    killed.communicate()
-    latest_when_killed = latest(log_dir)
-    _, alive = psutil.wait_procs(tree, timeout=20)
-    stdout, _, _ = train(log_dir, *RUN, "trainer.total_steps=6", config=CONFIG)
-    return KilledAndResumed(log_dir, killed_rows, workers, alive, latest_when_killed, stdout)
+    train(log_dir, *RUN, "trainer.total_steps=4", config=CONFIG)
+    return log_dir
 
 
-def test_a_killed_controller_is_reaped_and_the_same_command_continues_exactly(killed_and_resumed):
-    run = killed_and_resumed
-    expected = run.killed_rows
+def test_a_killed_controller_is_reaped_and_the_same_command_continues_exactly(uninterrupted, tmp_path):
+    expected = read_rows(uninterrupted)
     # The stale records of the run killed before its first checkpoint are gone: each step logged once, afresh.
-    assert sorted(expected) == [1, 2, 3, 4, 5] and not any("left_by_the_killed_run" in r for r in expected.values())
+    assert sorted(expected) == [1, 2, 3, 4] and not any("left_by_the_killed_run" in r for r in expected.values())
     # Every PPO stage ran and reported, and the trainer and vLLM computed the same distribution.
     assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0
                for r in expected.values())
@@ -107,57 +85,67 @@ def test_a_killed_controller_is_reaped_and_the_same_command_continues_exactly(ki
     assert expected[1]["actor/reward_kl_penalty"] == 0.0 and expected[3]["actor/reward_kl_penalty"] > 0
     coefs = [expected[step]["actor/reward_kl_penalty_coeff"] for step in sorted(expected)]
     assert coefs[0] == 0.1 and 0.08 <= coefs[1] < coefs[0]
-    # Killed after step 3's checkpoint, nothing of it is left running.
-    assert run.workers and run.latest_when_killed == SAVE_EVERY
-    assert not run.left_alive, f"still running 20 s after the controller was killed: {run.left_alive}"
-    checkpoints = os.path.join(run.log_dir, CONFIG, "checkpoints")
-    assert f"Resumed from {step_dir(checkpoints, SAVE_EVERY)} (step {SAVE_EVERY})" in run.stdout
-    rows = read_rows(run.log_dir)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    for step in (4, 5):
-        assert_same_metrics(expected[step], rows[step], tolerance=1e-6)
-    assert saved_steps(checkpoints) == [6, 3] and latest(run.log_dir) == 6
-    assert sorted(os.listdir(step_dir(checkpoints, 3))) == ["actor", "config.yaml", "critic", "ref", "rng",
+    checkpoints = os.path.join(uninterrupted, CONFIG, "checkpoints")
+    assert saved_steps(checkpoints) == [4, 2] and latest(uninterrupted) == 4
+    assert sorted(os.listdir(step_dir(checkpoints, 2))) == ["actor", "config.yaml", "critic", "ref", "rng",
                                                             "trainer_state.json"]
 
+    # The controller alone is SIGKILLed once step 3 is logged (after step 2's checkpoint): its reaper takes down
+    # the local Ray, its agents, the workers and the scorers.
+    killed = start_until(tmp_path, lambda: 3 in read_rows_if_any(tmp_path), "trainer.total_steps=4")
+    tree = psutil.Process(killed.pid).children(recursive=True)
+    assert worker_processes(killed.pid)
+    killed.kill()
+    killed.communicate()
+    assert latest(tmp_path) == 2
+    _, alive = psutil.wait_procs(tree, timeout=20)
+    assert not alive, f"still running 20 s after the controller was killed: {alive}"
+    # The same command again: step 3's record (after the checkpoint) is dropped and logged again.
+    stdout, rows, _ = train(tmp_path, *RUN, "trainer.total_steps=4", config=CONFIG)
+    assert f"Resumed from {step_dir(os.path.join(tmp_path, CONFIG, 'checkpoints'), 2)} (step 2)" in stdout
+    rows = read_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert_same_metrics(expected[step], rows[step], tolerance=1e-6)
 
-def test_resumed_at_another_layout_a_dead_worker_is_reported_and_sigterm_saves(killed_and_resumed, tmp_path):
-    """Saved at TP=2 in two workers, resumed at TP=1 x PP=2: the next step is reproduced. Once it has saved step 6
+
+def test_resumed_at_another_layout_a_dead_worker_is_reported_and_sigterm_saves(uninterrupted, tmp_path):
+    """Saved at TP=2 in two workers, resumed at TP=1 x PP=2: the next step is reproduced. Once it has saved step 4
     (at the new layout), a worker is killed: the controller stops with a report. The same command then resumes from
-    that checkpoint and is stopped by SIGTERM once step 7 is logged."""
-    expected = read_rows(killed_and_resumed.log_dir)
-    resume = step_dir(os.path.join(killed_and_resumed.log_dir, CONFIG, "checkpoints"), 3)
+    that checkpoint and is stopped by SIGTERM once step 5 is logged."""
+    expected = read_rows(uninterrupted)
+    resume = step_dir(os.path.join(uninterrupted, CONFIG, "checkpoints"), 2)
     layout = ("actor.tensor_model_parallel_size=1", "actor.pipeline_model_parallel_size=2", "trainer.total_steps=50")
-    running = start_until(tmp_path, lambda: latest(tmp_path) == 6, f"trainer.resume={resume}", *layout)
+    running = start_until(tmp_path, lambda: latest(tmp_path) == 4, f"trainer.resume={resume}", *layout)
     victim = max(worker_processes(running.pid), key=lambda p: p.pid)
     victim.kill()
     output = running.communicate(timeout=120)[0]
     assert running.returncode == WORKER_DIED, output[-4000:]
     assert "saved under another parallel layout" in output
-    # Step 4 within rounding of another summation order (later steps drift further: clip fractions jump).
-    assert_same_metrics(expected[4], read_rows(tmp_path)[4], tolerance=1e-5)
+    # Step 3 within rounding of another summation order (later steps drift further: clip fractions jump).
+    assert_same_metrics(expected[3], read_rows(tmp_path)[3], tolerance=1e-5)
     report = output[output.index("error: "):]
     assert "error: The actor+rollout+ref+critic worker rank" in report and f"pid {victim.pid}) died: its process was " \
         "killed" in report and "node 0 = " in report, report
     # Its log in the run's folder, named, with its last lines (every worker writes some while it starts).
     assert re.search(rf"Last lines of its log \S+/{CONFIG}/logs/worker_actor_[01]\.log:\n    \S", report), report
-    assert "The last checkpoint is step 6" in report and "the same command resumes from it" in report, report
+    assert "The last checkpoint is step 4" in report and "the same command resumes from it" in report, report
     assert "Traceback" not in report and "Unhandled error" not in report, report
 
-    running = start_until(tmp_path, lambda: 7 in read_rows_if_any(tmp_path), *layout)
+    running = start_until(tmp_path, lambda: 5 in read_rows_if_any(tmp_path), *layout)
     running.send_signal(signal.SIGTERM)  # to the trainer only, as a scheduler's preemption notice
     output = running.communicate(timeout=300)[0]
     assert running.returncode == 0, output[-4000:]
-    assert f"Resumed from {step_dir(os.path.join(tmp_path, CONFIG, 'checkpoints'), 6)} (step 6)" in output
+    assert f"Resumed from {step_dir(os.path.join(tmp_path, CONFIG, 'checkpoints'), 4)} (step 4)" in output
     last = max(read_rows(tmp_path))
     assert f"Stopped by SIGTERM after step {last}" in output
     assert latest(tmp_path) == last and saved_steps(os.path.join(tmp_path, CONFIG, "checkpoints"))[0] == last
 
 
 @pytest.fixture
-def checkpoints(killed_and_resumed, tmp_path):
-    """A copy of the resumed run's checkpoints (steps 3 and 6) to damage, and the model's config."""
-    root = shutil.copytree(os.path.join(killed_and_resumed.log_dir, CONFIG, "checkpoints"), tmp_path / "checkpoints")
+def checkpoints(uninterrupted, tmp_path):
+    """A copy of the uninterrupted run's checkpoints (steps 2 and 4) to damage, and the model's config."""
+    root = shutil.copytree(os.path.join(uninterrupted, CONFIG, "checkpoints"), tmp_path / "checkpoints")
     return str(root), read_hf_config(os.path.join(REPO, "configs", "models", "tiny-qwen2-digits"))
 
 
@@ -170,7 +158,7 @@ def truncate_a_shard(folder):
 @pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "missing trainer state", "no pointer target"])
 def test_auto_resume_falls_back_past_a_damaged_checkpoint(checkpoints, damage):
     root, hf = checkpoints
-    newest = step_dir(root, 6)
+    newest = step_dir(root, 4)
     if damage == "truncated shard":
         what = truncate_a_shard(newest)
     elif damage == "missing shard":
@@ -181,31 +169,31 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(checkpoints, damage):
         os.remove(what)
     else:  # a crash between the step folder's removal and the pointer's update cannot happen; a hand edit can
         shutil.rmtree(newest)
-        what = "names step 6"
+        what = "names step 4"
     with pytest.warns(CheckpointWarning, match="older checkpoint") as warned:
         folder, state = choose_resume(root, "auto", hf, ROLES)
-    assert folder == step_dir(root, 3) and state["step"] == 3
+    assert folder == step_dir(root, 2) and state["step"] == 2
     message = next(str(w.message) for w in warned if w.category is CheckpointWarning)
     assert what in message
 
 
 def test_a_damaged_or_foreign_checkpoint_is_refused_naming_path_and_problem(checkpoints):
     root, hf = checkpoints
-    shard = truncate_a_shard(step_dir(root, 3))
+    shard = truncate_a_shard(step_dir(root, 2))
     with pytest.raises(CheckpointError, match=f"'{shard}' is truncated"):
-        choose_resume(root, step_dir(root, 3), hf, ROLES)  # an explicit path: no fallback
+        choose_resume(root, step_dir(root, 2), hf, ROLES)  # an explicit path: no fallback
     with pytest.raises(CheckpointError, match="vocab_size: checkpoint 18, model 20.*trainer.resume=off"):
         choose_resume(root, "auto", dict(hf, vocab_size=20), ROLES)  # no step fits: nothing is deleted
-    assert saved_steps(root) == [6, 3]
+    assert saved_steps(root) == [4, 2]
     with pytest.raises(CheckpointError, match="saved at actor.expert_model_parallel_size=1.*model.checkpoint="):
-        choose_resume(root, step_dir(root, 6), hf, ROLES, expert_parallel=2)
+        choose_resume(root, step_dir(root, 4), hf, ROLES, expert_parallel=2)
     with pytest.raises(CheckpointError, match="holds weights only"):
-        metadata = os.path.join(step_dir(root, 6), "critic", "rl_megatron_checkpoint.json")
+        metadata = os.path.join(step_dir(root, 4), "critic", "rl_megatron_checkpoint.json")
         with open(metadata) as f:
             edited = dict(json.load(f), training_state=False)
         with open(metadata, "w") as f:
             json.dump(edited, f)
-        choose_resume(root, step_dir(root, 6), hf, ROLES)
+        choose_resume(root, step_dir(root, 4), hf, ROLES)
     assert choose_resume(root, "off", hf, ROLES) is None
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from helpers.runs import train
 
-# Five steps of the PPO demo with checks of every stage's metrics and of the adaptive in-reward KL coefficient
+# Four steps of the PPO demo with checks of every stage's metrics and of the adaptive in-reward KL coefficient
 # run in test_checkpoint_resume.py; REINFORCE++ runs end to end in test_countdown.py.
 
 
