@@ -18,16 +18,17 @@ from rl_megatron.workers.distributed import connect_store, init_distributed, ini
 
 HOST = "127.0.0.1"
 SEED = 0
-# What every rank imports before its first task, imported once by the server that forks the ranks (CPU only:
-# `rank_context`). Not vLLM: an engine process sets vLLM's environment before importing it.
-FORK_SERVER_PRELOAD = ["rl_megatron.workers.spawn", "rl_megatron.workers.megatron_actor"]
+# What ranks import, imported once by the server that forks them (CPU only: `rank_context`): torch and Megatron,
+# and vLLM as an engine process imports it.
+FORK_SERVER_PRELOAD = ["rl_megatron.workers.spawn", "rl_megatron.workers.megatron_actor",
+                       "rl_megatron.rollout.vllm_import"]
 
 
 def rank_context():
     """How ranks start. On CUDA, as fresh interpreters (spawn), as the GPU checks ran them: CUDA cannot start in a
-    child forked from a process where it had started, and imports (Transformer Engine's) may start it. Without CUDA, forked from one server process per
-    parent (multiprocessing's forkserver), which imported torch and Megatron once: each fresh rank would import them
-    again, 2-3 s of CPU on 2 cores, more than many runs' own work."""
+    child forked from a process where it had started, and imports (Transformer Engine's) may start it. Without CUDA,
+    forked from one server process per parent (multiprocessing's forkserver), which imported torch, Megatron and vLLM
+    once: each fresh rank would import them again, 6-8 s of CPU on 2 cores, more than many runs' own work."""
     if platform.has_cuda():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
