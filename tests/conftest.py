@@ -49,7 +49,7 @@ MARKERS = {
 }
 RAY_SESSION = "ray_session"
 # The order `pytest -n` hands the tiers out in: the longest work first, so that no long run starts last. The
-# distributed tier is one scope (its kept ranks), the longest of all (~8 min): one worker runs it while the other
+# distributed tier is one scope (its kept ranks), among the longest: one worker runs it while the other
 # starts on the e2e runs, and the many short tests at the end even the two out.
 TIER_ORDER = ("distributed", "e2e", "integration", "process", "unit", "gpu")
 _last_ray_user = None  # the last test of the run that uses ray_session: Ray ends after it
