@@ -18,10 +18,10 @@ from rl_megatron.workers.distributed import connect_store, init_distributed, ini
 
 HOST = "127.0.0.1"
 SEED = 0
-# What ranks import, imported once by the server that forks them (CPU only: `rank_context`): torch and Megatron,
-# and vLLM as an engine process imports it.
-FORK_SERVER_PRELOAD = ["rl_megatron.workers.spawn", "rl_megatron.workers.megatron_actor",
-                       "rl_megatron.rollout.vllm_import"]
+# What ranks import, imported once by the server that forks them (CPU only: `rank_context`): vLLM as an engine
+# process imports it (which first quiets the CPU notices Megatron's imports print), torch and Megatron.
+FORK_SERVER_PRELOAD = ["rl_megatron.rollout.vllm_import", "rl_megatron.workers.megatron_actor",
+                       "rl_megatron.workers.spawn"]
 
 
 def rank_context():
