@@ -1,7 +1,8 @@
 """Asynchronous RL through the user's command, on the demo with its engine on a worker of its own
 (rollout.placement=separate, the trainer at TP=1): one-step-off learns the task and never trains on a batch more
-than one version old, in a run killed with SIGKILL on the way and resumed exactly by the same command; partial rollouts keep each token's
-version and log-prob, so the tokens the newest weights sampled agree with the trainer as in synchronous RL."""
+than one version old, in a run killed with SIGKILL on the way and resumed exactly by the same command; partial
+rollouts keep each token's version and log-prob, so the tokens the newest weights sampled agree with the trainer as
+in synchronous RL."""
 import os
 import signal
 
