@@ -28,11 +28,15 @@ class AgentRunner:
         self.loop, self.name, self.serve, self.engines = loop, name, serve, engines
         self.vocab_size, self.turn_synchronous, self.pausing = vocab_size, turn_synchronous, pausing
 
-    def run(self, prompts: list[Prompt], seeds: list[int], n: int, temperature: float, tag: str) -> list[Sample]:
+    def run(self, prompts: list[Prompt], seeds: list[int], n: int, temperature: float, tag: str,
+            awaited_version: int | None = None) -> list[Sample]:
         """`n` trajectories per prompt, prompt-major; prompt i's draw from seeds[i]. `tag` makes the engines'
-        request ids unique (the purpose and step). A trajectory whose loop raises or returns a bad sample is logged
-        with its index and kept as an empty, ABORTED sample carrying the error (it joins no loss)."""
-        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous, self.pausing)
+        request ids unique (the purpose and step); with partial rollouts, `awaited_version` is the policy version the
+        batch is trained with (where a fixed sync point waits for it). A trajectory whose loop raises or returns a
+        bad sample is logged with its index and kept as an empty, ABORTED sample carrying the error (it joins no
+        loss)."""
+        pausing = None if self.pausing is None else self.pausing.awaiting(awaited_version)
+        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous, pausing)
 
         def trajectory(index: int):
             prompt, turns = prompts[index // n], itertools.count()

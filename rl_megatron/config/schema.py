@@ -210,6 +210,7 @@ class RolloutConfig:
     val_n: int = checked(1, POSITIVE)  # samples per validation prompt: 1 = greedy; more = sampled at rollout.temperature, with pass@k
     max_model_len: Optional[int] = checked(None, POSITIVE)  # longest prompt + response (default: data.max_prompt_length + max_tokens, or + multi_turn.max_response_length with an agent loop)
     partial_rollout: bool = False  # with trainer.rollout_staleness > 0: when new weights arrive mid-generation, the engines pause, load them and continue the unfinished samples (each token keeps the version and log-prob it was sampled with) instead of finishing them with the old weights first
+    partial_rollout_sync_at_tokens: Optional[int] = checked(None, POSITIVE, "null: as soon as the update is ready")  # with partial_rollout: the weight update lands in every request at exactly this many tokens (the engines wait for it there), so that which weights sample which token is the same in every run, at some cost in speed; null: it lands at the engines' next pause after it is ready (fastest, timing-dependent)
     kv_cache_bytes: int = checked(32 * 1024 * 1024, POSITIVE)  # KV-cache memory per engine on CPU
     gpu_memory_utilization: Optional[float] = checked(None, within(0, 1, low_open=True), "e.g. 0.5")  # fraction of GPU memory the engine may take (default: 0.5 colocated, where the trainer shares the GPU; 0.9, vLLM's own default, on GPUs of its own)
 

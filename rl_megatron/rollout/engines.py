@@ -23,6 +23,7 @@ class Sampling:
     temperature: float
     purpose: str  # "train", or "validation <batch>"
     step: int
+    trained_version: int | None = None  # the policy version the batch is trained with (None: not trained)
 
 
 class RolloutEngines:
@@ -30,17 +31,18 @@ class RolloutEngines:
     stamped with the policy version the engines hold (`weight_version`, kept current by the trainer's weight syncs).
     `run_agent_loop` runs rollout.agent_loop's trajectories instead (`agent_runner`, set by the trainer when the
     loop is not single_turn, or for partial rollouts), through `serve`. With partial rollouts (`gate` given), a weight
-    sync may interrupt `serve`'s requests (`pausing`)."""
+    sync may interrupt `serve`'s requests (`pausing`), at `sync_at_tokens` when given."""
 
-    def __init__(self, group, run_seed: int, gate: EngineGate | None = None):
-        self.group, self.run_seed, self.gate = group, run_seed, gate
+    def __init__(self, group, run_seed: int, gate: EngineGate | None = None, sync_at_tokens: int | None = None):
+        self.group, self.run_seed, self.gate, self.sync_at_tokens = group, run_seed, gate, sync_at_tokens
         self.count = group.meshes[0]["rollout"][1]  # engines
         self.weight_version = 0
         self.agent_runner = None  # an rl_megatron.agents.AgentRunner
 
     def pausing(self) -> Pausing | None:
         """What the turn scheduler needs to let weight updates in mid-generation (partial rollouts)."""
-        return None if self.gate is None else Pausing(self.gate, self.interrupt, lambda: self.weight_version)
+        return None if self.gate is None else Pausing(self.gate, self.interrupt, lambda: self.weight_version,
+                                                      self.sync_at_tokens)
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """`sampling.n` samples per prompt, prompt-major (sample j of prompt i at i * n + j)."""
@@ -55,7 +57,8 @@ class RolloutEngines:
         seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(prompts))
         self.group.prepare_generation()  # every engine awake with the policy's weights, before any engine is driven
         samples = self.agent_runner.run(prompts, seeds, sampling.n, sampling.temperature,
-                                        tag=f"{sampling.purpose}/{sampling.step}")
+                                        tag=f"{sampling.purpose}/{sampling.step}",
+                                        awaited_version=sampling.trained_version)
         return self._stamped(samples)
 
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:

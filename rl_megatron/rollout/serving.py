@@ -20,6 +20,12 @@ sampled them), lets the update in (`EngineGate`), and continues each request as 
 its tokens so far; the trajectory gets one completion with both parts. This is the interrupt-and-continue of slime's
 partial rollouts and AReaL's interruptible generation: the continuation's KV cache is recomputed with the new
 weights, so every log-prob is exactly that of the policy version recorded for its token.
+
+Where the update lands is then the schedulers' timing. With rollout.partial_rollout_sync_at_tokens = T
+(`Pausing.sync_at_tokens`) it lands at a fixed point instead: while the engines hold a version older than the one the
+batch is trained after, every request is decoded to T tokens at most; an engine whose requests have all stopped there
+(or finished) ends its use and waits for that version, then continues them. Which weights sampled which token is then
+the same in every run, however fast the trainer is (a run reproduces; the suite asserts exact facts).
 """
 from __future__ import annotations
 
@@ -27,11 +33,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.gate import EngineGate
 
 # serve(engine index, requests to add) -> the requests that finished, by id (see VLLMEngine.serve)
@@ -47,6 +54,16 @@ class Pausing:
     gate: EngineGate
     interrupt: InterruptFn
     version: Callable[[], int]
+    sync_at_tokens: int | None = None  # rollout.partial_rollout_sync_at_tokens: where the update lands, fixed
+    awaited_version: int | None = None  # the version the batch is trained after (None: nothing awaited, validation)
+
+    def awaiting(self, version: int | None) -> Pausing:
+        return replace(self, awaited_version=version)
+
+    def holds(self) -> bool:
+        """Whether requests stop at `sync_at_tokens` and wait there for the awaited version."""
+        return (self.sync_at_tokens is not None and self.awaited_version is not None
+                and self.version() < self.awaited_version)
 
 
 def continuation_seed(seed: int, part: int) -> int:
@@ -75,10 +92,15 @@ class TurnScheduler:
         self._continued: dict[str, tuple[Completion, int]] = {}  # by an interrupted request's id: what its parts
         # sampled, and the latest part's number
         self._origin: dict[str, str] = {}  # a continuation's id -> its original request's id
+        self._using = [False] * self.engines  # partial rollouts: whether the engine's driver holds a use of the gate
+        self._caps: dict[str, int] = {}  # a request stopped at sync_at_tokens -> its tokens there
+        self._held: list[list[tuple[str, Completion, int]]] = [[] for _ in range(self.engines)]  # stopped there
         drivers = [asyncio.ensure_future(self._drive(engine)) for engine in range(self.engines)]
         try:
             results = await asyncio.gather(*(self._trajectory(make) for make in trajectories))
         finally:
+            if self.pausing is not None and self.pausing.awaited_version is not None:
+                self.pausing.gate.release(self.pausing.awaited_version)
             for driver in drivers:
                 driver.cancel()
             await asyncio.gather(*drivers, return_exceptions=True)
@@ -122,8 +144,8 @@ class TurnScheduler:
         try:
             await self._serve_forever(engine)
         except Exception as error:  # noqa: BLE001 - handed to every waiting trajectory, then raised by `run`
-            if self.pausing is not None and self._running[engine]:  # a sync must not wait for a dead driver
-                self.pausing.gate.leave()
+            if self.pausing is not None:  # a sync must not wait for a dead driver
+                self._leave(engine)
             self._engine_error = self._engine_error or error
             for future in self._futures.values():
                 if not future.done():
@@ -139,10 +161,15 @@ class TurnScheduler:
             adding, self._waiting[engine] = self._waiting[engine], []
             self._running[engine] += len(adding)
             version = self.pausing.version() if self.pausing else None  # constant until this engine's use ends
-            finished = await self.serve(engine, [request for request, _ in adding])
+            finished = await self.serve(engine, [self._capped(request) for request, _ in adding])
             self._running[engine] -= len(finished)
-            if self.pausing is not None and not self._running[engine]:
-                self.pausing.gate.leave()
+            if self.pausing is not None:
+                finished = self._hold(engine, finished, version)
+                if not self._running[engine]:
+                    self._leave(engine)
+                    self._release_at_sync_point()
+                    if self._held[engine]:
+                        await self._continue_held(engine)
             done = [(self._futures.pop(request_id), self._whole(request_id, completion, version))
                     for request_id, completion in finished]
             if not self.turn_synchronous:
@@ -158,15 +185,62 @@ class TurnScheduler:
     async def _let_weight_updates_in(self, engine: int) -> None:
         """Partial rollouts: when a weight sync waits, interrupt this engine's requests (they wait to be continued)
         and end its use of the engines; a driver starting a use waits for the sync in progress."""
-        gate, running = self.pausing.gate, self._running[engine]
-        if running and gate.sync_waiting:
+        if self._running[engine] and self.pausing.gate.sync_waiting and not self.pausing.holds():
             version = self.pausing.version()
             for request_id, part in await self.pausing.interrupt(engine):
                 self._continue(engine, request_id, part, version)
             self._running[engine] = 0
-            gate.leave()
-        if not self._running[engine]:
-            await asyncio.to_thread(gate.enter)
+            self._leave(engine)
+        await self._enter(engine)
+
+    async def _enter(self, engine: int, ready: Callable[[], bool] = lambda: True) -> None:
+        if not self._using[engine]:
+            await asyncio.to_thread(self.pausing.gate.enter, ready)
+            self._using[engine] = True
+
+    def _leave(self, engine: int) -> None:
+        if self._using[engine]:
+            self._using[engine] = False
+            self.pausing.gate.leave()
+
+    def _release_at_sync_point(self) -> None:
+        """Every engine's requests stopped at the sync point or finished: let the awaited update in."""
+        if self.pausing.holds() and not any(self._running) and not any(self._waiting):
+            self.pausing.gate.release(self.pausing.awaited_version)
+
+    def _capped(self, request: TurnRequest) -> TurnRequest:
+        """`request`, decoded to sync_at_tokens tokens at most (its earlier parts' included) while the engines hold
+        an older version than the batch awaits."""
+        if self.pausing is None or not self.pausing.holds():
+            return request
+        origin = self._origin.get(request.request_id, request.request_id)
+        sampled = len(self._continued[origin][0].response_ids) if origin in self._continued else 0
+        cap = self.pausing.sync_at_tokens - sampled
+        if not 0 < cap < request.max_tokens:
+            return request
+        self._caps[request.request_id] = cap
+        return replace(request, max_tokens=cap)
+
+    def _hold(self, engine: int, finished: list[tuple[str, Completion]], version: int
+              ) -> list[tuple[str, Completion]]:
+        """The finished requests, less those that stopped at their cap (kept to continue after the update)."""
+        done = []
+        for request_id, completion in finished:
+            cap = self._caps.pop(request_id, None)
+            if completion.status == SampleStatus.TRUNCATED and len(completion.response_ids) == cap:
+                self._held[engine].append((request_id, completion, version))
+            else:
+                done.append((request_id, completion))
+        return done
+
+    async def _continue_held(self, engine: int) -> None:
+        """Every request on this engine stopped at its cap or finished: wait for the awaited version, then
+        continue the stopped ones with it."""
+        await self._enter(engine, lambda: not self.pausing.holds())
+        for request_id, part, version in self._held[engine]:
+            self._continue(engine, request_id, part, version)
+        self._held[engine] = []
+        self._wake[engine].set()
 
     def _continue(self, engine: int, request_id: str, part: Completion, version: int) -> None:
         """Queue the continuation of an interrupted request (or hand back what it has, if it used its tokens)."""

@@ -57,7 +57,7 @@ class InStep:
         rollout.seconds = timer.seconds["gen"]
         return rollout
 
-    def syncing(self, timer: Timer):
+    def syncing(self, timer: Timer, version: int):
         return nullcontext()
 
     def on_engines(self, fn: Callable[[], dict]):
@@ -76,12 +76,15 @@ class InStep:
 class Ahead:
     """Asynchronous RL: `produce(step)` runs in a generation thread, up to `staleness` steps ahead of the trainer,
     never past `last_step`. Without partial rollouts a whole batch holds the gate (one policy version per batch);
-    with them the turn scheduler takes it per engine and lets syncs in mid-batch."""
+    with them the turn scheduler takes it per engine and lets syncs in mid-batch. With a fixed sync point
+    (`trained_version` given: the version that trains a step's batch), a batch holds that version's sync back from
+    the moment it is started until its requests reach the point, so that it starts from the weights it would start
+    from however fast the trainer is."""
 
     def __init__(self, produce: Callable[[int], Rollout], staleness: int, last_step: int, gate: EngineGate,
-                 partial: bool):
+                 partial: bool, trained_version: Callable[[int], int] | None = None):
         self.produce, self.staleness, self.last_step = produce, staleness, last_step
-        self.gate, self.partial = gate, partial
+        self.gate, self.partial, self.trained_version = gate, partial, trained_version
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         self.started: dict[int, Future] = {}
         self.engines_free_since: float | None = None  # when the last batch ended
@@ -95,9 +98,10 @@ class Ahead:
         return rollout
 
     @contextmanager
-    def syncing(self, timer: Timer) -> Iterator[None]:
-        """Around a weight sync: wait until the engines are free (counted as waiting for the rollout), keep them."""
-        with self.gate.sync() as waited:
+    def syncing(self, timer: Timer, version: int) -> Iterator[None]:
+        """Around the weight sync installing `version`: wait until the engines are free (counted as waiting for the
+        rollout), keep them."""
+        with self.gate.sync(version) as waited:
             timer.seconds["wait_for_rollout"] = timer.seconds.get("wait_for_rollout", 0.0) + waited
             yield
 
@@ -116,11 +120,15 @@ class Ahead:
             self.started[rollout.step] = done
 
     def close(self) -> None:
-        """Drop the batches not started; the one generating finishes first."""
+        """Drop the batches not started; the one generating finishes first (or fails at once, if it waits at a
+        fixed sync point for an update that will not come)."""
+        self.gate.close()
         self.thread.shutdown(wait=True, cancel_futures=True)
 
     def _start(self, step: int) -> None:
         if step <= self.last_step and step not in self.started:
+            if self.trained_version is not None:
+                self.gate.hold(self.trained_version(step))
             self.started[step] = self.thread.submit(self._generate, step)
 
     def _generate(self, step: int) -> Rollout:
@@ -133,7 +141,11 @@ class Ahead:
             self.engines_free_since = end
             return rollout
 
-        return self._using_engines(generate)
+        try:
+            return self._using_engines(generate)
+        finally:  # a rollout function that never reached the sync point (or failed) lets the update in
+            if self.trained_version is not None:
+                self.gate.release(self.trained_version(step))
 
     def _using_engines(self, fn: Callable):
         with nullcontext() if self.partial else self.gate.use():

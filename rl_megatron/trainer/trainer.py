@@ -167,8 +167,8 @@ class Trainer:
         dynamic sampling, rounds of prompts until enough groups vary (`dynamic_sampling.py`)."""
         def generate_round(round_: int) -> list[Sample]:
             purpose = "train" if round_ == 1 else f"train round {round_}"  # each round samples with its own seeds
-            return self.rollout(self.loader.next_batch(),
-                                Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature, purpose, step))
+            return self.rollout(self.loader.next_batch(), Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature,
+                                                                   purpose, step, self.version_training(step)))
 
         if self.group_filter is None:
             return Rollout(step, generate_round(1))
@@ -182,6 +182,11 @@ class Trainer:
                                "training on them with "
                                f"{filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
         return Rollout(step, filled.samples, filled.rewards, filled.metrics)
+
+    def version_training(self, step: int) -> int:
+        """The policy version that trains step `step`'s batch: one actor update per step before it, after the
+        critic's warm-up."""
+        return max(0, step - 1 - self.cfg.critic.warmup_steps)
 
     def rewards(self, scored: Scored, samples: list[Sample]) -> Rewards:
         """The samples' rewards from their scores (shaped by the overlong penalty when on)."""
@@ -273,7 +278,8 @@ class Trainer:
                                                               "importance_weights", "routed_experts"))[0]
         if updating_actor:
             self.policy_version += 1
-            with self.rollouts.syncing(self.timer), self.timer("sync_weights"), self.profiles.phase(step, "sync"):
+            with (self.rollouts.syncing(self.timer, self.policy_version), self.timer("sync_weights"),
+                  self.profiles.phase(step, "sync")):
                 sync_weights(self.actor, self.engine_group)
                 self.engines.weight_version = self.policy_version
         return metrics
@@ -358,7 +364,8 @@ class Trainer:
         self.policy_version = max(0, self.start_step - cfg.critic.warmup_steps)
         staleness, gate = cfg.trainer.rollout_staleness, EngineGate()
         self.engines = RolloutEngines(self.engine_group, cfg.trainer.seed,
-                                      gate if cfg.rollout.partial_rollout else None)
+                                      gate if cfg.rollout.partial_rollout else None,
+                                      cfg.rollout.partial_rollout_sync_at_tokens)
         self.engines.weight_version = self.policy_version
         if self.agent_loop is not None:
             self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
@@ -366,7 +373,9 @@ class Trainer:
                                                     cfg.rollout.multi_turn.turn_synchronous, self.engines.pausing())
         self.profiles = StepProfiles(cfg.trainer.profile_steps, groups)
         generate = self.profiles.around("generate", self.generate)  # a profiled step's batch, whenever generated
-        self.rollouts = (Ahead(generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout)
+        fixed_sync_point = cfg.rollout.partial_rollout and cfg.rollout.partial_rollout_sync_at_tokens is not None
+        self.rollouts = (Ahead(generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout,
+                               self.version_training if fixed_sync_point else None)
                          if staleness else InStep(generate))
         stack.callback(self.rollouts.close)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own

@@ -11,7 +11,7 @@ import pytest
 from rl_megatron.batch import Sample, SampleStatus
 from rl_megatron.checkpoint.run import load_rollouts_ahead, save_rollouts_ahead
 from rl_megatron.rollout.completions import Completion, TurnRequest
-from rl_megatron.rollout.gate import EngineGate
+from rl_megatron.rollout.gate import EngineGate, GateClosed
 from rl_megatron.rollout.serving import Pausing, TurnScheduler, continuation_seed
 from rl_megatron.trainer.metrics import Timer
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, drop_stale
@@ -72,7 +72,7 @@ class FakeRun:
             rollout = self.ahead.take(step, timer)
             metrics = drop_stale(rollout.samples, trainer_version=step - 1, bound=self.ahead.staleness)
             time.sleep(self.train_s)
-            with self.ahead.syncing(timer):
+            with self.ahead.syncing(timer, step):
                 self.version = step
             trained.append((metrics, timer.seconds))
         self.ahead.close()
@@ -208,6 +208,96 @@ def test_partial_rollouts_have_no_turn_synchronous_mode():
     with pytest.raises(ValueError, match="turn-synchronous"):
         TurnScheduler(PausableEngine().serve, 1, turn_synchronous=True,
                       pausing=Pausing(EngineGate(), PausableEngine().interrupt, lambda: 0))
+
+
+# -- a fixed sync point (rollout.partial_rollout_sync_at_tokens) -------------------------------------------------------
+
+SYNC_AT = 7
+
+
+def run_with_fixed_sync_point(update_after_s: float, engines: int = 2):
+    """Three requests of 20 tokens an engine at version 0, in a batch trained with version 1 (whose sync it holds
+    back from its start, as `Ahead` does); the trainer's update to version 1 comes `update_after_s` seconds after
+    the batch is started. The completions and what the engines were asked."""
+    fleet, gate, version = [PausableEngine() for _ in range(engines)], EngineGate(), [0]
+    scheduler = TurnScheduler(lambda e, requests: fleet[e].serve(e, requests), engines,
+                              pausing=Pausing(gate, lambda e: fleet[e].interrupt(e), lambda: version[0], SYNC_AT, 1))
+    gate.hold(1)
+
+    def update_weights():
+        time.sleep(update_after_s)
+        with gate.sync(1):
+            version[0] = 1
+
+    requests = [TurnRequest(f"r{i}", [i], seed=i, max_tokens=20, temperature=1.0) for i in range(3 * engines)]
+    updating = threading.Thread(target=update_weights)
+    updating.start()
+    completions = asyncio.run(scheduler.run([lambda i=i: scheduler.generate(i % engines, requests[i])
+                                             for i in range(len(requests))]))
+    updating.join()
+    return completions, [request for engine in fleet for request in engine.requests]
+
+
+@pytest.mark.parametrize("update_after_s", [0.0, 0.02, 0.2])
+def test_a_fixed_sync_point_lands_the_update_at_the_same_token_however_late_it_comes(update_after_s):
+    """An update ready before the engines start, or before the requests reach the point, waits for them there;
+    one ready later finds them waiting: either way every request has SYNC_AT tokens of version 0, then the rest of
+    version 1."""
+    completions, asked = run_with_fixed_sync_point(update_after_s)
+    for i, completion in enumerate(completions):
+        assert completion.versions == [0] * SYNC_AT + [1] * (20 - SYNC_AT)
+        assert completion.response_ids == ([(i + t) % 97 for t in range(SYNC_AT)]
+                                           + [(continuation_seed(i, 1) + t) % 97 for t in range(20 - SYNC_AT)])
+        assert completion.status == SampleStatus.TRUNCATED
+    assert sorted((r.request_id, r.max_tokens) for r in asked) == sorted(
+        [(f"r{i}", SYNC_AT) for i in range(6)] + [(f"r{i}+1", 20 - SYNC_AT) for i in range(6)])
+
+
+def test_a_fixed_sync_point_waits_for_nothing_when_the_engines_hold_the_awaited_version():
+    engine, gate = PausableEngine(), EngineGate()
+    for awaited in (0, None):  # already there (the first batch), or nothing awaited (validation)
+        scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: 0, SYNC_AT,
+                                                                   awaited))
+        request = TurnRequest(f"r{awaited}", [1], seed=3, max_tokens=20, temperature=1.0)
+        [completion] = asyncio.run(scheduler.run([lambda: scheduler.generate(0, request)]))
+        assert completion.versions == [0] * 20 and engine.requests[-1].max_tokens == 20
+
+
+def test_a_request_that_ends_before_the_sync_point_is_not_held():
+    engine, gate = PausableEngine(), EngineGate()
+    scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: 0, SYNC_AT, 1))
+    short = TurnRequest("short", [1], seed=3, max_tokens=SYNC_AT - 2, temperature=1.0)
+    [completion] = asyncio.run(scheduler.run([lambda: scheduler.generate(0, short)]))
+    assert completion.versions == [0] * (SYNC_AT - 2) and [r.request_id for r in engine.requests] == ["short"]
+
+
+def test_a_batch_waiting_at_the_sync_point_fails_at_once_when_the_run_ends():
+    engine, gate = PausableEngine(), EngineGate()
+    scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: 0, SYNC_AT, 1))
+    request = TurnRequest("r", [1], seed=3, max_tokens=20, temperature=1.0)
+    gate.hold(1)
+    threading.Timer(0.1, gate.close).start()  # Ahead.close: no update will come
+    with pytest.raises(GateClosed):
+        asyncio.run(scheduler.run([lambda: scheduler.generate(0, request)]))
+
+
+def test_a_batch_with_a_fixed_sync_point_holds_its_update_back_from_its_start():
+    """`Ahead` holds the sync of the version that trains a batch from the moment the batch is started (in the
+    trainer's thread), so the batch starts from the weights before it however fast the trainer syncs; a rollout
+    that never reaches the point (here: no turn scheduler at all) releases it when it ends."""
+    gate, events = EngineGate(), []
+
+    def produce(step: int) -> Rollout:
+        time.sleep(0.05)
+        events.append(("generated", step))
+        return Rollout(step, [sample(0)])
+
+    ahead = Ahead(produce, 1, 3, gate, partial=True, trained_version=lambda step: step - 1)
+    ahead.take(1, Timer())  # starts batch 2, trained with version 1
+    with ahead.syncing(Timer(), 1):
+        events.append(("synced", 1))
+    ahead.close()
+    assert events == [("generated", 1), ("generated", 2), ("synced", 1)]
 
 
 def test_rollouts_pickle_for_checkpoints(tmp_path):
