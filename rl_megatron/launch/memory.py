@@ -69,7 +69,9 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
                                     models/packed_attention.py) the samples' outputs before they are joined, h_q /
                                     TP; without packing (Megatron's local attention) the softmax output over rows of
                                     S = min(T_mb, L) tokens instead, heads/TP * S * (4 + w if bfloat16) bytes (fp32
-                                    softmax, cast back)
+                                    softmax, cast back); with attention sinks (gpt-oss) on GPU without TE the per-span
+                                    path's, and its softmax over S keys and the sink, heads/TP * (S + 1) * w bytes
+                                    (counted by the pre-flight check, preflight/sink_attention.py, not by the plan)
   K_s, what pipeline stage s keeps per token of a micro-batch, summed over its layers (L_s of them: layers / PP,
       or the uneven split's; L_c = L_s / VPP per chunk): A each without recompute; A - C with selective recompute
       (the attention core); with full recompute a layer input h / t_sp per group of n = recompute_num_layers
@@ -105,7 +107,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from rl_megatron.models.family import family_of, head_dim, moe_experts, table_for
+from rl_megatron.launch.model_shape import ModelShape
+from rl_megatron.models.family import moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.models.weight_tables import padded_vocab_size
 
@@ -193,66 +196,9 @@ def gib_text(n: int) -> str:
 
 
 # How a role's attention runs: "fused" (Transformer Engine, GPU), "spans" (CPU, packed rows: torch's flash attention
-# per sample) or "local" (CPU, right-padded rows: Megatron's DotProductAttention, which keeps the scores).
-Attention = Literal["fused", "spans", "local"]
-
-
-@dataclass(frozen=True)
-class LatentAttention:
-    """Multi-head latent attention's sizes (config.json's names: DeepSeek-V2/V3, Moonlight)."""
-
-    q_lora_rank: int  # 0: queries projected straight from the hidden state (config.json's null)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @classmethod
-    def of(cls, hf: dict) -> Optional[LatentAttention]:
-        if not hf.get("kv_lora_rank"):
-            return None
-        return cls(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
-                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                   v_head_dim=hf["v_head_dim"])
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes activations are made of, from a config.json (with the moe section's overrides)."""
-
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    vocab: int
-    qk_norm: bool = False
-    experts: int = 0
-    top_k: int = 0
-    expert_ffn: int = 0
-    shared_ffn: int = 0  # the shared experts' width, all of them together
-    dense_layers: tuple[int, ...] = ()  # the layers of an MoE model that keep a dense MLP (of width ffn)
-    latent: Optional[LatentAttention] = None  # multi-head latent attention instead of GQA
-
-    @classmethod
-    def of(cls, hf: dict) -> ModelShape:
-        family, heads = family_of(hf), hf["num_attention_heads"]
-        experts = family.experts(hf)
-        moe, routes = family.moe, family.moe.sparse_layers(hf) if experts else []
-        return cls(hidden=hf["hidden_size"], ffn=hf.get("intermediate_size", 0), heads=heads,
-                   kv_heads=hf.get("num_key_value_heads") or heads,
-                   head_dim=head_dim(hf), layers=hf["num_hidden_layers"],
-                   vocab=hf["vocab_size"], qk_norm=family.qk_norm(hf), experts=experts,
-                   top_k=hf["num_experts_per_tok"] if experts else 0,
-                   expert_ffn=hf[moe.width_key] if experts else 0,
-                   shared_ffn=moe.shared.width(hf) if experts and moe.shared else 0,
-                   dense_layers=tuple(i for i, routed in enumerate(routes) if not routed),
-                   latent=LatentAttention.of(hf) if family.mla else None)
-
-    def routes(self, layer: int) -> bool:
-        """Whether `layer`'s MLP routes over experts."""
-        return bool(self.experts) and layer not in self.dense_layers
+# per sample), "local" (CPU, right-padded rows: Megatron's DotProductAttention, which keeps the scores) or "sinks"
+# (attention sinks without TE: packed_attention.attention_with_sinks per span, which keeps its softmax output).
+Attention = Literal["fused", "spans", "local", "sinks"]
 
 
 @dataclass(frozen=True)
@@ -315,8 +261,10 @@ def layer_bytes(shape: ModelShape, run: RolePasses, routed: Optional[bool] = Non
         # Latent attention's heads each have a key and value of their own: nothing is repeated.
         h_q = shape.heads * (shape.latent.v_head_dim if shape.latent else d)
         repeated = w * 2 * h_q / tp if shape.kv_heads < shape.heads else 0  # K, V repeated to the query heads
-        if run.attention == "spans":
+        if run.attention in ("spans", "sinks"):
             core = repeated + w * h_q / tp  # each sample's output, kept by its kernel, beside the joined output
+            if run.attention == "sinks":  # the softmax over each query's keys and its head's sink
+                core += shape.heads / tp * (run.row_tokens + 1) * w
         else:
             softmax = FP32 + (w if w < FP32 else 0)  # the fp32 softmax output, and its cast back to a 16-bit dtype
             core = repeated + shape.heads / tp * run.row_tokens * softmax

@@ -99,6 +99,11 @@ def _activations(pool: Pool) -> tuple[Held, ...]:
                  f"the {largest.name}'s {largest.activations.larger_pass} pass"),)
 
 
+def compute_phase(phases: list[PhaseMemory]) -> PhaseMemory:
+    """The phase in which a pool's Megatron passes run: training where phases take turns, else the only one."""
+    return next(phase for phase in phases if phase.name in (TRAINING, ALL_AT_ONCE))
+
+
 def peak(phases: list[PhaseMemory]) -> PhaseMemory:
     """The phase that needs the most (the first of equals, in phase order)."""
     return max(phases, key=lambda phase: phase.bytes)

@@ -5,14 +5,17 @@ all go through `preflight`. Each value has been checked against its rule in conf
 the checks of keys together (the parallel layouts in `layout.py`), and each package checks its own part: the
 loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code
 (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the layouts
-(`rl_megatron.models.checks`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first
+(`rl_megatron.models.checks`; without Transformer Engine, the attention sinks' scores against the memory plan in
+`sink_attention.py`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first
 prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will
 load (`rl_megatron.models.hf_weights`, from the files' headers).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
+from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
 from rl_megatron.config.pools import uses_reference, worker_pools
@@ -27,6 +30,7 @@ from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
+from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.tracking import check_loggers_installed
 
@@ -51,6 +55,8 @@ def preflight(cfg: Config) -> None:
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
     check_activations(cfg, hf)
+    # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
+    check_sink_attention(cfg, hf, platform.has_cuda(), importlib.util.find_spec("transformer_engine") is not None)
     stop_ids = end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating
     # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
     tokenizer = checked_tokenizer(cfg.model.path, hf)
@@ -126,6 +132,22 @@ def _check_asynchronous(cfg: Config) -> None:
         raise ConfigError("rollout.partial_rollout=true continues samples across weight updates, which only arrive "
                           "mid-generation when the rollout runs ahead of the trainer: set trainer.rollout_staleness=1 "
                           "(with rollout.placement=separate), or rollout.partial_rollout=false.")
+    sync_at = rollout.partial_rollout_sync_at_tokens
+    if sync_at is not None and not rollout.partial_rollout:
+        raise ConfigError(f"rollout.partial_rollout_sync_at_tokens={sync_at} places the weight update inside the "
+                          "samples of a partial rollout, but rollout.partial_rollout=false: set "
+                          "rollout.partial_rollout=true, or rollout.partial_rollout_sync_at_tokens=null.")
+    if sync_at is not None and staleness != 1:
+        # At N > 1 a batch starts after the one before it, which awaits an update of its own: its first tokens' version
+        # would be the schedulers' timing again.
+        raise ConfigError(f"rollout.partial_rollout_sync_at_tokens={sync_at} fixes where the weight update lands for "
+                          f"one-step-off training only, but trainer.rollout_staleness={staleness}: set "
+                          "trainer.rollout_staleness=1, or rollout.partial_rollout_sync_at_tokens=null.")
+    if sync_at is not None and sync_at >= rollout.max_tokens:
+        raise ConfigError(f"rollout.partial_rollout_sync_at_tokens={sync_at} would never land inside a sample of "
+                          f"rollout.max_tokens={rollout.max_tokens} tokens: set it "
+                          + (f"between 1 and {rollout.max_tokens - 1}." if rollout.max_tokens > 1 else
+                             "to null, or raise rollout.max_tokens."))
     if rollout.partial_rollout and rollout.multi_turn.turn_synchronous:
         raise ConfigError("rollout.multi_turn.turn_synchronous=true decodes every trajectory's turn as one round, "
                           "but rollout.partial_rollout=true interrupts and continues requests one by one; set one of "

@@ -20,6 +20,7 @@ from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
 from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, name_cpu_shm_by_world, remove_stale_cpu_shm
+from rl_megatron.rollout.moe_backend import check_engine_moe_kernels, engine_moe_arguments, pins_moe_backend
 from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
@@ -157,6 +158,7 @@ def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int,
         cpu_distributed_timeout_seconds=group_timeout_s,
         # The policy's adapters, one at a time, replaced in place at each weight sync (`load_adapter`).
         **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
+        **engine_moe_arguments(model_path, cuda),  # CUDA MoE engines on Triton's experts (rollout/moe_backend.py)
         **device,
     )
 
@@ -219,6 +221,8 @@ class VLLMEngine:
                     raise ValueError(f"{err} Set actor.lora.merge=true: the engines then receive the weights with "
                                      "the adapters merged.") from err
                 raise
+        if pins_moe_backend(model_path, platform.has_cuda()):  # the kernels vLLM chose, read back
+            check_engine_moe_kernels(self.llm, self.model())
         if load_format == "dummy":  # the syncs write every region; what holds none must not stay random
             with torch.no_grad():
                 zero_what_no_region_holds(self.model())
@@ -311,10 +315,13 @@ class VLLMEngine:
     def sleep(self, level: int = 2) -> None:
         """Free the engine's device memory while the trainer uses the device (the hybrid engine, GPU).
 
-        level 1: the weights go to host memory, the KV cache is dropped; level 2: both are dropped (vLLM keeps the
-        model's buffers, e.g. rotary tables), right when a weight sync rewrites every weight before the next
-        generation, as here. The parameters keep their addresses (vLLM's CuMem allocator), so the resharding plan
-        made at start stays valid. A no-op while any part is asleep: wake it fully before sleeping again.
+        level 1: the weights go to host memory, the KV cache is dropped (for an engine serving LoRA adapters, whose
+        frozen base no sync after the first resends); level 2: both are dropped (vLLM keeps the model's buffers,
+        e.g. rotary tables), right when a weight sync rewrites every weight before the next generation; the worker's
+        `PhaseMachine.sleep_level` chooses. The parameters keep their addresses (vLLM's CuMem allocator), so the
+        resharding plan made at start stays valid; after level 2 they hold whatever the memory held, the parameters
+        no sync writes too, which the worker zeroes again (`zero_what_no_region_holds`). A no-op while any part is
+        asleep: wake it fully before sleeping again.
         A no-op on CPU: vLLM's CPU backend has no sleep mode, and its memory is host memory already; the trainer
         calls this unconditionally."""
         if level not in SLEEP_LEVELS:

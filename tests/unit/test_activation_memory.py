@@ -8,8 +8,8 @@ vocabulary 100, bfloat16 (w = 2), TP 2 with sequence parallelism, flash attentio
 """
 import pytest
 
-from rl_megatron.launch.memory import (Activations, LatentAttention, ModelShape, RolePasses, activation_bytes,
-                                       in_flight, layer_bytes)
+from rl_megatron.launch.memory import Activations, ModelShape, RolePasses, activation_bytes, in_flight, layer_bytes
+from rl_megatron.launch.model_shape import LatentAttention
 
 SHAPE = ModelShape(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, layers=4, vocab=100)
 T = 1000

@@ -10,6 +10,8 @@ import pytest
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.rollout.vllm_engine import drop_prefix_cache, engine_arguments
 
+DENSE = "configs/models/tiny-qwen2-digits"  # a CUDA engine reads its config.json: MoE models pin their kernels
+
 
 def engine_args_fields() -> set[str]:
     """The fields of vLLM's EngineArgs, read from its source (importing vLLM takes seconds)."""
@@ -22,7 +24,7 @@ def engine_args_fields() -> set[str]:
 @pytest.mark.parametrize("cuda, mla", [(False, False), (False, True), (True, False), (True, True)])
 def test_engines_schedule_one_step_at_a_time_on_every_device(cuda, mla):
     """On CUDA vLLM 0.32 turns async scheduling on unless told not to; `serve`/`interrupt` assume it is off."""
-    args = engine_arguments("model", RolloutConfig(max_model_len=64), "bfloat16", 0, None, "dummy", cuda=cuda, mla=mla,
+    args = engine_arguments(DENSE, RolloutConfig(max_model_len=64), "bfloat16", 0, None, "dummy", cuda=cuda, mla=mla,
                             group_timeout_s=None)
     assert args["async_scheduling"] is False
     assert set(args) <= engine_args_fields()
