@@ -9,13 +9,19 @@ would alone in a row of its own.
 Nothing here waits for the device (docs/architecture.md, "The step's host/device boundary"): the span bounds
 travel on the host with the packed parameters (`HostPackedSeqParams`), and rotary embeddings restart at each span
 through per-token positions computed on the device (`packed_rotary`), where Megatron's unfused THD RoPE reads the
-bounds back twice per layer. Grouped-query attention shares each key/value head through `enable_gqa` (no copies):
+bounds back twice per layer. Two kernels (`varlen_call` picks one per call):
 
-- on CUDA, one call per layer: torch's variable-length flash attention (`torch.nn.attention.varlen`) where the
-  installed torch has it, as NeMo-RL's and torchtitan's varlen paths do;
-- elsewhere, torch's fused scaled-dot-product attention, one call per span length with the spans of that length as
-  its batch (a flash kernel on CPU too: it never holds a span's score matrix, so memory grows with the row's
-  tokens, not with the square of its longest sample).
+- on CUDA in fp16/bf16, one call per layer: torch's variable-length flash attention (`torch.nn.attention.varlen`)
+  where the installed torch has it and its signature takes the call (`VARLEN_ARGS`, read argument by argument),
+  the kernel torchtitan's varlen attention calls;
+- elsewhere (CPU, float32, a window the kernel cannot take, MLA, sinks), torch's fused scaled-dot-product
+  attention, one call per span length with the spans of that length as its batch (a flash kernel on CPU too: it
+  never holds a span's score matrix, so memory grows with the row's tokens, not with the square of its longest
+  sample).
+
+Grouped-query attention shares each key/value head through `enable_gqa` where the kernel takes it; a varlen kernel
+without it (torch 2.11) gets each key/value head repeated for its query heads (a copy, the same attention).
+Under trainer.deterministic, only kernels with a deterministic backward run (`allowed_kernels`).
 
 Unpacked rows keep Megatron's own path unless the layer has a sliding window (Mistral, gpt-oss), whose mask
 Megatron's local attention builds on CUDA only, or attention sinks (gpt-oss: `attention_with_sinks`).
@@ -23,7 +29,9 @@ Megatron's local attention builds on CUDA only, or attention sinks (gpt-oss: `at
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +41,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import attention, multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.utils import is_layer_window_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_megatron.batch import to_device
 
@@ -44,9 +53,77 @@ except ImportError:
 # Without Transformer Engine, megatron-core still imports its TE extension (stand-ins for the missing classes) and
 # MLA's `HAVE_TE` says True, so its fp8 check calls isinstance() with a stand-in; the extension's own flag is right.
 multi_latent_attention.HAVE_TE = te_extension.HAVE_TE
-# The varlen kernel's causal and grouped-query arguments, as torch 2.13 names them (earlier releases differ).
-VARLEN_ARGS = {"window_size", "enable_gqa"}
-HAS_VARLEN = varlen_attn is not None and VARLEN_ARGS <= set(inspect.signature(varlen_attn).parameters)
+# The varlen kernel's parameters in the installed torch, each used where present (`varlen_call`): torch 2.9's takes
+# is_causal and no scale; later releases take scale and window_size; enable_gqa came after 2.11.
+VARLEN_ARGS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+# Flash kernels, the varlen one included, take half precision only: a float32 call raises.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# SDPA's backends whose backward sums in a fixed order under torch's deterministic algorithms (strict, as
+# platform/determinism.make_process_deterministic sets them): torch then runs flash's backward with FlashAttention's
+# deterministic flag and the memory-efficient one with a single key split (aten's attention_backward.cu); cuDNN's
+# has no such path (torch's own SDPA choice drops it there too). Without those settings only the math backend is.
+ORDERED_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+class Kernels(NamedTuple):
+    """The attention kernels a layer may run: the varlen one or not, and SDPA's backends (None: any)."""
+    varlen: bool
+    sdpa: tuple[SDPBackend, ...] | None
+
+
+def allowed_kernels(deterministic: bool, strict: bool) -> Kernels:
+    """`deterministic`: trainer.deterministic (Megatron's deterministic_mode); `strict`: torch's deterministic
+    algorithms are on and not warn-only. With both, the flash backward (SDPA's and the varlen kernel's, which calls
+    the same aten op) takes its deterministic path; deterministic without strict leaves only SDPA's math backend,
+    whose backward is plain matmuls (scores held per span: memory grows with the square of its length)."""
+    if not deterministic:
+        return Kernels(varlen=True, sdpa=None)
+    return Kernels(varlen=True, sdpa=ORDERED_SDPA) if strict else Kernels(varlen=False, sdpa=(SDPBackend.MATH,))
+
+
+def strict_determinism() -> bool:
+    """Whether torch's deterministic algorithms are on, raising on ops without a deterministic kernel."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """How the varlen kernel takes one layer's call: its keyword arguments, and whether key/value heads are
+    repeated up to the query's (a kernel without `enable_gqa` wants as many as the query has)."""
+    kwargs: dict = field(default_factory=dict)
+    expand_kv: bool = False
+
+
+def varlen_call(device: str, dtype: torch.dtype, takes: frozenset[str], window: tuple[int, int] | None, gqa: bool,
+                scale: float, allowed: bool = True) -> VarlenCall | None:
+    """The varlen kernel's call for a packed layer on `device` (its type) in `dtype`, with the kernel's parameters
+    `takes` (VARLEN_ARGS), or None where SDPA takes it: not CUDA, not half precision, not `allowed`
+    (`allowed_kernels`), or a parameter the call needs missing (scale; the window's or causality's)."""
+    if not allowed or device != "cuda" or dtype not in FLASH_DTYPES or "scale" not in takes:
+        return None
+    if "window_size" in takes:  # (before, 0): causal within the window; (-1, 0): causal
+        kwargs = {"window_size": (window[0] if window is not None else -1, 0)}
+    elif window is None and "is_causal" in takes:
+        kwargs = {"is_causal": True}
+    else:
+        return None
+    kwargs["scale"] = scale
+    if "enable_gqa" in takes:
+        return VarlenCall({**kwargs, "enable_gqa": gqa})
+    return VarlenCall(kwargs, expand_kv=gqa)
+
+
+def run_varlen(query, key, value, packed: PackedSeqParams, call: VarlenCall) -> torch.Tensor:
+    """One varlen call over a packed row: [tokens, heads (query groups for key/value), d] in, [tokens, 1, heads * d]
+    out."""
+    if call.expand_kv:
+        # Query head h reads key/value head h // (heads / groups), as Megatron groups them and SDPA's enable_gqa
+        # shares them: repeating each that many times in place is the same attention.
+        repeats = query.shape[1] // key.shape[1]
+        key, value = (x.repeat_interleave(repeats, dim=1) for x in (key, value))
+    out = varlen_attn(query, key, value, packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_seqlen_q,
+                      packed.max_seqlen_kv, **call.kwargs)
+    return out.reshape(out.shape[0], 1, -1)
 
 
 @dataclass
@@ -71,42 +148,50 @@ class PackedDotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        window, sinks = self.window, self.softmax_offset
-        if packed_seq_params is None and window is None and sinks is None:
+        if packed_seq_params is None and self.window is None and self.softmax_offset is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        # (MLA's values are narrower than its queries and keys: flash kernels want one head width.)
-        if (packed_seq_params is not None and query.is_cuda and HAS_VARLEN and query.shape[-1] == value.shape[-1]
-                and sinks is None):
-            # [tokens, heads, d] in and out; window (before, 0): causal within it; (-1, 0): causal.
-            out = varlen_attn(query, key, value, packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv,
-                              packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv,
-                              scale=self.softmax_scale, window_size=(window[0] if window else -1, 0),
-                              enable_gqa=gqa)
-            return out.reshape(out.shape[0], 1, -1)
-        # [tokens, batch, heads (query groups for key/value), head_dim]; Megatron squeezes a packed row's batch of 1.
-        if packed_seq_params is not None:
-            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        query, key, value = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [batch, heads, tokens, d]
-        tokens = query.shape[2]
-        bounds = packed_seq_params.host_cu_seqlens if packed_seq_params is not None else (0, tokens)
-        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-        # split, not slicing: its backward joins the spans' gradients instead of a zero row per span.
-        spans = list(zip(*(x.split(lengths, dim=2) for x in (query, key, value))))
-        outputs = [None] * len(spans)
+        kernels = allowed_kernels(self.config.deterministic_mode, strict_determinism())
+        return packed_attention(query, key, value, packed_seq_params, self.softmax_scale, self.window,
+                                self.softmax_offset, kernels)
+
+
+def packed_attention(query, key, value, packed: HostPackedSeqParams | None, scale: float,
+                     window: tuple[int, int] | None = None, sinks: torch.Tensor | None = None,
+                     kernels: Kernels = Kernels(varlen=True, sdpa=None)) -> torch.Tensor:
+    """Causal attention within each span of a packed row ([tokens, heads, d]; `packed` its bounds) or within each
+    row ([tokens, batch, heads, d]; `packed` None). Key/value may hold fewer (grouped) heads. Out: [tokens, batch,
+    heads * d]."""
+    gqa = query.shape[-2] != key.shape[-2]
+    # (MLA's values are narrower than its queries and keys: flash kernels want one head width.)
+    if packed is not None and sinks is None and query.shape[-1] == value.shape[-1]:
+        call = varlen_call(query.device.type, query.dtype, VARLEN_ARGS, window, gqa, scale, kernels.varlen)
+        if call is not None:
+            return run_varlen(query, key, value, packed, call)
+    # [tokens, batch, heads (query groups for key/value), head_dim]; Megatron squeezes a packed row's batch of 1.
+    if packed is not None:
+        query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+    query, key, value = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [batch, heads, tokens, d]
+    tokens = query.shape[2]
+    bounds = packed.host_cu_seqlens if packed is not None else (0, tokens)
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    # split, not slicing: its backward joins the spans' gradients instead of a zero row per span.
+    spans = list(zip(*(x.split(lengths, dim=2) for x in (query, key, value))))
+    outputs = [None] * len(spans)
+    # The backward runs the kernel the forward picked: pinning the forward's backends pins the backward's.
+    with sdpa_kernel(list(kernels.sdpa)) if kernels.sdpa is not None else nullcontext():
         for length, group in _by_length(lengths).items():
             # The spans of one length as the batch of one call (in a packed row of short samples most share a few
             # lengths): the same kernel per (sample, head) as a call per span, with a fraction of the calls.
             q, k, v = (torch.cat([spans[i][part] for i in group]) for part in range(3))
             if sinks is None:
-                out = F.scaled_dot_product_attention(q, k, v, **causal(length, window, q.device),
-                                                     scale=self.softmax_scale, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, **causal(length, window, q.device), scale=scale,
+                                                     enable_gqa=gqa)
             else:
-                out = attention_with_sinks(q, k, v, causal_mask(length, window, q.device), self.softmax_scale, sinks)
+                out = attention_with_sinks(q, k, v, causal_mask(length, window, q.device), scale, sinks)
             for i, span_out in zip(group, out.split(query.shape[0])):
                 outputs[i] = span_out
-        out = torch.cat(outputs, dim=2)  # [batch, heads, tokens, d]
-        return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
+    out = torch.cat(outputs, dim=2)  # [batch, heads, tokens, d]
+    return out.permute(2, 0, 1, 3).reshape(tokens, out.shape[0], -1)  # [tokens, batch, heads * d]
 
 
 def attention_with_sinks(query, key, value, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
