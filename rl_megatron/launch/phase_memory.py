@@ -6,7 +6,8 @@ engine with parameter and optimizer offload). Each phase holds:
   training     the actor's and a colocated critic's training states (the critic's stays through the actor's
                update: the machine sends it to host memory only at the next sync), the reference's weights when
                ref.param_offload=false, and the largest of the pool's activations. The engine sleeps at level 2
-               (weights and KV cache freed), but its CUDA graphs stay: vLLM captures them outside the memory pool its
+               (weights and KV cache freed; level 1 when it serves LoRA adapters: the same device memory freed, its
+               weights kept in host memory), but its CUDA graphs stay: vLLM captures them outside the memory pool its
                sleep frees (`rollout/vllm_engine.py` leaves sleep_mode_offload_cudagraph off). With
                ref.param_offload the reference's weights come in for its own forward pass alone, when only the
                actor's weights are there: less than this phase counts (the actor's fp32 gradients alone take as much

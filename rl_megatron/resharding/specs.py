@@ -153,7 +153,8 @@ def _hf_name(mapper, name: str) -> str:
 
 def zero_what_no_region_holds(model) -> None:
     """Zero the engine's parameters that hold no HF region on this rank (gpt-oss's expert output biases beyond the
-    first MoE TP rank; vocabulary padding): no sync writes them, and a dummy-loaded engine starts them random."""
+    first MoE TP rank; vocabulary padding): no sync writes them, and a dummy-loaded engine starts them random, as a
+    wake from a level-2 sleep leaves them (the phase machine's "zero_unheld" move)."""
     for tensor, spec in vllm_targets(model).values():
         if not spec.regions:
             tensor.zero_()

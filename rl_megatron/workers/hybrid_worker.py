@@ -28,11 +28,12 @@ from rl_megatron.plugins import import_user_modules
 from rl_megatron.resharding import Resharder, vllm_targets
 from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
+from rl_megatron.resharding.specs import zero_what_no_region_holds
 from rl_megatron.roles import Role
 from rl_megatron.workers.distributed import connect_store, init_distributed, owns_dp_output, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.offload import Offloader
-from rl_megatron.workers.phases import SYNC, Move, Phase, PhaseMachine, forward, save, train
+from rl_megatron.workers.phases import SYNC, Move, Phase, PhaseMachine, forward, load, save, train
 from rl_megatron.workers.worker_group import dispatch
 
 
@@ -48,7 +49,6 @@ class HybridWorker(EngineHost):
         self.cfg, self.hf_config, self.roles, self.layout = cfg, hf_config, roles, layout
         self.models = {}  # Role -> MegatronModel
         self.resharder = self.sender = self.adapters = None
-        self.engine_has_base = False  # LoRA adapters served by the engines: whether they hold the frozen base yet
         self._init_engine_host(logs)
         # Before vLLM starts: its CPU worker turns torch.set_num_threads into a no-op afterwards.
         torch.set_num_threads(threads)
@@ -101,7 +101,8 @@ class HybridWorker(EngineHost):
                 self.adapters = AdapterSync(actor.chunks, cfg.actor.lora, cfg.model.path, self.engine,
                                             actor.chunks[0].config.params_dtype, verify=cfg.resharding.verify)
         self.phases = PhaseMachine(offloaded=tuple(self.offloaders), engine=self.engine is not None,
-                                   engine_sleeps=self.engine is not None and self.engine.sleeps)
+                                   engine_sleeps=self.engine is not None and self.engine.sleeps,
+                                   adapters=self.adapters is not None)
         startup_done()
 
     def enter(self, phase: Phase) -> None:
@@ -118,27 +119,29 @@ class HybridWorker(EngineHost):
         elif move.kind == "to_device":
             self.offloaders[move.role].to_device(*move.parts)
         elif move.kind == "sleep":
-            self.engine.sleep()
+            self.engine.sleep(move.level)
         elif move.kind == "wake":
             self.engine.wake_up(move.parts)
+        elif move.kind == "zero_unheld":
+            zero_what_no_region_holds(self.engine.model())
         elif move.kind == "sync":
-            self._send_weights()
+            self._send_weights(move.parts)
         else:
             raise ValueError(f"unknown move {move}")
 
-    def _send_weights(self) -> None:
-        """The policy's weights into the engines: colocated, every worker writes its part; separate, rank 0 gathers
-        the weights a bucket at a time and broadcasts each to the engine workers. A LoRA policy whose engines load
-        its adapters: the frozen base once (and after a checkpoint is loaded), then the adapters alone."""
+    def _send_weights(self, parts: tuple[str, ...]) -> None:
+        """The policy's `parts` (`Move`) into the engines: colocated, every worker writes its part; separate, rank 0
+        gathers the weights a bucket at a time and broadcasts each to the engine workers. A LoRA policy whose
+        engines load its adapters: the frozen base at the first sync (and after a checkpoint is loaded), then the
+        adapters alone (`PhaseMachine`)."""
         self.models[Role.ACTOR].merge_adapters()
         if self.sender is not None:
             self.sender.send()
             return
-        if not (self.adapters and self.engine_has_base):
+        if "weights" in parts:
             self.resharder.sync()
             self.engine.weights_updated()
-            self.engine_has_base = True
-        if self.adapters:
+        if "adapters" in parts:
             self.adapters.sync()
 
     def close(self) -> None:
@@ -227,10 +230,9 @@ class HybridWorker(EngineHost):
     def load_checkpoint(self, step_dir: str) -> bool:
         """Load what `save_checkpoint` wrote (at any layout); True when the RNG states could be restored too."""
         for role, model in self._checkpointed().items():
-            self.enter(train(role))  # loading changes the state, like an update: the engine's weights go stale
+            self.enter(load(role))  # like an update: the engine's weights go stale, its LoRA base too
             model.load_checkpoint(os.path.join(step_dir, role.value))
-            self.leave(train(role))
-        self.engine_has_base = False  # the base is the checkpoint's (a random model's is saved with it)
+            self.leave(load(role))
         return restore_rng_state(self._rng_file(step_dir), {**self.layout, "world_size": self.world_size})
 
     @dispatch(axis=None, phase=forward(Role.ACTOR))

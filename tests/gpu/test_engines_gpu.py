@@ -4,6 +4,7 @@ why, without Ray (the module), CUDA, vLLM or enough GPUs.
 
     pytest tests/gpu/test_engines_gpu.py -m gpu -v -rA
 """
+import dataclasses
 import importlib.util
 import os
 from contextlib import ExitStack
@@ -57,6 +58,56 @@ def test_generation_after_a_level_2_sleep_is_synced_first(ray_session, tiny_mode
         actor.save_checkpoint(str(tmp_path / "global_step_1"))  # the engine sleeps again; no update
         assert [s.response_ids for s in actor.generate(prompts, seeds, n=1, temperature=0.0)] == expected
         assert actor.engine_mismatches(state) == [[]]
+
+
+@gpus(1)
+def test_adapters_served_by_a_sleeping_engine_generate_as_peft_after_two_steps(ray_session, tiny_model_dir, tmp_path):
+    """LoRA served by the engine (actor.lora.merge=false): every Megatron phase sleeps the engine at level 1, which
+    keeps the frozen base in host memory, since only the first sync sends it. After each of two training steps (the
+    adapters alone synced) and a checkpoint save (another sleep, nothing to sync), the engine holds the base bit for
+    bit and answers greedily as transformers + PEFT with the adapters saved (at level 2 the base was discarded and
+    the engine answered from garbage)."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from rl_megatron import convert
+    from rl_megatron.batch import Prompt, TrainBatch
+    from rl_megatron.doctor.cycle import NEW_TOKENS, hf_greedy
+    from rl_megatron.doctor.parity import hf_model
+    from rl_megatron.models.hf_config import read_hf_config
+    from rl_megatron.rollout.vllm_engine import request_seeds
+    from rl_megatron.trainer.workers import build_workers, sync_weights
+
+    full = sync_config(tiny_model_dir, "actor.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1")
+    cfg = dataclasses.replace(full, actor=dataclasses.replace(
+        full.actor, lora=dataclasses.replace(full.actor.lora, rank=8, alpha=16)))  # all-linear: vLLM serves them
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    prompts = [Prompt(ids, "arithmetic", "0") for ids in prompt_ids]
+    seeds = request_seeds(0, "val", 0, len(prompts))
+    adapters = []
+    with ExitStack() as stack:
+        actor = build_workers(cfg, read_hf_config(tiny_model_dir), 1, stack)["actor"]
+        sync_weights(actor, actor)  # the base and the adapters
+        base = actor.hf_state_dict()[0]  # the frozen base (a forward phase: the first sleep)
+        for step in (1, 2):
+            samples = actor.generate(prompts * 4, request_seeds(0, "train", step, 4 * len(prompts)), n=cfg.rollout.n,
+                                     temperature=cfg.rollout.temperature)
+            batch = TrainBatch.from_samples(samples, pad_id=0)
+            batch.old_log_probs = actor.log_probs(batch).log_probs
+            batch.advantages = torch.ones(len(samples))
+            actor.update(batch)
+            sync_weights(actor, actor)  # the adapters alone
+            step_dir = str(tmp_path / f"global_step_{step}")
+            actor.save_checkpoint(step_dir)
+            answers = [s.response_ids for s in actor.generate(prompts, seeds, n=1, temperature=0.0)]
+            assert actor.engine_mismatches(base) == [[]], step
+            adapter_dir = str(tmp_path / f"adapter_{step}")
+            assert convert.main(["to-peft", "--ckpt", os.path.join(step_dir, "actor"), "--out", adapter_dir]) == 0
+            peft = PeftModel.from_pretrained(hf_model(tiny_model_dir), adapter_dir)
+            adapters.append({n: p.detach().clone() for n, p in peft.named_parameters() if ".lora_" in n})
+            assert answers == hf_greedy(peft.merge_and_unload(), prompt_ids, NEW_TOKENS), step
+    assert any(not torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])  # the second step moved them
 
 
 @gpus(2)
