@@ -51,7 +51,7 @@ def forced_model(model_dir: str, batch, routing: torch.Tensor, own: list | None 
 
 def top_k_sets(choices: torch.Tensor) -> torch.Tensor:
     """[tokens, experts] routing maps -> each token's experts, sorted: [tokens, k]."""
-    return choices.nonzero()[:, 1].view(choices.shape[0], TOP_K)
+    return choices.nonzero()[:, 1].view(choices.shape[0], TOP_K).cpu()  # the routers record on their device
 
 
 def router_choices(chunks) -> list:
