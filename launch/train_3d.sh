@@ -33,7 +33,9 @@ so the file must be on storage every node shares. RAY_AUTH_MODE=disabled turns a
 anyone who can reach the head's Ray ports can then run code on every node.
 
   --dry-run   check the config against this environment and print the plan (nodes, GPUs per role,
-              TP/PP/EP/DP, memory per GPU) and the commands; starts nothing
+              TP/PP/EP/DP, memory per GPU) and the commands; starts nothing. Reads only the config and the
+              model's config.json (where model.path is not on this machine, the one configs/models/<name>
+              ships for that folder name); the data, tokenizer and weights are checked by the launch
   --check     start the cluster as for a run, then node 0 runs `python -m rl_megatron.doctor` (devices, stack,
               NCCL bandwidth, memory, a tiny model through the real workers) instead of training; exit code 0
               when every check passed

@@ -23,10 +23,10 @@ def resolve_data_section(data):
     return dataclasses.replace(data, train_files=train_files, val_files=val_files, task=task)
 
 
-def check_data_section(data) -> None:
-    """A resolved data section: its files exist, and the train files and the built-in task do not both ask to be
-    trained on."""
-    for key in ("data.train_files", "data.val_files"):
+def check_data_section(data, files: bool = True) -> None:
+    """A resolved data section: its files exist (unless not `files`: a dry run's plan reads none), and the train
+    files and the built-in task do not both ask to be trained on."""
+    for key in ("data.train_files", "data.val_files") if files else ():
         for index, path in enumerate(getattr(data, key.removeprefix("data."))):
             check_data_file(path, f"{key}[{index}]")
     if data.train_files and data.task is not None:

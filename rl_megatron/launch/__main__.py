@@ -1,7 +1,8 @@
 """`python -m rl_megatron.launch COMMAND`: the planning and waiting steps of launch/train_3d.sh.
 
   prepare [--dry-run] [--check] CONFIG [key=value ...]
-                                               check config + environment, print the plan; without
+                                               check config + environment, print the plan (--dry-run: from
+                                               the config and config.json alone); without
                                                --dry-run print shell assignments for the script to eval
                                                and, on the head, write the Ray token file if it is missing
                                                (--check: the head runs `rl_megatron.doctor`, not training)
@@ -23,6 +24,7 @@ from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.launch.auth import RayAuth, ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
 from rl_megatron.preflight import load_config
+from rl_megatron.preflight.dry_run import load_plan_config, shipped_name
 from rl_megatron.workers.debugging import setup_problem
 
 DEFAULT_RAY_PORT = 6379
@@ -81,13 +83,20 @@ def check_environment(node: NodeEnvironment, nnodes: int, gpus_per_node: int, no
                           "(sbatch --gpus-per-node).")
 
 
-def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLaunch:
-    """Load and check everything, build the plan; nothing is started. `check`: the head's command is the doctor."""
+def plan_node(config: str, overrides: list[str], check: bool = False, dry_run: bool = False) -> NodeLaunch:
+    """Load and check everything, build the plan; nothing is started. `check`: the head's command is the doctor.
+    `dry_run`: check only what the plan reads (the config, the model's config.json, a shipped one where the model
+    folder is not on this machine: `preflight.dry_run`); the launch checks the data and the weights."""
     from rl_megatron.launch.plan import build_plan, render_plan
 
-    cfg = load_config(config, overrides)
     node = detect_node()
     on_gpu = node.gpus is not None and node.gpus > 0
+    if dry_run:
+        checked = load_plan_config(config, overrides, cuda=on_gpu)
+        cfg, model, notes = checked.cfg, checked.model, dry_run_notes(checked.stand_ins, checked.cfg.model.path)
+    else:
+        cfg = load_config(config, overrides)
+        model, notes = cfg.model.path, []
     plan = build_plan(cfg, node.gpu_memory_gib, on_gpu)
     keys = " + ".join(f"{pool.nodes_key}={pool.nnodes}" for pool in plan.pools)
     check_environment(node, plan.nnodes, plan.gpus_per_node, keys)
@@ -114,7 +123,18 @@ def plan_node(config: str, overrides: list[str], check: bool = False) -> NodeLau
     run_dir = cfg.trainer.run_dir
     return NodeLaunch(node, head_host, port, ray_start, train, plan.nnodes, plan.total_gpus if on_gpu else 0,
                       run_dir, os.path.join(run_dir, "logs", f"node{node.node_rank}.log"),
-                      render_plan(plan, cfg.model.path), ray_auth(os.environ, run_dir), dashboard)
+                      "\n".join([render_plan(plan, model), *notes]), ray_auth(os.environ, run_dir), dashboard)
+
+
+def dry_run_notes(stand_ins: dict[str, str], policy_folder: str) -> list[str]:
+    """What a dry run's plan leaves to the launch, and the shipped config.json files other than the policy's (which
+    the plan's Model line names) that stood in for folders not on this machine."""
+    notes = [f"  {path}: not on this machine; planned with {shipped_name(folder)}/config.json (shipped with "
+             "rl_megatron)"
+             for path, folder in stand_ins.items() if folder != policy_folder]
+    return ["Dry run: read the config and the model's config.json only; the data files, the tokenizer and the "
+            "weights are checked when the run launches (the same command without --dry-run, before Ray starts)."
+            ] + notes
 
 
 def describe_node(launch: NodeLaunch) -> str:
@@ -182,7 +202,7 @@ def _run(args) -> None:
     from rl_megatron.launch import ray_cluster
 
     if args.command == "prepare":
-        launch = plan_node(args.config, args.overrides, args.check)
+        launch = plan_node(args.config, args.overrides, args.check, dry_run=args.dry_run)
         if args.dry_run:
             print(launch.plan_text + "\n" + describe_node(launch) + "\nDry run: nothing was started.")
         else:  # the script prints PLAN once its per-node log is open

@@ -6,6 +6,8 @@
               registered names (policy loss, advantage estimator) once trainer.imports has run
   checks.py   the checks of keys together, and each package's own (data, rewards, models, agents, tracking)
   layout.py   parallel layouts against devices, batches and the model
+  dry_run.py  what `launch/train_3d.sh --dry-run` checks: the config and config.json only (a shipped one for a model
+              folder that is not on this machine)
 """
 from __future__ import annotations
 

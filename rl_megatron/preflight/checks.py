@@ -6,9 +6,11 @@ the checks of keys together (the parallel layouts in `layout.py`), and each pack
 loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code
 (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the layouts
 (`rl_megatron.models.checks`; without Transformer Engine, the attention sinks' scores against the memory plan in
-`sink_attention.py`), and last the model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first
-prompt encoded), the agent loop with its tools (`rl_megatron.agents`) and the safetensors weights the workers will
-load (`rl_megatron.models.hf_weights`, from the files' headers).
+`sink_attention.py`; without CUDA, the head size against vLLM's CPU attention in `cpu_attention.py`), and last the
+model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first prompt encoded), the agent loop with its
+tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
+the files' headers). A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves them, the data
+files and the checkpoint folders to the launch.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
+from rl_megatron.preflight.cpu_attention import check_cpu_attention
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
@@ -35,11 +38,13 @@ from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.tracking import check_loggers_installed
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None:
     """Check a resolved config (`rl_megatron.preflight.resolve`); raise ConfigError on the first problem, naming the
-    key and the fix."""
-    _check_trainer(cfg)
-    check_data_section(cfg.data)
+    key and the fix. `cuda`: whether the rollout engines run on CUDA (None: where this process has CUDA, as the
+    workers started from it do); `files`: also the files the run reads, beyond the config and model.path's
+    config.json (the data, the tokenizer, the weights, the checkpoint folders)."""
+    _check_trainer(cfg, files)
+    check_data_section(cfg.data, files)
     _check_algorithm(cfg)
     _check_reward(cfg)
     _check_asynchronous(cfg)
@@ -55,8 +60,11 @@ def preflight(cfg: Config) -> None:
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
     check_activations(cfg, hf)
+    check_cpu_attention(hf, platform.has_cuda() if cuda is None else cuda)
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
     check_sink_attention(cfg, hf, platform.has_cuda(), importlib.util.find_spec("transformer_engine") is not None)
+    if not files:
+        return
     stop_ids = end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating
     # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
     tokenizer = checked_tokenizer(cfg.model.path, hf)
@@ -65,8 +73,9 @@ def preflight(cfg: Config) -> None:
     _check_initial_weights(cfg, hf)
 
 
-def _check_trainer(cfg: Config) -> None:
-    """The loggers, validation, resuming and the initial weights."""
+def _check_trainer(cfg: Config, files: bool = True) -> None:
+    """The loggers, validation, resuming and the initial weights (`files`: the folders to resume or start from
+    exist)."""
     t, model = cfg.trainer, cfg.model
     check_creatable_folder(t.run_dir, "trainer.log_dir")
     check_loggers_installed(t.logger)
@@ -81,14 +90,14 @@ def _check_trainer(cfg: Config) -> None:
         raise ConfigError(f"{asked} validate on data.val_files, which is empty: set data.val_files (parquet files, "
                           "e.g. from `python -m rl_megatron.data.prepare`)" + (
                               "." if t.val_only else ", or trainer.val_every=0 and trainer.val_before_train=false."))
-    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+    if files and t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
         raise ConfigError(f"trainer.resume={t.resume!r} is neither auto, off, nor an existing checkpoint folder "
                           "(e.g. runs/<experiment>/checkpoints/global_step_40).")
     if model.checkpoint is not None:
         if model.random_init:
             raise ConfigError("model.checkpoint and model.random_init=true both say where the initial weights come "
                               "from; keep one.")
-        if not os.path.isdir(model.checkpoint):
+        if files and not os.path.isdir(model.checkpoint):
             raise ConfigError(f"model.checkpoint={model.checkpoint!r} is not a folder; make one with `python -m "
                               "rl_megatron.convert from-hf --hf MODEL --out CKPT`.")
 

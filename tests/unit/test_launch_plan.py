@@ -305,7 +305,7 @@ def test_an_engine_over_whole_nodes_is_placed_with_a_note(tmp_path):
     assert "TP=2, 1 engines" in plan and "each vLLM engine (2 GPUs) spans 2 whole nodes" in plan
     config = json.load(open("configs/models/tiny-qwen2-digits/config.json"))
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 12, "num_key_value_heads": 12,
-                                                      "head_dim": 16}))
+                                                      "head_dim": 32}))  # a size vLLM's CPU attention takes
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text(open(f"configs/models/tiny-qwen2-digits/{name}").read())
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=12 .* a multiple of 8 \\(whole nodes"):
