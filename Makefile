@@ -3,11 +3,14 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rl_megatron-installed
+# verl, whose reward scorers tests/unit/test_reward_verl_parity.py holds the project's to (docs/tasks-and-rewards.md).
+VERL := 0.9.1
+VERL_DIR := $(VENV)/verl-$(VERL)
 PYTEST_ARGS ?=
 
 .PHONY: install demo demo-tools test test-fast clean
 
-install: $(STAMP)
+install: $(STAMP) $(VERL_DIR)/.installed
 
 # Rebuilt only when the pins change: a second `make demo` installs nothing.
 $(STAMP): setup.py requirements-cpu.txt
@@ -21,6 +24,13 @@ $(STAMP): setup.py requirements-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# verl without its dependencies (they would pull a CUDA torch; its scorer files import only re and typing), in a
+# folder of its own off sys.path, where the test finds it: its wheel also installs top-level `tests` and `scripts`
+# packages, which would shadow this repository's tests/. A changed pin is a new folder, installed alone.
+$(VERL_DIR)/.installed: | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(VERL_DIR) verl==$(VERL)
+	touch $(VERL_DIR)/.installed
 
 demo: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu.yaml

@@ -37,12 +37,27 @@ What counts as a command, and how each is checked (in this process, no training 
 - ```python blocks compile, and each name their `from rl_megatron... import` lines import exists.
 - Links: every relative link `[text](target)` of README.md and docs/*.md resolves to an existing file, and a
   `#anchor` (alone or after a .md file) to a heading of that file (GitHub's slugs).
+- Names of the code: a span naming rl_megatron's code names something that exists, read from the source (nothing
+  imported). Such a span is `rl_megatron.a.b` or `rl_megatron.a.b:name`; a file and names, `a/b.py::Name.member` or
+  `a/b.Name`; `Class.member` where rl_megatron has a class of that name; or `a.b.c` in lower case whose leading
+  parts end the dotted name of one of its modules (`spawn.run_distributed`; where `a` is also a config section,
+  only when `a.b` is a module: `rollout.n` is a key). A call's parentheses are dropped. Library names (`ray.get`),
+  config keys and variables are none of these and not checked (`code_reference` has the rules).
+- Figures: a measured figure lives in docs/benchmarks.md, with its date, machine and command. A FIGURE (a number
+  with a unit of time, throughput, memory, `%`, or a ratio such as `1.08×`) in the prose of any other document
+  sits in a unit of text (a paragraph, a list item, a heading, or a table with the paragraph above it) that links
+  to docs/benchmarks.md, unless NOT_MEASURED names the unit, by a phrase of it, as one whose figures are no
+  measurement (defaults, timeouts, computed memory plans, device sizes).
+- docs/architecture.md opens with its map (ARCHITECTURE_MAP's sections, within 80 lines); each later section fits
+  a screen (60 lines).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import io
@@ -483,7 +498,7 @@ def test_repository_paths_named_exist():
         path = span.split()[0] if span.split() else ""
         if not re.match(r"^(configs|tests|rl_megatron|launch|docs)/", path) or re.search(r"[<>*{}\[\]]", path):
             continue
-        path = path.rstrip(",;:)")
+        path = path.split("::")[0].rstrip(",;:)")  # `rl_megatron/x.py::name`: the name is test_code_named_...'s
         checked += 1
         assert os.path.exists(os.path.join(REPO, path)) or os.path.exists(os.path.join(REPO, "rl_megatron", path)), \
             f"{doc}:{number}: `{span}`: {path} does not exist (in the repository or in rl_megatron/)"
@@ -538,3 +553,338 @@ def test_relative_links_resolve():
 
 def test_the_readme_stays_short():
     assert len(read("README.md").splitlines()) <= 350
+
+
+# --- names of the code ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ClassInfo:
+    members: set  # what its body defines (methods, fields, nested classes) and what its methods assign to self.X
+    bases: list  # the names of its bases as written (the last part of a dotted base)
+
+
+@dataclasses.dataclass
+class ModuleInfo:
+    names: set  # its top-level definitions, assignments and imports (under if/try too)
+    classes: dict  # name -> ClassInfo
+
+
+def _top_level(statements):
+    for node in statements:
+        yield node
+        if isinstance(node, (ast.If, ast.Try)):
+            for body in (node.body, node.orelse, getattr(node, "finalbody", []),
+                         *[handler.body for handler in getattr(node, "handlers", [])]):
+                yield from _top_level(body)
+
+
+def _assigned(node) -> list[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    names = []
+    for target in targets:
+        names += [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return names
+
+
+def _class_info(node: ast.ClassDef) -> ClassInfo:
+    members = set()
+    for child in node.body:
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            members.add(child.name)
+        elif isinstance(child, (ast.Assign, ast.AnnAssign)):
+            members.update(_assigned(child))
+    for child in ast.walk(node):
+        if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in (child.targets if isinstance(child, ast.Assign) else [child.target]):
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id == "self"):
+                    members.add(target.attr)
+    bases = [base.id if isinstance(base, ast.Name) else getattr(base, "attr", "?") for base in node.bases]
+    return ClassInfo(members, bases)
+
+
+def module_info(path: str) -> ModuleInfo:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    names, classes = set(), {}
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = _class_info(node)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names.update(_assigned(node))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return ModuleInfo(names, classes)
+
+
+@functools.cache
+def code_index() -> dict[str, ModuleInfo]:
+    """Every module of rl_megatron by its dotted name, read from its source (nothing is imported: a module of the
+    engines would import vLLM)."""
+    index = {}
+    for folder, _, files in os.walk(os.path.join(REPO, "rl_megatron")):
+        for name in files:
+            if name.endswith(".py"):
+                relative = os.path.relpath(os.path.join(folder, name), REPO)[:-3].split(os.sep)
+                dotted = ".".join(relative[:-1] if relative[-1] == "__init__" else relative)
+                index[dotted] = module_info(os.path.join(folder, name))
+    return index
+
+
+def classes_named(name: str) -> list[ClassInfo]:
+    return [info.classes[name] for info in code_index().values() if name in info.classes]
+
+
+def class_has(name: str, member: str, seen=frozenset()) -> bool:
+    """Whether a class of rl_megatron named `name` has `member`; True too when a base outside rl_megatron may."""
+    for info in classes_named(name):
+        if member in info.members:
+            return True
+        for base in info.bases:
+            if base in seen or base == "object":
+                continue
+            if not classes_named(base) or class_has(base, member, seen | {name}):
+                return True  # a base from a library (Exception, TypedDict, torch's Module): it may hold the member
+    return False
+
+
+def resolves(module: str, parts: list[str]) -> bool:
+    """Whether `parts` name something in `module`: submodules, then a top-level name, then a class's member."""
+    index = code_index()
+    if not parts:
+        return True
+    name, *rest = parts
+    if f"{module}.{name}" in index:
+        return resolves(f"{module}.{name}", rest)
+    info = index[module]
+    if name not in info.names:
+        return False
+    if rest and name in info.classes:
+        return class_has(name, rest[0])
+    return True  # a function, a variable, or a name one of its imports brings: its attributes are not checked
+
+
+def module_for_file(path: str) -> str | None:
+    """The module of a .py file named by its path from the repository's root or from rl_megatron/."""
+    for root in ("", "rl_megatron/"):
+        if os.path.isfile(os.path.join(REPO, root + path)):
+            dotted = (root + path)[:-3].replace("/", ".")
+            return dotted.removesuffix(".__init__")
+    return None
+
+
+FILE_ENDINGS = re.compile(r"\.(py|ya?ml|jsonl?|md|txt|pt|sh|sbatch|parquet|log|safetensors|jinja|toml|cfg|ini)$")
+
+
+def code_reference(span: str, sections: set[str]) -> tuple[str, list[str], list[list[str]]] | None:
+    """What a span of the prose names in rl_megatron's code, if it names something there, by these rules:
+
+    - `rl_megatron.a.b`, `rl_megatron.a.b:name` (a plugin path): the module and the names after it;
+    - `a/b.py::Name.member` and `a/b.Name` (a path from the repository's root or from rl_megatron/; `a/b.yaml` and
+      other files are paths, not code): the file's module and the names;
+    - `Class.member` where a class of rl_megatron has that name: the member;
+    - `a.b.c` in lower case where `a` (or `a.b`, ...) ends the dotted name of a module of rl_megatron
+      (`spawn.run_distributed` -> rl_megatron.workers.spawn): the names after it, in one of those modules. When `a`
+      is also a config section (`rollout.n`), the span is code only where `a.b` already names a module
+      (`rollout.vllm_engine.x`), as test_config_keys_named_in_the_prose_exist reads it.
+    A call's parentheses are dropped (`Trainer.fit()`, `TrainBatch.from_samples(samples, pad_id)`), and so is a
+    decorator's `@`. Anything else (a library's `ray.get`, a config key, a variable) is None: not checked.
+    Returns (kind, the names, the candidate modules' dotted names split) or None."""
+    span = re.sub(r"\(.*\)$", "", span.strip().lstrip("@"))
+    index = code_index()
+    if re.fullmatch(r"rl_megatron(\.\w+)+(:\w+(\.\w+)*)?", span):
+        parts = span.replace(":", ".").split(".")
+        for k in range(len(parts), 0, -1):
+            if ".".join(parts[:k]) in index:
+                return "module path", parts[k:], [parts[:k]]
+        return "module path", parts, []
+    path = (re.fullmatch(r"([\w/]+\.py)::(\w+(?:\.\w+)*)", span)
+            or re.fullmatch(r"(\w+(?:/\w+)+)\.(\w+(?:\.\w+)*)", span))
+    if path:
+        file, names = path.group(1), path.group(2).split(".")
+        if not file.endswith(".py"):
+            folder = os.path.dirname(file)
+            if FILE_ENDINGS.search(span) or not (os.path.isdir(os.path.join(REPO, "rl_megatron", folder))
+                                                 or os.path.isdir(os.path.join(REPO, folder))):
+                return None  # a file such as configs/demo_cpu.yaml: test_repository_paths_named_exist
+            file += ".py"
+        module = module_for_file(file)
+        return "file", names, [module.split(".")] if module else []
+    if FILE_ENDINGS.search(span):
+        return None
+    camel = re.fullmatch(r"([A-Z]\w*[a-z]\w*)\.(\w+)", span)
+    if camel:
+        return ("class", [camel.group(1), camel.group(2)], []) if classes_named(camel.group(1)) else None
+    if not re.fullmatch(r"[a-z_]\w*(\.\w+)+", span):
+        return None
+    parts = span.split(".")
+    shortest = 2 if parts[0] in sections else 1
+    candidates = []
+    for k in range(len(parts) - 1, shortest - 1, -1):
+        suffix = "." + ".".join(parts[:k])
+        found = [name.split(".") for name in index if ("." + name).endswith(suffix)]
+        if found:
+            candidates.append((k, found))
+    if not candidates:
+        return None
+    return "module", parts, [(k, found) for k, found in candidates]
+
+
+def check_code_reference(kind: str, names: list[str], modules: list) -> bool:
+    if kind in ("module path", "file"):
+        return bool(modules) and resolves(".".join(modules[0]), names)
+    if kind == "class":
+        return class_has(*names)
+    return any(resolves(".".join(module), names[k:]) for k, found in modules for module in found)
+
+
+def test_code_named_in_the_prose_exists():
+    """Every span of the prose that names rl_megatron's code (the rules of `code_reference`) names something that
+    exists: a module, a function, a class, a class's method or attribute. Read from the source, not imported."""
+    sections = {key for key in schema_keys() if "." not in key}
+    checked, missing = 0, []
+    for doc, number, span in inline_spans():
+        reference = code_reference(span, sections)
+        if reference is None:
+            continue
+        checked += 1
+        if not check_code_reference(*reference):
+            missing.append(f"{doc}:{number}: `{span}`")
+    assert not missing, "names no module, function, class or member of rl_megatron:\n" + "\n".join(missing)
+    assert checked >= 100, "the rules found too few names of the code: are they still right?"
+
+
+# --- figures --------------------------------------------------------------------------------------------------------
+
+BENCHMARKS = "docs/benchmarks.md"
+_NUMBER = r"(?<![\w.\-/=+])[~≈]?\d+(?:[.,]\d+)*k?(?:\s?[–-]\s?\d+(?:[.,]\d+)*k?)?"
+_SPELLED = r"\b(?:two|three|four|five|six|seven|eight|nine|ten|twenty|thirty|forty|fifty|sixty)"
+_TIME = r"(?:ms|s|min|minutes?|seconds?|hours?|h)\b"
+# A figure: a number with a unit of time, throughput, memory, a share (%) or a ratio (1.08×, 1.13x); numbers
+# spelled out count with a unit of time ("under two minutes").
+FIGURE = re.compile(
+    rf"{_NUMBER}(?:\s?{_TIME}|-(?:minute|second|hour)\b|\s?%|×(?!\s?\d)|x(?=[\s),.;:]|$)|"
+    rf"\s?(?:k?tokens|new tokens|GB|MB|GiB|MiB|[GT]FLOP|steps|samples)/s\b|\s?s/step\b"
+    rf"|\s?(?:GiB|MiB|KiB|GB|MB|KB|TB)\b)"
+    rf"|{_SPELLED}\s(?:seconds?|minutes?|hours?)\b")
+
+# Units of text (below) with figures that are not measurements, each by a phrase of the unit, with what the figures
+# are. Anything measured goes in BENCHMARKS, with its date, machine and command, and the unit links there.
+NOT_MEASURED = {
+    "docs/algorithms.md": {
+        "Their `--dry-run` plans": "the recipes' memory plans, computed by the planner (tests/unit/test_recipes.py)"},
+    "docs/architecture.md": {
+        "The launch plan counts memory by these phases": "the plan's fixed allowance for CUDA graphs",
+        "waits 10 s, not 120": "timeouts of the code"},
+    "docs/long-responses.md": {
+        "The memory plan (`--dry-run`) counts activations": "the recipes' memory plans, computed by the planner "
+                                                            "(tests/unit/test_recipes.py)"},
+    "docs/lora.md": {
+        "Megatron computes (the 7B recipe's TP=2 engines": "the 7B recipe's planned engine weights, computed",
+        "The GSM8K recipe at TP=4 on one node of 80 GB GPUs": "the recipes' memory plans (the table below it; "
+                                                               "tests/unit/test_recipes.py) and the device's memory"},
+    "docs/model-families.md": {
+        "The gpt-oss-20b recipe (8192-token micro-batches": "the pre-flight check's computed scores and the device's "
+                                                            "memory (tests/unit/test_sink_attention.py)"},
+    "docs/moe.md": {
+        "**Cost.** The routing is 2 bytes per token": "bytes computed from the model's shape"},
+    "docs/multi-node.md": {
+        "`RAY_JOIN_TIMEOUT`, 600 s": "the launch script's default timeout",
+        "CUDA graphs, 1.5 GiB allowed": "the plan's fixed allowance and the memory it assumes",
+        "parameters on H100s (80 GB)": "the recipes' memory plans (the table below it; tests/unit/test_recipes.py), "
+                                       "the device's memory",
+        "GLM-4.5-Air fits 4 nodes because the plan counts phases": "the recipe's memory plans"},
+    "docs/reliability.md": {
+        "`ray.connect_timeout_s` (60 s)": "the key's default",
+        "else the plan's assumed 80": "the memory the plan assumes"},
+    "docs/watching-and-debugging.md": {
+        "wait a day instead of 10 to 30 minutes": "timeouts of the code"},
+    "docs/gpu.md": {
+        "One NVIDIA H100 80GB": "the device's name"},
+}
+
+
+def text_units(doc: str):
+    """(first line, text) of each unit of `doc`'s prose: a paragraph, a list item (with its continuation lines), a
+    heading, or a table together with its caption (the paragraph right above it, a blank line between). Blank lines
+    and fenced blocks end a unit; the text's lines are joined with single spaces."""
+    units, previous = [], None  # [first line, last line, lines]
+    for number, text in blocks_and_prose(doc)[1]:
+        current = units[-1][2] if units and units[-1][1] == previous == number - 1 else None
+        last, row = current[-1] if current else "", text.lstrip().startswith("|")
+        if text.strip() and (current is None or text.startswith("#") or last.startswith("#")
+                             or (re.match(r"^\s*([-*]|\d+\.)\s", text) and not last.lstrip().startswith("|"))
+                             or last.lstrip().startswith("|") != row):
+            caption = units[-1] if units and row and current is None else None
+            if caption and caption[1] == number - 2 and not re.match(r"^(#|\s*([-*|]|\d+\.)\s?)", caption[2][0]):
+                caption[1] = number  # a table joins its caption
+                caption[2].append(text)
+            else:
+                units.append([number, number, [text]])
+        elif text.strip():
+            units[-1][1] = number
+            current.append(text)
+        previous = number
+    return [(first, " ".join(line.strip() for line in lines)) for first, _, lines in units]
+
+
+def links_to(doc: str, text: str, target: str) -> bool:
+    for link in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", text)):
+        path = link.partition("#")[0]
+        if path and os.path.normpath(os.path.join(os.path.dirname(doc), path)) == target:
+            return True
+    return False
+
+
+def figures(text: str) -> list[str]:
+    return [match.group(0) for match in FIGURE.finditer(re.sub(r"`[^`]*`", "", text))]
+
+
+def test_every_figure_outside_the_benchmarks_links_to_them():
+    """A measured figure has one home, BENCHMARKS (its date, machine and command); every other document's unit of text
+    (`text_units`) with a FIGURE in its prose (code spans and fenced blocks aside) links there, or is one NOT_MEASURED
+    names: figures that are no measurement (defaults, timeouts, computed plans, device sizes)."""
+    unlinked, found = [], 0
+    for doc in DOCS:
+        if doc == BENCHMARKS:
+            continue
+        exempt = NOT_MEASURED.get(doc, {})
+        for number, text in text_units(doc):
+            named = figures(text)
+            found += len(named)
+            if named and not links_to(doc, text, BENCHMARKS) and not any(phrase in text for phrase in exempt):
+                unlinked.append(f"{doc}:{number}: {', '.join(named)}")
+    assert not unlinked, (f"figures in units of text that do not link to {BENCHMARKS} (add the figure there, with "
+                          "its date, machine and command, and link it; or list a figure that is no measurement in "
+                          "NOT_MEASURED):\n" + "\n".join(unlinked))
+    assert found >= 30, "the figure rule found too few: is it still right?"
+
+
+def test_every_unit_listed_as_not_measured_holds_a_figure():
+    for doc, phrases in NOT_MEASURED.items():
+        units = [text for _, text in text_units(doc)]
+        for phrase in phrases:
+            holding = [text for text in units if phrase in text]
+            assert holding, f"NOT_MEASURED lists {phrase!r}, which {doc} no longer has: remove it"
+            assert all(figures(text) for text in holding), \
+                f"{doc}: the unit of {phrase!r} has no figure any more: remove it from NOT_MEASURED"
+
+
+# --- the architecture page as a map -------------------------------------------------------------------------------
+
+ARCHITECTURE_MAP = ("The floors", "The loop", "What a change must keep", "To add X, touch Y")  # its first screen
+
+
+def test_the_architecture_page_opens_with_its_map_and_keeps_each_section_to_a_screen():
+    """docs/architecture.md: the map's sections first, within 80 lines; every section of the reference after them
+    within 60 lines."""
+    lines = read("docs/architecture.md").splitlines()
+    headings = [(number, text[3:]) for number, text in blocks_and_prose("docs/architecture.md")[1]
+                if text.startswith("## ")]
+    assert tuple(name for _, name in headings[:len(ARCHITECTURE_MAP)]) == ARCHITECTURE_MAP
+    assert headings[len(ARCHITECTURE_MAP)][0] - 1 <= 80, "the map is longer than a screen (80 lines)"
+    ends = [number for number, _ in headings[1:]] + [len(lines) + 1]
+    for (start, name), end in zip(headings[len(ARCHITECTURE_MAP):], ends[len(ARCHITECTURE_MAP):]):
+        assert end - start <= 60, f"docs/architecture.md, {name!r}: {end - start} lines, over a screen (60)"
