@@ -4,8 +4,9 @@ Three actors with the same weights, one per `actor.recompute_granularity`: off, 
 full (every layer, `recompute_method=uniform`, `recompute_num_layers=1`: only each layer's input is kept). For each:
 
 - saved bytes: what autograd keeps for the backward pass of one training forward over one micro-batch (the whole
-  batch by default), every saved tensor's storage counted once and the parameters' not at all
-  (`saved_activation_bytes`); the forward ends at the logits, so the loss's own saved tensors (its log-softmax over
+  batch by default), every saved tensor's storage counted once and the parameters' and buffers' not at all
+  (`saved_activation_bytes`; `saved_bytes` has them per decoder layer, which tests/distributed/test_memory_plan.py
+  holds the memory plan to); the forward ends at the logits, so the loss's own saved tensors (its log-softmax over
   the vocabulary, the same in every mode) are left out;
 - step time: the actor's update over the batch (forward, backward with the recomputation, optimizer step), the
   median of `--repeats` updates per mode, the modes taking turns (so that other load on the machine, or its drift,
@@ -21,12 +22,15 @@ Transformer Engine's fused attention never stores them, so there selective recom
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from rl_megatron import platform
 from rl_megatron.batch import TrainBatch
 from rl_megatron.bench.measure import bench_config, random_batch, timed
+from rl_megatron.models.packed_attention import packed_seq_params
+from rl_megatron.sequences import micro_batch
 
 # Each mode's actor.* keys (over no recomputation).
 MODES = {
@@ -36,30 +40,80 @@ MODES = {
 }
 
 
-def saved_activation_bytes(model, batch: TrainBatch) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of one training-mode forward of `model` (a
-    `MegatronModel` of one chunk: no pipeline) over `batch` as one micro-batch. Each storage counts once (views,
-    and tensors several operations save, share one); the parameters' storages not at all (they exist anyway)."""
-    if len(model.model) != 1:
-        raise ValueError("saved_activation_bytes measures one model chunk: build the model without pipeline stages.")
-    (chunk,) = model.model
-    parameters = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
-    saved: dict[int, int] = {}
+@dataclass(frozen=True)
+class SavedBytes:
+    """What autograd keeps for the backward pass of one training forward, by where it was saved: each storage saved
+    inside one decoder layer only is that layer's (`layers`, in order); what is saved outside the layers (the
+    embedding's ids, the final norm's and output layer's inputs, full recomputation's checkpoints), or by several
+    layers (the cached causal mask, the shared rotary frequencies), is `other`."""
+
+    layers: tuple[int, ...]
+    other: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers) + self.other
+
+
+def saved_bytes(chunk, input_ids: torch.Tensor, position_ids: torch.Tensor, packed=None) -> SavedBytes:
+    """`SavedBytes` of one training-mode forward of `chunk` (a whole model: no pipeline; optionally wrapped by DDP)
+    over one micro-batch (`packed`: its packed-row parameters, `models.packed_attention.packed_seq_params`). Each
+    storage counts once (views, and tensors several operations save, share one); the parameters' and buffers'
+    storages not at all (they exist anyway)."""
+    model = getattr(chunk, "module", chunk)  # Megatron's DDP wraps the GPTModel
+    kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    where: dict[int, set] = {}  # storage address -> the layers (None: outside them) that saved it
+    sizes: dict[int, int] = {}
+    current: list = [None]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         # A saved tensor stays alive with the graph, so no two live storages share an address here.
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in kept:
+            sizes[storage.data_ptr()] = storage.nbytes()
+            where.setdefault(storage.data_ptr(), set()).add(current[0])
         return tensor
 
-    batch = batch.padded_to_multiple(model.sequence_multiple).to(platform.device())
-    ids = batch.input_ids
-    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    def entering(index):
+        return lambda module, args: current.__setitem__(0, index)
+
+    layers = list(model.decoder.layers)
+    hooks = [hook for index, layer in enumerate(layers)
+             for hook in (layer.register_forward_pre_hook(entering(index)),
+                          layer.register_forward_hook(lambda module, args, output: current.__setitem__(0, None)))]
     chunk.train(True)  # Megatron recomputes only in training mode
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        chunk(ids, positions, None)  # the graph (and what it saved) is dropped with the output
-    return sum(saved.values())
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            chunk(input_ids, position_ids, None, packed_seq_params=packed)  # the graph is dropped with the output
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer = [0] * len(layers)
+    other = 0
+    for address, places in where.items():
+        if len(places) == 1 and None not in places:
+            per_layer[next(iter(places))] += sizes[address]
+        else:
+            other += sizes[address]
+    return SavedBytes(layers=tuple(per_layer), other=other)
+
+
+def saved_activation_bytes(model, batch: TrainBatch, packing: bool = False) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one training-mode forward of `model` (a
+    `MegatronModel` of one chunk: no pipeline) over `batch` as one micro-batch, right-padded (or `packing`: its
+    samples in one row), as `saved_bytes` counts them."""
+    return saved_micro_batch_bytes(model, batch, packing).total
+
+
+def saved_micro_batch_bytes(model, batch: TrainBatch, packing: bool = False) -> SavedBytes:
+    """`saved_bytes` of `model` (a `MegatronModel` of one chunk) over `batch` as one micro-batch, formed as the
+    model's passes form one (`sequences.micro_batch`: right-padded rows, or with `packing` one packed row)."""
+    if len(model.model) != 1:
+        raise ValueError("saved_activation_bytes measures one model chunk: build the model without pipeline stages.")
+    micro = micro_batch(batch, list(range(batch.input_ids.shape[0])), packing, model.sequence_multiple)
+    micro = micro.to_device(platform.device())
+    packed = None if micro.cu_seqlens is None else packed_seq_params(micro.cu_seqlens, micro.input_ids.device)
+    return saved_bytes(model.model[0], *micro.model_inputs(), packed)
 
 
 def run(args, model_dir: str) -> dict:

@@ -40,51 +40,23 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
   t_sp = TP with sequence parallelism (actor.sequence_parallel, None: on at TP > 1), else 1
   h, f = hidden and FFN (intermediate) size; h_q = heads * head_dim, h_kv = kv_heads * head_dim (at least one
          kv head per TP rank: Megatron replicates them when TP exceeds them)
-  A, one decoder layer's saved activations per token (two kinds in an MoE model with dense layers, e.g. DeepSeek's
-  first_k_dense_replace):
-      4h / t_sp                     the two norms' inputs and outputs (the outputs are QKV's and fc1's inputs)
-    + (3 h_q + 3 h_kv) / TP         the fused QKV output (V is a view of it, so it stays whole), RoPE's Q and K,
-                                    the attention output (the output projection's input)
-    + h_q / TP                      per-head Q/K norms (Qwen3): the query's norm input
-      or, multi-head latent attention instead (DeepSeek-V2/V3, Moonlight; Megatron's MLASelfAttention), with q_l,
-      kv_l the query's and key/value's compression ranks (q_l = 0: queries straight from the hidden state) and per
-      head n, r, v the key's non-rotary and rotary widths and the value's:
-        (2 q_l + 2 kv_l) / t_sp     the compressed query and key/value and their norms' outputs (the up-projections'
-                                    inputs), each token's on its own sequence-parallel rank
-      + r                           the rotary key shared by all heads, gathered over the sequence
-      + heads (3 (n + r) + n + 3 v) / TP   the query projection's output and the query after RoPE, the key/value
-                                    up-projection's output, the assembled key, the value (made contiguous for the
-                                    kernel) and the attention output. An approximation: RoPE's and the concatenations'
-                                    temporaries that the backward does not keep are taken as kept; fused RoPE would
-                                    save some
-    + 5f / TP                       dense MLP: fc1's output 2f, silu's output f, the linear half + glu_linear_offset
-                                    f, their product f (fc2's input): Megatron's unfused SwiGLU
-      or k (2h * ETP + 5 f_e) / TP  MoE MLP instead (k experts per token of width f_e): each routed copy's input and
-                                    output (gathered over ETP) and its SwiGLU, routing assumed balanced;
-                                    + 5 f_s / TP, the shared experts' SwiGLU (width f_s, all of them together);
-                                    + 8 E / t_sp bytes, the router's fp32 logits and probabilities over E experts
-    + C                             the attention core beyond Q, K, V and its output: on GPU nothing (Transformer
-                                    Engine's fused attention); on CPU K, V repeated to every query head, 2 h_q / TP
-                                    when kv_heads < heads, and with packing (torch's flash attention per sample,
-                                    models/packed_attention.py) the samples' outputs before they are joined, h_q /
-                                    TP; without packing (Megatron's local attention) the softmax output over rows of
-                                    S = min(T_mb, L) tokens instead, heads/TP * S * (4 + w if bfloat16) bytes (fp32
-                                    softmax, cast back); with attention sinks (gpt-oss) on GPU without TE the per-span
-                                    path's, and its softmax over S keys and the sink, heads/TP * (S + 1) * w bytes
-                                    (counted by the pre-flight check, preflight/sink_attention.py, not by the plan)
+  A, one decoder layer's saved activations per token (`layer_memory.py` has its formula, by part and by where the
+      layers run: norms, RoPE's tables, attention or MLA and its core C, the dense or MoE MLP; two kinds in an MoE
+      model with dense layers, e.g. DeepSeek's first_k_dense_replace)
   K_s, what pipeline stage s keeps per token of a micro-batch, summed over its layers (L_s of them: layers / PP,
-      or the uneven split's; L_c = L_s / VPP per chunk): A each without recompute; A - C with selective recompute
-      (the attention core); with full recompute a layer input h / t_sp per group of n = recompute_num_layers
-      layers, ceil(L_c / n) of them per chunk (method uniform), or h / t_sp for the first n layers of each chunk
-      and A for the others (method block)
+      or the uneven split's; L_c = L_s / VPP per chunk): A each without recompute; with selective recompute the
+      attention core's inputs instead of C; with full recompute a layer input h / t_sp per group of
+      n = recompute_num_layers layers, ceil(L_c / n) of them per chunk (method uniform), or h / t_sp for the first n
+      layers of each chunk and A for the others (method block)
   R_s, made again in one backward step: full uniform the A of n layers, full block one A, selective C, none 0
-  head (last stage), per token: final norm and output-layer inputs 2h / t_sp, plus the policy's logits
+  head (last stage), per token: the final norm and the output layer's input, N h / t_sp (`layer_memory.py`'s
+      norm: 2h / t_sp with TE), plus the policy's logits
       [T, V_pad / TP] in (w + 4c) bytes: the output layer's own output and c fp32 copies at the peak
       (models/logprobs.py, workers/megatron_actor.py): c = 3 in a forward pass (the temperature-scaled logits,
       entropy's exp and exp * logits), 2 in an update (the scaled logits, which the cross-entropy turns into its
       softmax in place; its gradient and the masked, scaled gradient), 5 with actor.entropy_coeff > 0 (the scaled
       logits and exp kept for the entropy's backward, the copy given to the cross-entropy, the two gradients of
-      exp * logits); the critic's value head instead: h / t_sp + h (it gathers the sequence)
+      exp * logits); the critic's value head instead: the final norm's, its output gathered over the sequence h
   update pass = T * max(m_s * K_s + R_s         each stage s but the last (PP > 1),
                         K_l + max(R_l, head))    the last; the head's copies are freed before the layers' backward
       m_s, micro-batches in flight on stage s: PP - s (1F1B); interleaved, Megatron's warm-up plus one, in chunks
@@ -98,25 +70,26 @@ Activations of one role (bytes on its fullest pipeline stage), in w-byte element
          CUDA graphs (an allowance), generation = the engine's share, weight sync = the actor's and the engine's
          weights + resharding.bucket_mb + the graphs (each with the reference's weights if ref.param_offload=false)
   Not counted (a few percent): the flash kernels' log-sum-exp (heads fp32 per token), token ids and masks, the
-  pipeline's send and receive buffers, the MoE dispatcher's index tensors, and under context parallelism each
-  sample's padding to a multiple of 2 * CP (* TP with sequence parallelism) tokens.
+  pipeline's send and receive buffers, and under context parallelism each sample's padding to a multiple of 2 * CP
+  (* TP with sequence parallelism) tokens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
 
+# RolePasses, Attention and layer_bytes are this module's API too (the plan, the pre-flight checks and tests import
+# them from here).
+from rl_megatron.launch.layer_memory import (FP32, WEIGHT_BYTES, Attention, LayerBytes, RolePasses,  # noqa: F401
+                                             layer_bytes, norm_bytes)
 from rl_megatron.launch.model_shape import ModelShape
 from rl_megatron.models.family import moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.models.weight_tables import padded_vocab_size
 
 GIB = 1024 ** 3
-WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}
 GRAD_BYTES = 4  # fp32 main gradients (grad_reduce_in_fp32=True in workers/megatron_model.py)
 OPTIMIZER_BYTES = {"bfloat16": 12, "float32": 8}  # fp32 master copy (bf16 only) + Adam's two moments
-FP32 = 4
 # fp32 copies of the [tokens, vocabulary / TP] logits alive at the peak of each pass (the module docstring says which).
 # An upper bound now: the actor's passes compute the logits of the response tokens only, without sequence parallelism,
 # and models/logprobs.py holds about 3/16 of them in fp32 at a time; the plan keeps the whole-logits figures.
@@ -195,36 +168,6 @@ def gib_text(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
-# How a role's attention runs: "fused" (Transformer Engine, GPU), "spans" (CPU, packed rows: torch's flash attention
-# per sample), "local" (CPU, right-padded rows: Megatron's DotProductAttention, which keeps the scores) or "sinks"
-# (attention sinks without TE: packed_attention.attention_with_sinks per span, which keeps its softmax output).
-Attention = Literal["fused", "spans", "local", "sinks"]
-
-
-@dataclass(frozen=True)
-class RolePasses:
-    """How one role's Megatron passes hold activations: its layout and its config keys (already resolved)."""
-
-    tokens: int  # T_mb: tokens of one micro-batch on one data-parallel rank, before CP
-    row_tokens: int  # S: the longest row Megatron's local attention scores (attention "local" only)
-    dtype: str = "bfloat16"
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    etp: Optional[int] = None  # None: TP
-    stages: StageLayers = StageLayers()  # uneven first / last pipeline stages
-    sequence_parallel: bool = False
-    attention: Attention = "fused"
-    trains: bool = True
-    recompute: Optional[Literal["full", "selective"]] = None  # None: no recomputation
-    recompute_method: Optional[Literal["uniform", "block"]] = None  # full (Megatron requires one; unset: uniform)
-    recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per chunk (block); unset: 1
-    policy_head: bool = True  # vocabulary logits (actor, reference) or a scalar value head (critic)
-    entropy_bonus: bool = False  # actor.entropy_coeff > 0: the update keeps more copies of the logits
-    routing: bool = False  # the passes carry each token's experts (routing replay, moe/routing_agreement)
-
-
 @dataclass(frozen=True)
 class Activations:
     """A role's activation estimate (bytes per GPU on its fullest stage) and what it is made of."""
@@ -241,78 +184,39 @@ class Activations:
         return "update" if self.update >= self.forward else "forward"
 
 
-def layer_bytes(shape: ModelShape, run: RolePasses, routed: Optional[bool] = None) -> tuple[float, float]:
-    """(A, C) per token of one rank: a decoder layer's saved activations, and the part of them that is the
-    attention core's (0 with Transformer Engine's fused attention); see the module docstring. `routed`: whether
-    the layer's MLP is the MoE one (default: whether the model has experts)."""
-    w, tp = WEIGHT_BYTES[run.dtype], run.tp
-    t_sp = tp if run.sequence_parallel else 1
-    h, d = shape.hidden, shape.head_dim
-    elements = 4 * h / t_sp + _attention_elements(shape, tp, t_sp)
-    if shape.experts if routed is None else routed:
-        etp = run.etp or tp
-        elements += (shape.top_k * (2 * h * etp + 5 * shape.expert_ffn) + 5 * shape.shared_ffn) / tp
-        router = FP32 * 2 * shape.experts / t_sp
-    else:
-        elements += 5 * shape.ffn / tp
-        router = 0
-    core = 0.0
-    if run.attention != "fused":
-        # Latent attention's heads each have a key and value of their own: nothing is repeated.
-        h_q = shape.heads * (shape.latent.v_head_dim if shape.latent else d)
-        repeated = w * 2 * h_q / tp if shape.kv_heads < shape.heads else 0  # K, V repeated to the query heads
-        if run.attention in ("spans", "sinks"):
-            core = repeated + w * h_q / tp  # each sample's output, kept by its kernel, beside the joined output
-            if run.attention == "sinks":  # the softmax over each query's keys and its head's sink
-                core += shape.heads / tp * (run.row_tokens + 1) * w
-        else:
-            softmax = FP32 + (w if w < FP32 else 0)  # the fp32 softmax output, and its cast back to a 16-bit dtype
-            core = repeated + shape.heads / tp * run.row_tokens * softmax
-    return w * elements + router + core, core
-
-
-def _attention_elements(shape: ModelShape, tp: int, t_sp: int) -> float:
-    """The attention's saved elements per token of one rank beyond its norm (module docstring): GQA's or MLA's."""
-    latent = shape.latent
-    if latent is None:
-        h_q, h_kv = shape.heads * shape.head_dim, max(shape.kv_heads, tp) * shape.head_dim  # kv heads: >= 1 per rank
-        return (3 * h_q + 3 * h_kv) / tp + (h_q / tp if shape.qk_norm else 0)
-    n, r, v = latent.qk_nope_head_dim, latent.qk_rope_head_dim, latent.v_head_dim
-    compressed = (2 * latent.q_lora_rank + 2 * latent.kv_lora_rank) / t_sp + r
-    return compressed + shape.heads * (3 * (n + r) + n + 3 * v) / tp
-
-
-def _kept_and_recomputed(run: RolePasses, chunks: list[list[float]], checkpoint: float,
-                         cores: list[float]) -> tuple[float, float]:
+def _kept_and_recomputed(run: RolePasses, chunks: list[list[LayerBytes]], checkpoint: float) -> tuple[float, float]:
     """Per token of one micro-batch: what one pipeline stage keeps for the backward, and what the backward of one
-    recompute unit makes again. `chunks`: the A of each layer of each of the stage's model chunks; `cores`: the C
-    of its layers; `checkpoint`: a layer input's bytes."""
-    layers = [a for chunk in chunks for a in chunk]
+    recompute unit makes again. `chunks`: the `LayerBytes` of each layer of each of the stage's model chunks;
+    `checkpoint`: a layer input's bytes."""
+    layers = [layer for chunk in chunks for layer in chunk]
     if run.recompute is None:
-        return sum(layers), 0.0
+        return sum(layer.kept for layer in layers), 0.0
     if run.recompute == "selective":
-        return sum(layers) - sum(cores), max(cores)
+        return sum(layer.selective for layer in layers), max(layer.core for layer in layers)
     n, kept, recomputed = run.recompute_num_layers or 1, 0.0, 0.0
     for chunk in chunks:
+        whole = [layer.kept for layer in chunk]
         if run.recompute_method == "block":  # the first n layers each recomputed alone, the others keep everything
-            kept += min(n, len(chunk)) * checkpoint + sum(chunk[n:])
-            recomputed = max(recomputed, max(chunk[:n], default=0.0))
+            kept += min(n, len(whole)) * checkpoint + sum(whole[n:])
+            recomputed = max(recomputed, max(whole[:n], default=0.0))
         else:  # uniform: groups of n layers, each keeping its input
-            groups = [chunk[i:i + n] for i in range(0, len(chunk), n)]
+            groups = [whole[i:i + n] for i in range(0, len(whole), n)]
             kept += len(groups) * checkpoint
             recomputed = max(recomputed, max((sum(group) for group in groups), default=0.0))
     return kept, recomputed
 
 
 def head_bytes(shape: ModelShape, run: RolePasses, logit_copies: int, vocab_multiple: int) -> tuple[float, float]:
-    """(head, logits) per token on the last stage: the final norm's and output layer's inputs plus the logits with
-    `logit_copies` fp32 copies (the policy), or the value head's inputs (the critic)."""
+    """(head, logits) per token on the last stage: the final norm's (its output the output layer's input) plus the
+    logits with `logit_copies` fp32 copies (the policy), or the final norm's with its output gathered over the
+    sequence for the value head (the critic)."""
     w, t_sp = WEIGHT_BYTES[run.dtype], run.tp if run.sequence_parallel else 1
+    norm = norm_bytes(run, shape.hidden / t_sp)
     if not run.policy_head:
-        return w * (shape.hidden / t_sp + shape.hidden), 0.0
+        return norm - w * shape.hidden / t_sp + w * shape.hidden, 0.0
     vocab = padded_vocab_size(shape.vocab, vocab_multiple, run.tp) / run.tp
     logits = vocab * (w + FP32 * logit_copies)
-    return w * 2 * shape.hidden / t_sp + logits, logits
+    return norm + logits, logits
 
 
 def in_flight(pp: int, vpp: int, stage: int = 0) -> float:
@@ -328,11 +232,12 @@ def in_flight(pp: int, vpp: int, stage: int = 0) -> float:
 def activation_bytes(shape: ModelShape, run: RolePasses, vocab_multiple: int = 1) -> Activations:
     """A role's activations per GPU (module docstring); `vocab_multiple`: model.make_vocab_size_divisible_by."""
     tokens = -(-run.tokens // run.cp)
-    kinds = {routed: layer_bytes(shape, run, routed) for routed in {shape.routes(i) for i in range(shape.layers)}}
+    kind = {i: (shape.routes(i), i in shape.windowed) for i in range(shape.layers)}  # MoE or dense, windowed or not
+    kinds = {key: layer_bytes(shape, run, *key) for key in set(kind.values())}
     forward_head, forward_logits = head_bytes(shape, run, LOGIT_COPIES_FORWARD, vocab_multiple)
     if not run.policy_head:
         forward_head = 0.0  # the values need no working set beyond a layer's
-    forward = int(tokens * max(max(layer for layer, _ in kinds.values()), forward_head))
+    forward = int(tokens * max(max(layer.kept for layer in kinds.values()), forward_head))
     update, update_logits = 0, 0.0
     if run.trains:
         copies = LOGIT_COPIES_UPDATE_ENTROPY if run.entropy_bonus else LOGIT_COPIES_UPDATE
@@ -340,9 +245,8 @@ def activation_bytes(shape: ModelShape, run: RolePasses, vocab_multiple: int = 1
         checkpoint = WEIGHT_BYTES[run.dtype] * shape.hidden / (run.tp if run.sequence_parallel else 1)
         split, stages = PipelineSplit(shape.layers, run.pp, run.vpp, run.stages), []
         for stage in range(run.pp):
-            chunks = [[kinds[shape.routes(i)][0] for i in chunk] for chunk in split.chunks(stage)]
-            cores = [kinds[shape.routes(i)][1] for i in split.stage_layers(stage)]
-            kept, recomputed = _kept_and_recomputed(run, chunks, checkpoint, cores)
+            chunks = [[kinds[kind[i]] for i in chunk] for chunk in split.chunks(stage)]
+            kept, recomputed = _kept_and_recomputed(run, chunks, checkpoint)
             last = stage == run.pp - 1
             stages.append(kept + max(recomputed, head) if last
                           else in_flight(run.pp, run.vpp, stage) * kept + recomputed)

@@ -4,8 +4,11 @@ with gpt-oss-20b's released config.json and its recipe's layout (TP=2, 8192-toke
 
 The small shape of test_activation_memory.py: h = 64, 4 heads of 16 (h_q = 64), 2 kv heads, 4 layers, vocabulary
 100, bfloat16 (w = 2), TP 2 with sequence parallelism, T = S = 1000 tokens. A = 1184 bytes per token, the update's
-head 628. With the sinks each layer also keeps K, V repeated (2 * 2 * 64 / 2 = 128), the spans' outputs (2 * 64 / 2
-= 64) and the softmax over S keys and the sink (4 / 2 * 1001 * 2 = 4004): C = 4196, A' = 5380.
+head 628. With the sinks (layers/memory.py's "sinks": torch's attention, whose unfused RoPE keeps its tables, 2 * 4 *
+16 = 128) each layer keeps, instead of the core's inputs QKV and RoPE's Q and K (2 * (64 + 32 + 16) / 2 = 112 * 2 =
+224), the query's copy and K, V repeated to every head (2 * 3 * 64 / 2 = 192) and the softmax over S keys and the
+sink (4 / 2 * 1001 * 2 = 4004): C = 4196, A' = 1184 + 128 - 224 + 4196 = 5284; selective recompute keeps the
+inputs, 1184 + 128 = 1312.
 """
 import importlib.util
 import json
@@ -49,13 +52,14 @@ def test_one_layers_scores_by_hand():
 
 
 def test_what_the_sinks_add_to_the_plan_by_hand():
-    assert layer_bytes(SHAPE, passes(attention="sinks")) == (1184 + 4196, 4196)
-    # No recompute: every layer keeps C; the update's 4 A + head becomes 4 A' + head.
-    assert sink_attention_bytes(SHAPE, passes()) == T * 4 * 4196 + 3 * SCORES
-    # Selective recompute: the layers keep A - C, and the backward remakes one C (4196), larger than the head (628).
-    assert sink_attention_bytes(SHAPE, passes(recompute="selective")) == T * (4196 - 628) + 3 * SCORES
-    # A forward pass (the reference): its largest layer with C (5380) instead of A (1184), and two copies beside.
-    assert sink_attention_bytes(SHAPE, passes(trains=False)) == T * 4196 + 2 * SCORES
+    assert layer_bytes(SHAPE, passes(attention="sinks")) == (5284, 1312, 4196)
+    # No recompute: the update's 4 A + head becomes 4 A' + head.
+    assert sink_attention_bytes(SHAPE, passes()) == T * 4 * (5284 - 1184) + 3 * SCORES
+    # Selective recompute: the layers keep 1312 each, and the backward remakes one C (4196), larger than the head.
+    assert sink_attention_bytes(SHAPE, passes(recompute="selective")) == T * (4 * 1312 + 4196 - 4 * 1184 - 628) + \
+        3 * SCORES
+    # A forward pass (the reference): its largest layer with the sinks (5284) instead of A (1184), two copies beside.
+    assert sink_attention_bytes(SHAPE, passes(trains=False)) == T * (5284 - 1184) + 2 * SCORES
 
 
 @pytest.fixture()
