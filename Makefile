@@ -8,7 +8,7 @@ VERL := 0.9.1
 VERL_DIR := $(VENV)/verl-$(VERL)
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-tools test test-fast clean
+.PHONY: install demo demo-tools demo-agent test test-fast clean
 
 install: $(STAMP) $(VERL_DIR)/.installed
 
@@ -37,6 +37,10 @@ demo: install
 
 demo-tools: install
 	$(PY) -m rl_megatron.train --config configs/demo_cpu_tools.yaml
+
+# The tool demo's task solved by your own kind of agent: an `openai` client through the gateway (docs/agentic-rl.md).
+demo-agent: install
+	$(PY) -m rl_megatron.train --config configs/demo_cpu_agent.yaml
 
 # Every tier (tests/conftest.py describes them), on two workers; `make test PYTEST_ARGS='-m "not e2e"'` selects by
 # tier.

@@ -43,6 +43,21 @@ class SampleStatus(str, enum.Enum):
 
 
 @dataclass
+class AgentStats:
+    """What one episode of a user's agent did through the gateway (`rl_megatron.agents.gateway`): its calls, the times
+    the harness's history stopped extending what the episode had sampled (each starts a new segment: the sample is
+    the last one, the earlier segments' model tokens are counted, not trained), its wall time, whether it failed, and
+    the metrics its function returned beside the reward."""
+    calls: int = 0
+    prefix_breaks: int = 0
+    segments: int = 1
+    untrained_tokens: int = 0  # model tokens of the segments before the last
+    seconds: float = 0.0
+    failed: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class ToolStats:
     """What a trajectory's tool calls did: calls made (well-formed or not), the failed ones (errors, which include the
     timed-out ones), the tokens the tools' replies added to the response, and the seconds spent waiting on tools (and
@@ -77,6 +92,8 @@ class Sample:
     # the trajectory's (its last assistant message is the final answer the reward reads)
     tool_stats: ToolStats | None = None  # multi-turn: its tool calls
     error: str | None = None  # why the rollout could not produce it (an agent loop's failure); it joins no loss
+    agent_reward: float | None = None  # rollout.agent.reward=function: the reward the user's agent returned (no scorer)
+    agent_stats: AgentStats | None = None  # an episode of a user's agent (rollout.agent.function)
     routed_experts: np.ndarray | None = field(default=None, compare=False)  # moe.engine_routing: the engine's
     # experts of each position it fed, [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
 

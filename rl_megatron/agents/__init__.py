@@ -4,11 +4,16 @@
     trajectory.py      token in, token out: the model's tokens kept as sampled, the template's deltas spliced between
     harmony_deltas.py  the same deltas for gpt-oss's harmony format (rollout.multi_turn.format)
     tool_agent.py      the built-in tool-calling loop (rollout.agent_loop=tool_agent)
+    turns.py           one model turn read (its text, its calls) and followed (the deltas): shared by every loop
     runner.py          a batch of prompts through a loop over the engines, each sample checked
+    gateway/           an OpenAI-compatible endpoint per episode, for a user's own agent (rollout.agent.function)
 """
 from __future__ import annotations
 
+import os
+
 from rl_megatron.agents.base import AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator
+from rl_megatron.agents.gateway import GatewayLoop, GatewayServer, RunSampling
 from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.runner import AgentRunner
 from rl_megatron.agents.tool_agent import ToolAgentLoop
@@ -21,8 +26,8 @@ from rl_megatron.tools.harmony import resolve_tool_format
 
 AGENT_LOOPS = {"tool_agent": ToolAgentLoop}
 
-__all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "HarmonyDeltas",
-           "SingleTurnLoop", "ToolAgentLoop",
+__all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "GatewayLoop",
+           "HarmonyDeltas", "SingleTurnLoop", "ToolAgentLoop",
            "Trajectory", "TurnGenerator", "agent_loop_class", "build_agent_loop"]
 
 
@@ -42,12 +47,22 @@ def agent_loop_class(name: str) -> type[AgentLoop] | None:
     return cls
 
 
-def build_agent_loop(rollout, tokenizer, stop_ids: list[int]) -> AgentLoop | None:
+def build_agent_loop(rollout, tokenizer, stop_ids: list[int], model_path: str = "policy") -> AgentLoop | None:
     """`rollout` (the config's section)'s agent loop with its tools and the chat template's deltas (hermes or harmony,
     as rollout.multi_turn.format says; None for single_turn,
     unless rollout.partial_rollout: its samples then go through the turn scheduler, which can interrupt and continue
-    them); ConfigError naming the key at fault, before any worker starts."""
-    cls = agent_loop_class(rollout.agent_loop)
+    them); with rollout.agent.function, the gateway's loop over the user's agent (its server not yet started).
+    ConfigError naming the key at fault, before any worker starts."""
+    function = None
+    if rollout.agent.function is not None:
+        if rollout.agent_loop != SINGLE_TURN:
+            raise ConfigError(f"rollout.agent.function={rollout.agent.function} runs your agent through the gateway, "
+                              f"and rollout.agent_loop={rollout.agent_loop} is another agent loop: keep one (leave "
+                              "rollout.agent_loop at single_turn with an agent function).")
+        function = load_callable(rollout.agent.function, "rollout.agent.function")
+        cls = GatewayLoop
+    else:
+        cls = agent_loop_class(rollout.agent_loop)
     if cls is None:
         return SingleTurnLoop(AgentContext(tokenizer, rollout, None, None)) if rollout.partial_rollout else None
     path = rollout.multi_turn.tool_config_path
@@ -56,8 +71,15 @@ def build_agent_loop(rollout, tokenizer, stop_ids: list[int]) -> AgentLoop | Non
         raise ConfigError("rollout.agent_loop=tool_agent needs tools: set rollout.multi_turn.tool_config_path to a "
                           "tool config file (e.g. configs/tools/python_calculator.yaml).")
     chat_format = resolve_tool_format(rollout.multi_turn.format, getattr(tokenizer, "chat_template", None))
+    key = "rollout.agent.function" if function else "rollout.agent_loop"
     try:
         deltas = HarmonyDeltas(tokenizer, stop_ids) if chat_format == HARMONY else ChatDeltas(tokenizer, stop_ids)
     except ValueError as err:
-        raise ConfigError(f"rollout.agent_loop={rollout.agent_loop}: {err}") from None
-    return cls(AgentContext(tokenizer, rollout, tools, deltas))
+        raise ConfigError(f"{key}={function and rollout.agent.function or rollout.agent_loop}: {err}") from None
+    context = AgentContext(tokenizer, rollout, tools, deltas)
+    if function is None:
+        return cls(context)
+    sampling = RunSampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
+    server = GatewayServer(rollout.agent.host, rollout.agent.port, os.path.basename(os.path.normpath(model_path)),
+                           sampling)
+    return GatewayLoop(context, function, server, rollout.max_model_len)

@@ -49,6 +49,9 @@ class AgentLoop:
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the loop holds for the run (the gateway's server); called once, at the run's end."""
+
 
 class SingleTurnLoop(AgentLoop):
     """One generation per trajectory, through the turn scheduler rather than one batched call: what partial rollouts

@@ -17,9 +17,9 @@ import time
 from rl_megatron.agents.base import AgentLoop, TurnGenerator
 from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.trajectory import Trajectory
+from rl_megatron.agents.turns import after_turn, read_turn
 from rl_megatron.batch import Prompt, Sample, SampleStatus
-from rl_megatron.tools import ToolCall, ToolOutcome, parse_tool_calls
-from rl_megatron.tools.harmony import parse_harmony_turn
+from rl_megatron.tools import ToolCall, ToolOutcome
 
 TRUNCATION_NOTE = "\n...(truncated)"
 
@@ -34,25 +34,16 @@ class ToolAgentLoop(AgentLoop):
             if trajectory.turns == limits.max_assistant_turns or room <= 0:
                 return trajectory.sample(SampleStatus.TRUNCATED)
             completion = await generate(trajectory.context(), min(rollout.max_tokens, room))
-            if harmony:  # the markers (<|channel|>, <|call|>, ...) are special tokens: kept for the parser
-                turn = parse_harmony_turn(self.context.tokenizer.decode(completion.response_ids))
-                trajectory.add_turn(completion, turn.final, **turn.message_fields())
-                parsed = turn.calls
-            else:
-                text = self.context.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-                trajectory.add_turn(completion, text)
-                parsed = parse_tool_calls(text)
-            attempts = len(parsed.calls) + len(parsed.errors)
-            if attempts == 0 or completion.status == SampleStatus.ABORTED:
+            turn = read_turn(self.context.tokenizer, self.context.deltas, completion)
+            trajectory.add_turn(completion, turn.text, **turn.fields)
+            if turn.attempts() == 0 or completion.status == SampleStatus.ABORTED:
                 return trajectory.sample(completion.status)
-            if trajectory.tool_stats.calls + attempts > limits.max_tool_calls:
+            if trajectory.tool_stats.calls + turn.attempts() > limits.max_tool_calls:
                 return trajectory.sample(SampleStatus.TRUNCATED)
-            replies = await self._replies(parsed.calls, parsed.errors, trajectory)
+            replies = await self._replies(turn.calls.calls, turn.calls.errors, trajectory)
             if harmony:  # each reply comes from the function it answers
                 replies = [dict(reply, name=name) for reply, name in zip(replies, turn.reply_names)]
-                spliced = self.context.deltas.after_turn(replies, closing=turn.closing)
-            else:
-                spliced = self.context.deltas.after_turn(replies, turn_ended=completion.status == SampleStatus.OK)
+            spliced = after_turn(self.context.deltas, turn, replies)
             if len(trajectory.response_ids) + len(spliced) >= limits.max_response_length:
                 return trajectory.sample(SampleStatus.TRUNCATED)  # no room left for another turn
             trajectory.add_context(spliced, replies)

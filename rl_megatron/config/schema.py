@@ -193,10 +193,22 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    function: Optional[str] = None  # "pkg.mod:fn" or "file.py:fn": your agent, `async def fn(base_url, row) -> float | dict`, run once per episode against the OpenAI-compatible gateway at base_url (docs/agentic-rl.md); null: no gateway
+    max_concurrency: int = checked(64, POSITIVE)  # episodes running at once
+    timeout_s: float = checked(600.0, above(0), "seconds, e.g. 600")  # wall-clock limit of one episode; past it the episode fails (agent/episodes_failed)
+    reward: Literal["function", "scorer"] = "function"  # where an episode's reward comes from: the function's return value (a number, or a dict with "reward" and metrics logged under agent/), or the scorer (reward.custom_fn, else the data source's scorer) reading the last assistant message
+    failed_reward: Optional[float] = None  # the reward of an episode whose agent raised, timed out or returned garbage, its tokens so far trained; null: the episode joins no loss
+    host: str = "127.0.0.1"  # the address the gateway binds: the controller's loopback, where agents run in the controller; the controller's cluster address for harnesses on other machines (never all interfaces by default)
+    port: int = checked(0, NOT_NEGATIVE, "0 picks a free port")  # the gateway's port (0: a free one)
+
+
+@dataclass
 class RolloutConfig:
     function: str = "rl_megatron.rollout.default:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/default.py)
     agent_loop: str = SINGLE_TURN  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # limits and tools of multi-turn agent loops
+    agent: AgentConfig = field(default_factory=AgentConfig)  # your own agent harness, served through the OpenAI-compatible gateway
     placement: Placement = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
     nnodes: int = checked(1, POSITIVE)  # separate placement: nodes of the engines' pool
     n_gpus_per_node: int = checked(1, POSITIVE)  # separate placement: devices per node of the engines' pool

@@ -69,7 +69,7 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     # The model folder's files, once its config is known to fit: the trainer reuses the tokenizer loaded here.
     tokenizer = checked_tokenizer(cfg.model.path, hf)
     check_first_prompt_encodes(cfg.data, tokenizer, cfg.model.path)
-    build_agent_loop(cfg.rollout, tokenizer, stop_ids)  # rollout.agent_loop's class, its tools, the chat template
+    build_agent_loop(cfg.rollout, tokenizer, stop_ids, cfg.model.path)  # rollout.agent_loop's class, its tools, the chat template
     _check_initial_weights(cfg, hf)
 
 

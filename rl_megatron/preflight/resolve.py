@@ -29,7 +29,8 @@ def resolve(cfg: Config) -> Config:
     if turns.max_response_length is None:
         turns.max_response_length = turns.max_assistant_turns * (rollout.max_tokens + turns.max_tool_response_length)
     if rollout.max_model_len is None:
-        response = rollout.max_tokens if rollout.agent_loop == SINGLE_TURN else turns.max_response_length
+        single_turn = rollout.agent_loop == SINGLE_TURN and rollout.agent.function is None
+        response = rollout.max_tokens if single_turn else turns.max_response_length
         rollout.max_model_len = cfg.data.max_prompt_length + response
     if rollout.gpu_memory_utilization is None:  # separate engines hold nothing else on their GPUs
         rollout.gpu_memory_utilization = 0.9 if rollout.placement == "separate" else 0.5

@@ -198,15 +198,36 @@ class RewardScorer:
 
     def submit_samples(self, samples: list[Sample], tokenizer) -> concurrent.futures.Future:
         """`submit` for a step's samples, decoded with `tokenizer`. Prompts keep their special tokens: scorers look
-        for the chat template's markers (<|im_start|>assistant)."""
+        for the chat template's markers (<|im_start|>assistant). A sample whose agent gave its reward
+        (`Sample.agent_reward`, rollout.agent.reward=function) is not sent to a scorer: that is its score and acc."""
+        scored_here = [i for i, s in enumerate(samples) if s.agent_reward is None]
         prompt_texts: dict[tuple[int, ...], str] = {}
-        for sample in samples:  # the n samples of a prompt share its text
-            ids = tuple(sample.prompt_ids)
+        for i in scored_here:  # the n samples of a prompt share its text
+            ids = tuple(samples[i].prompt_ids)
             if ids not in prompt_texts:
-                prompt_texts[ids] = tokenizer.decode(sample.prompt_ids)
-        return self.submit([s.data_source for s in samples], [answer_text(s, tokenizer) for s in samples],
-                           [s.ground_truth for s in samples], [reward_extra_info(s) for s in samples],
-                           prompts=[prompt_texts[tuple(s.prompt_ids)] for s in samples])
+                prompt_texts[ids] = tokenizer.decode(samples[i].prompt_ids)
+        rest = [samples[i] for i in scored_here]
+        scoring = self.submit([s.data_source for s in rest], [answer_text(s, tokenizer) for s in rest],
+                              [s.ground_truth for s in rest], [reward_extra_info(s) for s in rest],
+                              prompts=[prompt_texts[tuple(s.prompt_ids)] for s in rest])
+        if len(scored_here) == len(samples):
+            return scoring
+        merged: concurrent.futures.Future = concurrent.futures.Future()
+
+        def merge(done: concurrent.futures.Future) -> None:
+            try:
+                scored = done.result()
+            except BaseException as error:  # noqa: BLE001 - the caller's result() raises it
+                merged.set_exception(error)
+                return
+            scores = torch.tensor([0.0 if s.agent_reward is None else float(s.agent_reward) for s in samples])
+            acc = scores.clone()
+            index = torch.tensor(scored_here, dtype=torch.long)
+            scores[index], acc[index] = scored.scores, scored.acc
+            merged.set_result(Scored(scores, acc, scored.stats))
+
+        scoring.add_done_callback(merge)
+        return merged
 
     def score(self, data_sources, solutions, ground_truths, extra_infos=None,
               prompts=None) -> Scored:

@@ -53,6 +53,17 @@ def parse_tool_calls(text: str) -> ParsedCalls:
     return ParsedCalls(calls=calls, errors=errors)
 
 
+def text_outside_calls(text: str) -> str:
+    """`text` less its <tool_call> blocks, stripped (what an OpenAI client reads as the message's content)."""
+    kept, position = [], 0
+    while (start := text.find(OPEN, position)) >= 0:
+        kept.append(text[position:start])
+        end = text.find(CLOSE, start)
+        position = len(text) if end < 0 else end + len(CLOSE)
+    kept.append(text[position:])
+    return "".join(kept).strip()
+
+
 def _call(body: str) -> ToolCall:
     payload = _json(body.strip(), "the block")
     if not isinstance(payload, dict):

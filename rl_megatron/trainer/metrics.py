@@ -51,6 +51,7 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
         "reward/std": scores.std().item(),
         **length_metrics(samples),
         **multi_turn_metrics(samples),
+        **agent_metrics(samples),
         "actor/entropy": masked_mean(entropy, mask).item(),
         "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
         # vLLM's sampling log-probs against Megatron's for the same tokens (1 and 0 when both agree).
@@ -101,6 +102,27 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
             "tool/timeouts": float(sum(t.timeouts for t in tools)),
             "tool/seconds/mean": mean([t.seconds for t in tools]),
             "tool/slot_wait_s/mean": mean([t.slot_wait_seconds for t in tools])}
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Episodes of a user's agent through the gateway (rollout.agent.function): calls, prefix breaks (the harness's
+    history stopped extending what was sampled), segments (samples) per episode, wall time, failures (a count over
+    the step), and the means of the metrics the agents returned."""
+    stats = [s.agent_stats for s in samples if s.agent_stats is not None]
+    if not stats:
+        return {}
+    mean = lambda values: sum(values) / len(stats)  # noqa: E731
+    metrics = {"agent/calls_per_episode": mean([a.calls for a in stats]),
+               "agent/prefix_breaks": float(sum(a.prefix_breaks for a in stats)),
+               "agent/samples_per_episode": mean([a.segments for a in stats]),
+               "agent/untrained_tokens": float(sum(a.untrained_tokens for a in stats)),
+               "agent/episode_s": mean([a.seconds for a in stats]),
+               "agent/episode_s_max": max(a.seconds for a in stats),
+               "agent/episodes_failed": float(sum(a.failed for a in stats))}
+    for key in sorted({key for a in stats for key in a.metrics}):
+        values = [a.metrics[key] for a in stats if key in a.metrics]
+        metrics[f"agent/{key}"] = sum(values) / len(values)
+    return metrics
 
 
 def window_mean(rewards: list[float]) -> float:

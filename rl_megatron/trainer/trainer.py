@@ -71,13 +71,14 @@ class Trainer:
         self.tokenizer = checked_tokenizer(cfg.model.path, self.hf_config)  # the one the pre-flight check loaded
         self.pad_id = pad_token_id(self.tokenizer)
         self.agent_loop = build_agent_loop(cfg.rollout, self.tokenizer,
-                                           end_of_sequence_ids(cfg.model.path, self.hf_config))
+                                           end_of_sequence_ids(cfg.model.path, self.hf_config), cfg.model.path)
         tools = self.agent_loop.context.tools.schemas() if self.agent_loop and self.agent_loop.context.tools else None
         self.loader = build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, tools=tools)
         validating = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train or cfg.trainer.val_only
         self.val_loader = (build_prompt_loader(cfg.data, self.tokenizer, cfg.trainer.seed, split="val", tools=tools)
                            if validating else None)
-        check_scorers(cfg.reward, [loader for loader in (self.loader, self.val_loader) if loader is not None])
+        if not (cfg.rollout.agent.function and cfg.rollout.agent.reward == "function"):  # else the agent's reward
+            check_scorers(cfg.reward, [loader for loader in (self.loader, self.val_loader) if loader is not None])
         self.run_dir = cfg.trainer.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         if not cfg.trainer.val_only:  # a validation of a run's checkpoint leaves the run's own config
@@ -368,6 +369,7 @@ class Trainer:
                                       cfg.rollout.partial_rollout_sync_at_tokens)
         self.engines.weight_version = self.policy_version
         if self.agent_loop is not None:
+            stack.callback(self.agent_loop.close)
             self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
                                                     self.engines.count, self.hf_config["vocab_size"],
                                                     cfg.rollout.multi_turn.turn_synchronous, self.engines.pausing())

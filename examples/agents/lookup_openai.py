@@ -1,0 +1,49 @@
+"""An agent written with the official `openai` client, trained as it is through rl_megatron's gateway
+(configs/demo_cpu_agent.yaml, `make demo-agent`). It solves the tool demo's task: call `lookup`, then answer the
+digit it returns. The tool runs here, in the agent, as in any harness; the policy behind `base_url` is the one being
+trained, and every token it samples is recorded as sampled.
+
+    rollout.agent.function: examples/agents/lookup_openai.py:lookup_agent
+"""
+import asyncio
+import weakref
+
+import openai
+
+LOOKUP = {"type": "function",
+          "function": {"name": "lookup", "description": "Look up the secret digit of this question.",
+                       "parameters": {"type": "object", "properties": {}, "required": []}}}
+MAX_CALLS = 3
+_CLIENTS = weakref.WeakKeyDictionary()  # event loop -> its client
+
+
+def client_for(base_url: str) -> openai.AsyncOpenAI:
+    """A client of this episode's base URL. An AsyncOpenAI costs ~50 ms of CPU to create (its SSL context), more than
+    a whole episode here: one per event loop, copied per episode (with_options shares its connections)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _CLIENTS:
+        _CLIENTS[loop] = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    return _CLIENTS[loop].with_options(base_url=base_url)
+
+
+async def lookup_agent(base_url: str, row: dict) -> None:
+    """One episode. Its reward comes from the data source's scorer (rollout.agent.reward=scorer), which reads the
+    last answer: return a number instead to give the reward here."""
+    secret = row["extra_info"]["tools_kwargs"]["lookup"]["create_kwargs"]["secret"]
+    messages = list(row["prompt"])
+    client = client_for(base_url)
+    for _ in range(MAX_CALLS):
+        try:
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+        except openai.BadRequestError as error:  # the episode's length or turn limit: it ends here
+            if error.code in ("context_length_exceeded", "max_turns_exceeded"):
+                return None
+            raise
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return None
+        for call in message.tool_calls:
+            reply = secret if call.function.name == "lookup" else f"Error: there is no tool {call.function.name}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": reply})
+    return None

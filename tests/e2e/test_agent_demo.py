@@ -1,0 +1,23 @@
+"""Your own agent, end to end: `make demo-agent` (configs/demo_cpu_agent.yaml) trains the tool demo's task through
+the OpenAI-compatible gateway, driven by an agent written with the official `openai` client
+(examples/agents/lookup_openai.py), and learns from chance to the 0.8 target. One run serves every assert."""
+from helpers.runs import train
+
+AGENT_METRICS = {"agent/calls_per_episode", "agent/prefix_breaks", "agent/samples_per_episode",
+                 "agent/untrained_tokens", "agent/episode_s", "agent/episode_s_max", "agent/episodes_failed"}
+
+
+def test_an_openai_client_agent_learns_through_the_gateway(tmp_path):
+    stdout, rows, _ = train(tmp_path, config="demo_cpu_agent")
+    # Chance: a random policy rarely calls the tool (one token in 29) and guesses a digit at 1 in 10.
+    assert rows[0]["reward/mean"] < 0.15 and rows[0]["tool/call_rate"] < 0.3
+    assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
+    assert "Target mean reward 0.8 reached." in stdout
+    assert rows[-1]["tool/call_rate"] >= 0.9 and rows[-1]["agent/calls_per_episode"] > 1.8
+    # The agent keeps its history: every call extends the episode, one sample each, nothing failed.
+    assert all(AGENT_METRICS <= set(r) and r["agent/prefix_breaks"] == 0 and r["agent/samples_per_episode"] == 1
+               and r["agent/untrained_tokens"] == 0 and r["agent/episodes_failed"] == 0 for r in rows)
+    # The tokens the trainer scores are the ones the engines sampled, turn by turn through HTTP.
+    assert max(r["mismatch/token_mult_prob_error"] for r in rows) <= 1.001
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 5e-5
+    assert all(r["response_length/max"] <= 3 and r["multi_turn/turns/max"] <= 3 for r in rows)
