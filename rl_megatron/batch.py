@@ -6,6 +6,7 @@
                 its turns, its conversation and its tool statistics
     TrainBatch  the samples as right-padded [B, S] tensors, plus what the step adds (log-probs, values, advantages)
     TokenOutputs what a forward pass returns per token (log-probs, entropy, values)
+    PolicyUpdate what the actor's update returns: its metrics (and, on-policy, its forward pass's log-probs)
 
 Position t of every per-token tensor refers to the token at t + 1, i.e. the label predicted at position t: a
 response of R tokens after a prompt of P tokens occupies label positions P-1 .. P+R-2.
@@ -214,6 +215,16 @@ class TokenOutputs(RowTensors):
 
 
 @dataclass
+class PolicyUpdate(RowTensors):
+    """What the actor's update returns: its metrics (the same on every rank) and, for a batch sent without
+    old_log_probs (trained on-policy in one optimizer step, `trainer/old_log_probs.py`), its forward pass's log-probs
+    and entropy, detached: the old policy's, as a pass of their own computes them ([B, S])."""
+    metrics: dict[str, float]
+    log_probs: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+@dataclass
 class TrainBatch(RowTensors):
     """The step's samples as right-padded tensors, and what the step computes about them ([B, S] each; None until
     computed or when the run does not need it)."""
@@ -223,6 +234,7 @@ class TrainBatch(RowTensors):
     lengths: Tensor | None = None  # [B] long: each row's prompt + response tokens (None: every row is full length)
     rollout_log_probs: Tensor | None = None  # the engine's, at sampling time
     old_log_probs: Tensor | None = None  # Megatron's, before this step's update
+    entropy: Tensor | None = None  # the policy's, before this step's update (a metric)
     ref_log_probs: Tensor | None = None  # the reference policy's (KL)
     values: Tensor | None = None  # the critic's, before this step's update
     advantages: Tensor | None = None  # per token, or [B]: one per sequence

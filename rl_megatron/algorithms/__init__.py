@@ -28,7 +28,8 @@ from rl_megatron.algorithms.kl import (
 from rl_megatron.algorithms.losses import (LOSS_AGG_MODES, LossScale, LossStats, aggregate_loss,
                                           megatron_loss_factor, policy_loss, value_loss)
 from rl_megatron.algorithms.masked import masked_mean, masked_sum, masked_whiten
-from rl_megatron.algorithms.mismatch import rollout_correction_weights, rollout_mismatch_metrics
+from rl_megatron.algorithms.mismatch import (rollout_correction_metrics, rollout_correction_weights,
+                                            rollout_mismatch_metrics)
 from rl_megatron.algorithms.policy_losses import (POLICY_LOSSES, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss,
                                                   ppo_loss, register_policy_loss)
 from rl_megatron.algorithms.reward_shaping import overlong_penalty
@@ -68,6 +69,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
+    "rollout_correction_metrics",
     "rollout_correction_weights",
     "rollout_mismatch_metrics",
     "value_loss",

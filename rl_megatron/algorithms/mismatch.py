@@ -23,9 +23,10 @@ def rollout_mismatch_metrics(
 
 def rollout_correction_weights(
     old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, level: str, mode: str, threshold: float
-) -> tuple[Tensor, dict[str, float]]:
+) -> Tensor:
     """Detached weights [B, S] of the policy gradient correcting for sampling from the rollout engine (a stale policy,
-    or the engine's numerics), 0 outside the response mask, and their metrics over response tokens.
+    or the engine's numerics), 0 outside the response mask. No host sync: the on-policy update computes them in its
+    loss, a micro-batch at a time (a sample's tokens are all in one).
 
     The ratio p_train / p_rollout, with m_t the response mask:
         level=token:    r_t = exp(old_t - rollout_t)
@@ -36,6 +37,26 @@ def rollout_correction_weights(
     The log ratio is compared with log T and only exp(min(log r, log T)) is taken, so a long sequence's sum never
     overflows.
     """
+    return _weights(old_log_probs, rollout_log_probs, response_mask, level, mode, threshold)[0]
+
+
+def rollout_correction_metrics(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, level: str, mode: str, threshold: float
+) -> dict[str, float]:
+    """The mean of `rollout_correction_weights` over the response tokens, and the share of those tokens whose ratio
+    is past the threshold (capped, or masked)."""
+    weights, over = _weights(old_log_probs, rollout_log_probs, response_mask, level, mode, threshold)
+    fraction = "capped_fraction" if mode == "truncate" else "masked_fraction"
+    return {
+        "rollout_corr/weight_mean": masked_mean(weights, response_mask).item(),
+        f"rollout_corr/{fraction}": masked_mean(over.float(), response_mask).item(),
+    }
+
+
+def _weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, level: str, mode: str, threshold: float
+) -> tuple[Tensor, Tensor]:
+    """(`rollout_correction_weights`, where the ratio is past the threshold)."""
     if level not in ("token", "sequence") or mode not in ("truncate", "mask"):
         raise ValueError(f"unknown rollout correction level={level!r} mode={mode!r}; known: token|sequence, "
                          "truncate|mask")
@@ -47,9 +68,4 @@ def rollout_correction_weights(
     over = mask & (log_ratio > log_threshold)
     within = torch.exp(log_ratio.clamp(max=log_threshold))
     weights = torch.where(over, threshold if mode == "truncate" else 0.0, within)
-    weights = torch.where(mask, weights, 0.0)
-    fraction = "capped_fraction" if mode == "truncate" else "masked_fraction"
-    return weights, {
-        "rollout_corr/weight_mean": masked_mean(weights, mask).item(),
-        f"rollout_corr/{fraction}": masked_mean(over.float(), mask).item(),
-    }
+    return torch.where(mask, weights, 0.0), over

@@ -67,6 +67,9 @@ class _TokenStatistics(torch.autograd.Function):
         entropy = top + log_total - expected if with_entropy else logits.new_empty(0, dtype=torch.float32)
         ctx.save_for_backward(logits, local, inside, top, sums[0], expected if with_entropy else top)
         ctx.temperature, ctx.valid, ctx.with_entropy = temperature, valid, with_entropy
+        # An output no loss reads (the entropy an update computes for its metric) gets None, not a zero gradient to
+        # back-propagate.
+        ctx.set_materialize_grads(False)
         return log_probs, entropy
 
     @staticmethod

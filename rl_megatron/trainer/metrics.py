@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_megatron.algorithms import masked_mean, rollout_mismatch_metrics
+from rl_megatron.algorithms import masked_mean, rollout_correction_metrics, rollout_mismatch_metrics
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
+from rl_megatron.config.schema import AlgorithmConfig
 from rl_megatron.trainer.validation import Validation, validation_file
 
 REWARD_WINDOW = 5  # steps averaged for early stopping and the final summary
@@ -42,9 +43,11 @@ class Timer:
         self.seconds[phase] = time.perf_counter() - start
 
 
-def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor,
-                 seconds: dict[str, float]) -> dict[str, float]:
-    mask = batch.response_mask
+def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch, seconds: dict[str, float],
+                 algorithm: AlgorithmConfig) -> dict[str, float]:
+    """The batch's metrics, after the update: the old log-probs and the entropy are known by then, from a pass of
+    their own or from the update's forward pass (`old_log_probs.py`)."""
+    mask, correction = batch.response_mask, algorithm.rollout_correction
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     metrics = {
         "reward/mean": scores.mean().item(),
@@ -52,13 +55,16 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
         **length_metrics(samples),
         **multi_turn_metrics(samples),
         **agent_metrics(samples),
-        "actor/entropy": masked_mean(entropy, mask).item(),
+        "actor/entropy": masked_mean(batch.entropy, mask).item(),
         "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
         # vLLM's sampling log-probs against Megatron's for the same tokens (1 and 0 when both agree).
         **rollout_mismatch_metrics(batch.old_log_probs, batch.rollout_log_probs, mask),
         **{f"timing_s/{phase}": s for phase, s in seconds.items()},
         "perf/tokens_per_s": tokens / seconds["step"],
     }
+    if correction.level is not None:  # the weights the update applied (computed again: cheap, and no transfer)
+        metrics |= rollout_correction_metrics(batch.old_log_probs, batch.rollout_log_probs, mask, correction.level,
+                                              correction.mode, correction.threshold)
     if batch.values is not None:
         values, returns = batch.values, batch.returns
         residual_var = torch.var((returns - values)[mask.bool()])

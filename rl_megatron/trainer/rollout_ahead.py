@@ -25,9 +25,22 @@ from dataclasses import dataclass, field
 import torch
 
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
+from rl_megatron.errors import ConfigError
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.metrics import Timer
 from rl_megatron.trainer.rewards import Rewards
+
+
+def checked_samples(samples: list[Sample], prompts: int, n: int, function: str) -> list[Sample]:
+    """What the run's rollout function (`function`, rollout.function) returned for `prompts` prompts x `n`, checked:
+    a list of prompts x n `Sample`s (prompt-major order is its contract)."""
+    expected = prompts * n
+    if not isinstance(samples, list) or len(samples) != expected or not all(isinstance(s, Sample) for s in samples):
+        got = f"{len(samples)} items" if isinstance(samples, list) else f"a {type(samples).__name__}"
+        raise ConfigError(f"rollout.function={function!r} returned {got} for {prompts} prompts x n={n}; it must "
+                          f"return a list of {expected} rl_megatron.batch.Sample, the n samples of each prompt "
+                          "together, in prompt order.")
+    return samples
 
 
 @dataclass

@@ -27,7 +27,7 @@ from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
-from rl_megatron.config import Config, ConfigError, to_dict, to_yaml
+from rl_megatron.config import Config, to_dict, to_yaml
 from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.launch import format_plan
@@ -43,9 +43,11 @@ from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import (REWARD_WINDOW, RunSummary, Timer, reached_target, step_metrics,
                                          window_mean)
 from rl_megatron.trainer.dynamic_sampling import GroupFilter
+from rl_megatron.trainer.old_log_probs import old_log_probs_from_update, old_log_probs_pass, update_actor
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.profiling import StepProfiles
-from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, current_version_mismatch, drop_stale
+from rl_megatron.trainer.rollout_ahead import (Ahead, InStep, Rollout, checked_samples, current_version_mismatch,
+                                               drop_stale)
 from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import GENERATION_COLUMNS, Validation, validate, validation_file, weights_source
@@ -89,6 +91,7 @@ class Trainer:
         self.reward_history: list[float] = []
         self.last_validation: Validation | None = None
         self.group_filter = GroupFilter.of(cfg)  # dynamic sampling, when on
+        self.old_from_update = old_log_probs_from_update(cfg, self.hf_config)
         self.timer = Timer()
         if cfg.model.checkpoint is not None:
             check_checkpoint(cfg.model.checkpoint, self.hf_config)
@@ -144,10 +147,10 @@ class Trainer:
             # Scored while Megatron computes (with dynamic sampling, while generating: the filter reads the scores).
             scoring = None if rollout.rewards is not None else self.scorer.submit_samples(samples, self.tokenizer)
             batch = TrainBatch.from_samples(samples, self.pad_id)
+            # In the critic's warm-up no actor update gives the old log-probs.
+            old_pass = not self.old_from_update or step <= self.cfg.critic.warmup_steps
             with self.profiles.phase(step, "log_prob"):
-                entropy = self.forward_passes(batch)
-            if self.cfg.trainer.rollout_staleness:
-                metrics |= current_version_mismatch(samples, batch, self.policy_version)
+                self.forward_passes(batch, old_pass)
             with timer("reward"):  # what scoring adds to the step after the forward passes
                 rewards = (rollout.rewards.select(order) if rollout.rewards is not None
                            else self.rewards(scoring.result(), samples))
@@ -156,9 +159,11 @@ class Trainer:
                 sample.reward = score
             metrics |= self.advantages(batch, rewards.scores, group_ids)
             metrics |= self.update(batch, step)
+            if self.cfg.trainer.rollout_staleness:
+                metrics |= current_version_mismatch(samples, batch, self.version_training(step))
         # With dynamic sampling the batch holds only the groups that vary: the policy's reward is all samples'.
         self.reward_history.append(metrics.get("filter/generated_reward/mean", rewards.scores.mean().item()))
-        return (metrics | step_metrics(samples, rewards.scores, batch, entropy, timer.seconds)
+        return (metrics | step_metrics(samples, rewards.scores, batch, timer.seconds, self.cfg.algorithm)
                 | self.perf_metrics(samples))
 
     # -- the stages of a step --------------------------------------------------------------------------------------
@@ -204,15 +209,8 @@ class Trainer:
 
     def rollout(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """The run's rollout function (rollout.function) over the engines, its result checked."""
-        samples = self.rollout_fn(self.engines, prompts, sampling)
-        expected = len(prompts) * sampling.n
-        if not isinstance(samples, list) or len(samples) != expected or not all(isinstance(s, Sample)
-                                                                                for s in samples):
-            got = f"{len(samples)} items" if isinstance(samples, list) else f"a {type(samples).__name__}"
-            raise ConfigError(f"rollout.function={self.cfg.rollout.function!r} returned {got} for {len(prompts)} "
-                              f"prompts x n={sampling.n}; it must return a list of {expected} "
-                              "rl_megatron.batch.Sample, the n samples of each prompt together, in prompt order.")
-        return samples
+        return checked_samples(self.rollout_fn(self.engines, prompts, sampling), len(prompts), sampling.n,
+                               self.cfg.rollout.function)
 
     def balanced_order(self, samples: list[Sample]) -> list[int]:
         """The order of the samples that gives each of the actor's data-parallel ranks the same number of tokens in
@@ -223,15 +221,13 @@ class Trainer:
         mini_batch = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
         return balanced_order([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp, mini_batch)
 
-    def forward_passes(self, batch: TrainBatch) -> torch.Tensor:
-        """The policy's log-probs (and entropy, returned), the reference's log-probs and the critic's values of the
-        step's sequences, before any update."""
+    def forward_passes(self, batch: TrainBatch, old_pass: bool) -> None:
+        """The policy's log-probs and entropy (with `old_pass`; else the update gives them), the reference's
+        log-probs and the critic's values of the step's sequences, before any update; into `batch`."""
         replay = self.cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
-        with self.timer("old_log_prob"):
-            old = self.actor.log_probs(batch.select("routed_experts"))
-        batch.old_log_probs = old.log_probs
-        if replay != "R3":
-            batch.routed_experts = old.routed_experts  # R2's record; None otherwise
+        if old_pass:
+            with self.timer("old_log_prob"):
+                old_log_probs_pass(self.actor, batch, replay)
         if uses_reference(self.cfg):
             with self.timer("ref"):
                 ref_batch = batch.select("routed_experts") if replay == "R3" else batch.select()
@@ -241,11 +237,10 @@ class Trainer:
         if self.critic is not None:
             with self.timer("values"):
                 batch.values = self.critic.values(batch.select()).values
-        return old.entropy
 
     def advantages(self, batch: TrainBatch, scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
         """Token rewards (with the in-reward KL penalty when on), advantages and returns, rollout-correction
-        weights; written into `batch`."""
+        weights (the update's own where it gives the old log-probs); written into `batch`."""
         alg, mask, metrics = self.cfg.algorithm, batch.response_mask, {}
         token_rewards = outcome_token_rewards(scores, mask)
         if alg.use_kl_in_reward:
@@ -257,11 +252,10 @@ class Trainer:
             token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std))
         correction = alg.rollout_correction
-        if correction.level is not None:
-            batch.importance_weights, correction_metrics = rollout_correction_weights(
-                batch.old_log_probs, batch.rollout_log_probs, mask, correction.level, correction.mode,
-                correction.threshold)
-            metrics |= correction_metrics
+        if correction.level is not None and batch.old_log_probs is not None:
+            batch.importance_weights = rollout_correction_weights(batch.old_log_probs, batch.rollout_log_probs, mask,
+                                                                  correction.level, correction.mode,
+                                                                  correction.threshold)
         if self.critic is not None:
             batch.returns = returns
         return metrics
@@ -275,8 +269,7 @@ class Trainer:
                     metrics |= self.critic.update_critic(batch.select("values", "returns"))[0]
             if updating_actor:
                 with self.timer("update_actor"):
-                    metrics |= self.actor.update(batch.select("old_log_probs", "advantages", "ref_log_probs",
-                                                              "importance_weights", "routed_experts"))[0]
+                    metrics |= update_actor(self.actor, batch, self.cfg.algorithm.rollout_correction)
         if updating_actor:
             self.policy_version += 1
             with (self.rollouts.syncing(self.timer, self.policy_version), self.timer("sync_weights"),

@@ -17,7 +17,7 @@ import os
 import torch
 
 from rl_megatron import platform
-from rl_megatron.batch import TokenOutputs, TrainBatch
+from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
 from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.pools import engine_lora_rank
@@ -168,8 +168,8 @@ class HybridWorker(EngineHost):
         return self.models[Role.ACTOR].log_probs(batch)
 
     @dispatch(axis="dp", phase=train(Role.ACTOR))
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        return self.models[Role.ACTOR].update(batch)
+    def update(self, batch: TrainBatch) -> PolicyUpdate:
+        return self.models[Role.ACTOR].policy_update(batch)
 
     @dispatch(axis="dp", phase=forward(Role.REF))
     def ref_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:

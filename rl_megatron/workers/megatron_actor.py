@@ -12,8 +12,8 @@ from functools import partial
 import torch
 
 from rl_megatron import platform
-from rl_megatron.algorithms import POLICY_LOSSES, aggregate_loss, kl_divergence
-from rl_megatron.batch import TokenOutputs, TrainBatch
+from rl_megatron.algorithms import POLICY_LOSSES, aggregate_loss, kl_divergence, rollout_correction_weights
+from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
 from rl_megatron.config.pools import lora_merge_reason
 from rl_megatron.config.schema import Config
 from rl_megatron.models.activations import ActivationSettings
@@ -27,6 +27,7 @@ from rl_megatron.models.router_replay import Pass, RoutingReplay
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.roles import Role
 from rl_megatron.sequences import MicroBatch
+from rl_megatron.workers.distributed import owns_dp_output
 from rl_megatron.workers.megatron_model import Batching, MegatronModel
 
 
@@ -108,17 +109,33 @@ class MegatronActor(MegatronModel):
             return self.infer(batch.select(), partial(self._token_outputs, with_entropy=False))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
+        """`policy_update`'s metrics."""
+        return self.policy_update(batch).metrics
+
+    def policy_update(self, batch: TrainBatch) -> PolicyUpdate:
         """PPO updates over this step's samples. `batch`: input_ids, response_mask, old_log_probs, advantages
-        (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_correction."""
-        actor = self.cfg.actor
+        (per token); ref_log_probs with actor.use_kl_loss; importance_weights with algorithm.rollout_correction.
+
+        Without old_log_probs the batch trains on-policy in one optimizer step (`trainer/old_log_probs.py`): the
+        update's own forward pass, detached, gives them, and from them and rollout_log_probs the correction's
+        weights; they come back with the entropy from the ranks that own outputs."""
+        actor, correction = self.cfg.actor, self.cfg.algorithm.rollout_correction
         policy_loss = POLICY_LOSSES[actor.policy_loss]
+        on_policy = batch.old_log_probs is None
+        kept = [] if on_policy else None
 
         def loss_of(samples, outputs, scale):
             mask, log_probs = samples.response_mask, outputs.log_probs
-            loss, stats = policy_loss(log_probs, samples.old_log_probs, samples.advantages, mask, actor=actor,
-                                      scale=scale, importance_weights=samples.importance_weights)
+            old, weights = samples.old_log_probs, samples.importance_weights
+            if on_policy:  # the weights before any optimizer step: a pass of their own would compute these values
+                old = log_probs.detach()
+                if correction.level is not None:
+                    weights = rollout_correction_weights(old, samples.rollout_log_probs, mask, correction.level,
+                                                         correction.mode, correction.threshold)
+            loss, stats = policy_loss(log_probs, old, samples.advantages, mask, actor=actor, scale=scale,
+                                      importance_weights=weights)
             stats.losses["pg_loss"] = loss.detach()
-            if outputs.entropy is not None:
+            if actor.entropy_coeff:  # a loss term only then (on-policy it is computed for its metric too)
                 entropy_term = aggregate_loss(outputs.entropy, mask, actor.loss_agg_mode, scale)
                 loss = loss - actor.entropy_coeff * entropy_term
                 stats.losses["entropy_loss"] = entropy_term.detach()
@@ -129,16 +146,22 @@ class MegatronActor(MegatronModel):
                 stats.losses["kl_loss"] = kl_term.detach()
             return loss, stats
 
-        tokens_of = partial(self._token_outputs, with_entropy=bool(actor.entropy_coeff))
+        tokens_of = partial(self._token_outputs, with_entropy=bool(actor.entropy_coeff) or on_policy)
         replaying = (self.routing_replay.running(Pass.REPLAY) if self.replay_mode != "disabled"
                      else nullcontext())
         with self.router_metrics.recording() if self.router_metrics else nullcontext(), replaying:
             metrics = self.train(batch, actor.ppo_mini_batch_size * self.cfg.rollout.n, actor.ppo_epochs,
-                                 self.cfg.rollout.max_tokens, tokens_of, loss_of)
-        return ({f"actor/{key}": value for key, value in metrics.items()}
-                | {"perf/padding_ratio": self.padding_ratio()}
-                | (self.router_metrics.metrics() if self.router_metrics else {})
-                | (self.routing_replay.agreement_metrics() if self.routing_replay else {}))
+                                 self.cfg.rollout.max_tokens, tokens_of, loss_of, kept)
+        metrics = ({f"actor/{key}": value for key, value in metrics.items()}
+                   | {"perf/padding_ratio": self.padding_ratio()}
+                   | (self.router_metrics.metrics() if self.router_metrics else {})
+                   | (self.routing_replay.agreement_metrics() if self.routing_replay else {}))
+        if not on_policy or not owns_dp_output():
+            return PolicyUpdate(metrics)
+        if not kept:  # no token to learn from, no forward pass: zeros, which no metric reads (the mask is 0 there)
+            return PolicyUpdate(metrics, torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask))
+        old = self.on_host([rows for rows, _ in kept], [outputs for _, outputs in kept], batch)
+        return PolicyUpdate(metrics, old.log_probs, old.entropy)
 
     def weight_sources(self):
         """This rank's shards as resharding sources (and any mismatch with the weight table): with LoRA, the merged

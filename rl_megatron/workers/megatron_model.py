@@ -246,18 +246,30 @@ class MegatronModel:
             outputs = finish(micros, outputs)
         if not owns_dp_output():
             return None
-        return scatter_rows(list(zip([m.rows for m in micros], outputs_to_host(outputs))), batch.rows(),
-                            batch.input_ids.shape[1])
+        return self.on_host([m.rows for m in micros], outputs, batch)
+
+    @staticmethod
+    def on_host(rows: list[list[int]], outputs: list[TokenOutputs], batch: TrainBatch) -> TokenOutputs:
+        """Micro-batches' per-sample outputs (each micro-batch's rows of `batch` and their outputs) as [B, S] tensors
+        in `batch`'s row order, on the host."""
+        return scatter_rows(list(zip(rows, outputs_to_host(outputs))), batch.rows(), batch.input_ids.shape[1])
 
     def train(self, batch: TrainBatch, mini_batch_samples: int, epochs: int, horizon: int, tokens_of: TokensOf,
-              loss_of: LossOf) -> dict[str, float]:
+              loss_of: LossOf, kept: list[tuple[list[int], TokenOutputs]] | None = None) -> dict[str, float]:
         """`epochs` passes over `batch` in mini-batches of `mini_batch_samples` (over all DP ranks), one optimizer
         step each. `loss_of` normalises by the mini-batch's global `LossScale` (with `horizon`, the generation budget
         Dr.GRPO divides by), so the gradient is the same whatever the micro-batch, DP and CP sizes.
 
+        `kept`: each micro-batch's rows and per-token outputs, detached, are added to it (on the last pipeline
+        stage): the outputs of the weights before the update, so only in one epoch of one mini-batch.
+
         Returns each stat of the losses (see `LossStats`), added over micro-batches and ranks: token sums divided by
         the response tokens, losses averaged over optimizer steps."""
         mini_size = mini_batch_samples // self.dp_size
+        if kept is not None and (epochs != 1 or mini_size < batch.rows()):
+            raise ValueError(f"an update's outputs are the policy's before it only in one optimizer step; this one "
+                             f"takes {epochs} epoch(s) of mini-batches of {mini_size} of this rank's {batch.rows()} "
+                             "samples")
         totals = LossStats(tokens=0.0, token_sums={})
         grad_norms = []
         steps = 0
@@ -273,7 +285,11 @@ class MegatronModel:
                 micros = self.micro_batches(mini)
 
                 def loss_func(micro, output):
-                    loss, stats = loss_of(micro.samples, self._per_sample(micro, tokens_of(micro, output)), scale)
+                    outputs = self._per_sample(micro, tokens_of(micro, output))
+                    if kept is not None:
+                        kept.append((micro.rows, TokenOutputs(**{name: value.detach() for name, value
+                                                                 in outputs.tensors().items()})))
+                    loss, stats = loss_of(micro.samples, outputs, scale)
                     # What the schedule, the CP all-gather and DDP do to the gradient, undone: that of the
                     # mini-batch's loss remains.
                     return loss * megatron_loss_factor(len(micros), self.dp_size, self.context_size), stats

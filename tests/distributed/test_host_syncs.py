@@ -1,8 +1,11 @@
 """A training step that never waits on the host more often as the model or the packing grows: the host syncs of an
-update and of a log-prob pass, counted by the bench's counter (the operations a GPU run would wait on, counted on
-CPU: rl_megatron/bench/host_syncs.py), stay within 4 + 2 per micro-batch and do not change with the number of layers
-or of sample spans per packed row. And a log-prob pass holds little more than the float32 logits of its response
-tokens at its peak: no logits at prompt positions, no full-vocabulary float32 copies."""
+update (given the old log-probs, or giving them: trainer/old_log_probs.py) and of a log-prob pass, counted by the
+bench's counter (the operations a GPU run would wait on, counted on CPU: rl_megatron/bench/host_syncs.py), stay
+within 4 + 2 per micro-batch and do not change with the number of layers or of sample spans per packed row. And a
+log-prob pass holds little more than the float32 logits of its response tokens at its peak: no logits at prompt
+positions, no full-vocabulary float32 copies."""
+import dataclasses
+
 import torch
 
 from helpers.parity import config, family_model_dir
@@ -43,7 +46,9 @@ def counted(cfgs, batch, wide_cfg, wide_batch):
         micros = len(actor.micro_batches(batch))
         update = count_syncs(actor, lambda: actor.update(batch))
         log_probs = count_syncs(actor, lambda: actor.log_probs(batch))
-        results.append((micros, update.count, update.report(), log_probs.count, log_probs.report()))
+        on_policy = count_syncs(actor, lambda: actor.policy_update(dataclasses.replace(batch, old_log_probs=None)))
+        results.append((micros, update.count, update.report(), log_probs.count, log_probs.report(),
+                        on_policy.count, on_policy.report()))
     return results
 
 
@@ -64,13 +69,18 @@ def test_host_syncs_do_not_grow_with_layers_or_spans(tmp_path):
     (peak, response), *results = run_distributed(counted, 1, args=(cfgs, batch, wide_cfg,
                                                                    varied_batch(WIDE_VOCAB)))[0]
     assert peak <= 1.25 * response * WIDE_VOCAB * 4, (peak, response)
-    for (layers, micro), (micros, update, update_sites, log_probs, log_prob_sites) in zip(SHAPES, results):
+    for (layers, micro), (micros, update, update_sites, log_probs, log_prob_sites, on_policy, on_policy_sites) in zip(
+            SHAPES, results):
         assert micros == SAMPLES // micro
         assert update <= 4 + 2 * micros, (layers, micro, update_sites)
         assert log_probs <= 4 + 2 * micros, (layers, micro, log_prob_sites)
+        # The update that gives the old log-probs: its outputs copied to the host once more, as a log-prob pass's.
+        assert on_policy <= update + 1, (layers, micro, on_policy_sites)
     by_shape = dict(zip(SHAPES, results))
     for micro in (1, 16):  # the same at 2 and 8 layers
         assert by_shape[(2, micro)][1] == by_shape[(8, micro)][1], (by_shape[(2, micro)][2], by_shape[(8, micro)][2])
         assert by_shape[(2, micro)][3] == by_shape[(8, micro)][3]
+        assert by_shape[(2, micro)][5] == by_shape[(8, micro)][5]
     # one span per micro-batch or sixteen: the same
     assert by_shape[(2, 1)][1] == by_shape[(2, 16)][1] and by_shape[(2, 1)][3] == by_shape[(2, 16)][3]
+    assert by_shape[(2, 1)][5] == by_shape[(2, 16)][5]

@@ -24,7 +24,8 @@ def test_ppo_demo_learns_with_a_critic(tmp_path):
 
 def test_separate_critic_and_reference_workers_with_every_loss_option(tmp_path, tiny_model_dir):
     """The critic and the reference on their own workers (one device each, their own process groups), KL loss,
-    entropy bonus, dual-clip, truncated IS, a Dr.GRPO-normalised loss and one critic warm-up step."""
+    entropy bonus, dual-clip, truncated IS, a Dr.GRPO-normalised loss and one critic warm-up step; one mini-batch a
+    step, so the old log-probs come from the actor's update."""
     _, rows, _ = train(
         tmp_path, config="demo_cpu_ppo", timeout=900, *(
             "trainer.total_steps=3", "trainer.target_reward=null", f"model.path={tiny_model_dir}",
@@ -39,3 +40,8 @@ def test_separate_critic_and_reference_workers_with_every_loss_option(tmp_path, 
     # actor update's single mini-batch is zero; after it, the policy has moved away.
     assert abs(rows[1]["actor/kl_loss"]) < 1e-6 and rows[2]["actor/kl_loss"] > 0
     assert all(key in rows[2] for key in ("actor/entropy_loss", "actor/pg_clipfrac_lower", "critic/vf_clipfrac"))
+    # One mini-batch a step (trainer/old_log_probs.py): the actor's updates give the old log-probs, with no pass of
+    # their own, except in the warm-up (no update); the metrics that read them are there all the same.
+    assert ["timing_s/old_log_prob" in r for r in rows] == [True, False, False]
+    assert all({"mismatch/max_abs_logprob_diff", "rollout_corr/weight_mean", "actor/entropy"} <= set(r) for r in rows)
+    assert all(r["actor/ppo_kl"] == 0 and r["mismatch/token_mult_prob_error"] <= 1.001 for r in rows[1:])

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rl_megatron.algorithms import rollout_correction_weights
+from rl_megatron.algorithms import rollout_correction_metrics, rollout_correction_weights
 
 NAN = float("nan")
 MASK = torch.tensor([
@@ -33,7 +33,8 @@ OLD = ROLLOUT + LOG_RATIOS
 
 
 def weights_of(level, mode, threshold=2.0, old=OLD, rollout=ROLLOUT, mask=MASK):
-    return rollout_correction_weights(old, rollout, mask, level, mode, threshold)
+    return (rollout_correction_weights(old, rollout, mask, level, mode, threshold),
+            rollout_correction_metrics(old, rollout, mask, level, mode, threshold))
 
 
 def assert_close(actual, expected):
