@@ -8,7 +8,7 @@ no batch back.
 
 This is the pattern of verl's AgentLoop over its asynchronous rollout servers and of slime's custom generate
 functions over SGLang: the agent code is a coroutine per trajectory, and the engine batches across trajectories
-and turns. Here the engines stay in-process vLLM engines inside the workers (`VLLMEngine.serve`), driven by the
+and turns. Here the engines stay in-process engines inside the workers (`RolloutEngine.serve`), driven by the
 controller one decode burst at a time, so that an engine's TP shards (vLLM's SPMD mode) get identical calls.
 
 `turn_synchronous=True` is the baseline it replaces: every live trajectory's turn k is decoded as one batch, and
@@ -30,6 +30,7 @@ the same in every run, however fast the trainer is (a run reproduces; the suite 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -41,9 +42,9 @@ from rl_megatron.rollout.completions import Completion, TurnRequest
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.gate import EngineGate
 
-# serve(engine index, requests to add) -> the requests that finished, by id (see VLLMEngine.serve)
+# serve(engine index, requests to add) -> the requests that finished, by id (see RolloutEngine.serve)
 ServeFn = Callable[[int, list[TurnRequest]], Awaitable[list[tuple[str, Completion]]]]
-# interrupt(engine index) -> the engine's unfinished requests, each with what it sampled so far (VLLMEngine.interrupt)
+# interrupt(engine index) -> the engine's unfinished requests, what each sampled so far (RolloutEngine.interrupt)
 InterruptFn = Callable[[int], Awaitable[list[tuple[str, Completion]]]]
 
 
@@ -64,6 +65,28 @@ class Pausing:
         """Whether requests stop at `sync_at_tokens` and wait there for the awaited version."""
         return (self.sync_at_tokens is not None and self.awaited_version is not None
                 and self.version() < self.awaited_version)
+
+
+class _GateEntry:
+    """One wait to enter the gate, in a thread, that its driver may abandon (cancelled at the batch's end): the use
+    is then ended by whichever side comes second, the thread that got it or the driver that gave up on it."""
+
+    def __init__(self, gate: EngineGate):
+        self.gate, self._lock = gate, threading.Lock()
+        self._entered = self._abandoned = False
+
+    def enter(self, ready: Callable[[], bool]) -> None:
+        self.gate.enter(ready)
+        with self._lock:
+            self._entered = True
+            if self._abandoned:
+                self.gate.leave()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            if self._entered:
+                self.gate.leave()
 
 
 def continuation_seed(seed: int, part: int) -> int:
@@ -104,6 +127,9 @@ class TurnScheduler:
             for driver in drivers:
                 driver.cancel()
             await asyncio.gather(*drivers, return_exceptions=True)
+            if self.pausing is not None:  # a driver cancelled between its turns still held a use of the engines
+                for engine in range(self.engines):
+                    self._leave(engine)
         if self._engine_error is not None:  # an engine's failure is the run's, not its trajectories'
             raise self._engine_error
         return results
@@ -195,7 +221,12 @@ class TurnScheduler:
 
     async def _enter(self, engine: int, ready: Callable[[], bool] = lambda: True) -> None:
         if not self._using[engine]:
-            await asyncio.to_thread(self.pausing.gate.enter, ready)
+            entry = _GateEntry(self.pausing.gate)
+            try:
+                await asyncio.to_thread(entry.enter, ready)
+            except asyncio.CancelledError:  # the batch ended while this driver waited: its use must not outlive it
+                entry.abandon()
+                raise
             self._using[engine] = True
 
     def _leave(self, engine: int) -> None:

@@ -204,6 +204,42 @@ def test_without_a_sync_waiting_partial_rollouts_change_nothing():
         assert waited < 0.05
 
 
+class FinishingAtInterrupt(PausableEngine):
+    """An engine whose request has sampled all its tokens when a sync interrupts it (it finished between the
+    scheduler's last step and the interrupt): the continuation is not needed, the trajectory ends there."""
+
+    async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
+        self.requests += requests
+        for r in requests:
+            self.running[r.request_id] = (r, [(r.seed + t) % 97 for t in range(r.max_tokens)])
+        await asyncio.sleep(0.02)
+        return []
+
+
+def test_a_batch_that_ends_while_its_engine_waits_for_a_sync_leaves_no_use_of_the_engines():
+    # The multi-turn tool demo one-step-off with partial rollouts hung at its first sync: the batch ended while a
+    # driver waited to enter the gate, and the use it then got was never ended.
+    engine, gate, version = FinishingAtInterrupt(), EngineGate(), [0]
+    scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: version[0]))
+    request = TurnRequest("r", [7], seed=10, max_tokens=2, temperature=1.0)
+
+    def update_weights():
+        time.sleep(0.05)
+        with gate.sync():
+            time.sleep(0.2)  # the batch ends meanwhile: its driver waits for this sync to enter
+            version[0] = 1
+
+    updating = threading.Thread(target=update_weights)
+    updating.start()
+    [completion] = asyncio.run(scheduler.run([lambda: scheduler.generate(0, request)]))
+    updating.join()
+    assert completion.response_ids == [10, 11] and completion.versions == [0, 0]
+    next_sync = threading.Thread(target=lambda: gate.sync().__enter__(), daemon=True)
+    next_sync.start()
+    next_sync.join(timeout=5)
+    assert not next_sync.is_alive(), "a use of the engines outlived its batch: the next weight sync waits forever"
+
+
 def test_partial_rollouts_have_no_turn_synchronous_mode():
     with pytest.raises(ValueError, match="turn-synchronous"):
         TurnScheduler(PausableEngine().serve, 1, turn_synchronous=True,
