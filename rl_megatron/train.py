@@ -8,9 +8,12 @@ import time
 import psutil
 
 from rl_megatron.cli import run_command
+from rl_megatron.config.describe import describe_config, render
+from rl_megatron.config.extensions import extension_sections
 from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.preflight import load_config
+from rl_megatron.preflight.resolve import EXTENSIBLE
 
 EPILOG = """\
 examples:
@@ -22,7 +25,8 @@ examples:
   python -m rl_megatron.train --config CONFIG trainer.deterministic=true   # bitwise-reproducible GPU training (slower)
   RAY_DEBUG=legacy python -m rl_megatron.train --config ...   # breakpoint() in a worker; attach with `ray debug`
 
-Every key of rl_megatron/config/schema.py can be overridden as section.key=value.
+Every config key can be overridden as section.key=value; --help SECTION lists a section's keys (e.g. --help rollout),
+with their types, defaults and descriptions.
 Outputs go to <trainer.log_dir>/<trainer.experiment_name>/: config.yaml, metrics.jsonl and tensorboard events (as
 trainer.logger says), logs/ (each worker's output, the controller's records), validation/, checkpoints/, profile/.
 Exit codes: 0 done, 2 bad input (config, data, model, checkpoint, cluster), 3 a worker process died (the same
@@ -33,10 +37,32 @@ command resumes from the last checkpoint).
 WORKER_DIED = 3  # exit code when a worker process died (2: bad input)
 
 
+class ConfigHelp(argparse.Action):
+    """-h/--help [SECTION]: the usage, then every config key (of SECTION alone: rollout, actor.optim, actor.clip_cov)
+    with its type, default and description; the built-in extensions' own keys among them."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, metavar="SECTION",
+                         help="show this help and the config's keys (of SECTION only, e.g. rollout), then exit")
+
+    def __call__(self, parser, namespace, section, option_string=None):
+        every = describe_config({name: cls for name, (_, _, cls) in extension_sections(EXTENSIBLE).items()})
+        keys = [key for key in every if section is None or key.key.startswith(section + ".")]
+        if not keys:
+            parser.exit(2, f"error: --help {section}: no such config section; the sections are "
+                           f"{', '.join(dict.fromkeys(key.key.split('.')[0] for key in every))} and theirs "
+                           "(e.g. actor.optim)\n")
+        parser.print_help()
+        print(f"\nconfig keys{' of ' + section if section else ''} (section.key: type = default):")
+        print(render(keys))
+        parser.exit()
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m rl_megatron.train", description="RL post-training (PPO, GRPO, RLOO, REINFORCE++) on Megatron-core + Ray + vLLM.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+    parser.add_argument("-h", "--help", action=ConfigHelp)
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser.parse_args(argv)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 
-from rl_megatron.agents.base import AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator
+from rl_megatron.agents.base import (AGENT_LOOPS, AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator,
+                                     register_agent_loop)
 from rl_megatron.agents.gateway import GatewayLoop, GatewayServer, RunSampling
 from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.runner import AgentRunner
@@ -24,24 +25,16 @@ from rl_megatron.plugins import load_callable
 from rl_megatron.tools import ToolSet
 from rl_megatron.tools.harmony import resolve_tool_format
 
-AGENT_LOOPS = {"tool_agent": ToolAgentLoop}
-
 __all__ = ["AGENT_LOOPS", "SINGLE_TURN", "AgentContext", "AgentLoop", "AgentRunner", "ChatDeltas", "GatewayLoop",
            "HarmonyDeltas", "SingleTurnLoop", "ToolAgentLoop",
-           "Trajectory", "TurnGenerator", "agent_loop_class", "build_agent_loop"]
+           "Trajectory", "TurnGenerator", "agent_loop_class", "build_agent_loop", "register_agent_loop"]
 
 
 def agent_loop_class(name: str) -> type[AgentLoop] | None:
-    """The class rollout.agent_loop names (None for single_turn); ConfigError naming the key otherwise."""
-    if name == SINGLE_TURN:
-        return None
-    if name in AGENT_LOOPS:
-        return AGENT_LOOPS[name]
-    if ":" not in name:
-        raise ConfigError(f"rollout.agent_loop={name!r} is not a built-in loop ({SINGLE_TURN}, "
-                          f"{', '.join(AGENT_LOOPS)}) nor 'package.module:Class' naming an AgentLoop subclass.")
-    cls = load_callable(name, "rollout.agent_loop")
-    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+    """The class rollout.agent_loop names, registered (None for single_turn) or as 'package.module:Class'; ConfigError
+    naming the key otherwise."""
+    cls = AGENT_LOOPS[name] if ":" not in name else load_callable(name, "rollout.agent_loop")
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
         raise ConfigError(f"rollout.agent_loop={name!r} is not a subclass of rl_megatron.agents.AgentLoop: subclass "
                           "it and implement `async def run(self, prompt, generate) -> Sample`.")
     return cls

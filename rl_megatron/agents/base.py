@@ -18,7 +18,9 @@ from typing import Any, Protocol
 from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.trajectory import ChatDeltas
 from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config.choices import SINGLE_TURN
 from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.registry import Registry
 from rl_megatron.rollout.completions import Completion
 from rl_megatron.tools import ToolSet
 
@@ -41,7 +43,8 @@ class AgentContext:
 
 
 class AgentLoop:
-    """Subclass it and implement `run`; rollout.agent_loop names the class ("pkg.module:Class")."""
+    """Subclass it and implement `run`; rollout.agent_loop names the class ("pkg.module:Class"), or the name it is
+    registered under (`register_agent_loop`)."""
 
     def __init__(self, context: AgentContext):
         self.context = context
@@ -61,3 +64,17 @@ class SingleTurnLoop(AgentLoop):
         completion = await generate(prompt.ids)
         return Sample.answering(prompt, completion.response_ids, completion.log_probs, status=completion.status,
                                 token_versions=completion.versions)
+
+
+# The agent loops rollout.agent_loop names: single_turn (no loop: each prompt answered in one batched generation) and
+# the registered AgentLoop subclasses.
+AGENT_LOOPS: Registry[type[AgentLoop] | None] = Registry(
+    "agent loop", "rollout.agent_loop",
+    "register yours with @rl_megatron.agents.register_agent_loop({name!r}) on an AgentLoop subclass in a module "
+    "listed in trainer.imports, or name the subclass as 'package.module:Class'")
+AGENT_LOOPS.add(SINGLE_TURN, None)
+
+
+def register_agent_loop(name: str):
+    """Register an AgentLoop subclass under `name`, for rollout.agent_loop to name."""
+    return AGENT_LOOPS.register(name)

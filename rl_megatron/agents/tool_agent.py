@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rl_megatron.agents.base import AgentLoop, TurnGenerator
+from rl_megatron.agents.base import AgentLoop, TurnGenerator, register_agent_loop
 from rl_megatron.agents.harmony_deltas import HarmonyDeltas
 from rl_megatron.agents.trajectory import Trajectory
 from rl_megatron.agents.turns import after_turn, read_turn
@@ -24,6 +24,7 @@ from rl_megatron.tools import ToolCall, ToolOutcome
 TRUNCATION_NOTE = "\n...(truncated)"
 
 
+@register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoop):
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         rollout, limits = self.context.rollout, self.context.rollout.multi_turn

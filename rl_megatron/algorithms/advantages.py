@@ -1,15 +1,17 @@
 """Advantage estimators: GAE (with a critic) and the critic-free GRPO, RLOO and REINFORCE++ variants, registered by
-name (`algorithm.adv_estimator`); a user's own register with `@register_adv_estimator(name, needs_critic=...)`."""
+name (`algorithm.adv_estimator`); a user's own register with `@register_adv_estimator(name, needs_critic=...)`, and
+with `config=` a dataclass of its own keys (section algorithm.<name>), which it gets as the keyword `config`."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rl_megatron.algorithms.masked import masked_sum, masked_whiten
-from rl_megatron.algorithms.registry import Registry
+from rl_megatron.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,16 @@ class AdvantageInputs:
 # estimator(inputs) -> (advantages [B, S], returns [B, S] or None), 0 outside the mask
 AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "advantage estimator", "algorithm.adv_estimator", "rl_megatron.algorithms.register_adv_estimator")
+    "advantage estimator", "algorithm.adv_estimator",
+    "register yours with @rl_megatron.algorithms.register_adv_estimator({name!r}) in a module listed in "
+    "trainer.imports")
 
 
-def register_adv_estimator(name: str, needs_critic: bool = False):
+def register_adv_estimator(name: str, needs_critic: bool = False, config: type | None = None):
     """Register an estimator `fn(AdvantageInputs) -> (advantages, returns or None)` under `name`; one that
-    `needs_critic` gets the critic's values (and the critic trains on its returns)."""
-    return ADV_ESTIMATORS.register(name, needs_critic=needs_critic)
+    `needs_critic` gets the critic's values (and the critic trains on its returns); with `config` (the dataclass of its
+    own keys, section algorithm.<name>) it is called as `fn(inputs, config=...)`."""
+    return ADV_ESTIMATORS.register(name, config=config, needs_critic=needs_critic)
 
 
 def needs_critic(estimator: str) -> bool:
@@ -128,9 +133,11 @@ def reinforce_plus_plus_baseline_advantages(scores: Tensor, group_ids: Tensor, r
     return masked_whiten(_broadcast_over_response(centered, response_mask), response_mask)
 
 
-def compute_advantages(estimator: str, inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
-    """(advantages [B, S], returns [B, S] or None) of the registered `estimator`, 0 outside the mask."""
-    return ADV_ESTIMATORS[estimator](inputs)
+def compute_advantages(estimator: str, inputs: AdvantageInputs, extension_keys: Mapping[str, Any] | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+    """(advantages [B, S], returns [B, S] or None) of the registered `estimator`, 0 outside the mask; its own keys,
+    if it has them, from `extension_keys` (the config's)."""
+    return ADV_ESTIMATORS.bound(estimator, extension_keys or {})(inputs)
 
 
 @register_adv_estimator("gae", needs_critic=True)

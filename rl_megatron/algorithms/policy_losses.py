@@ -2,14 +2,16 @@
 
 Every loss has one signature, so that the actor calls any of them (a user's own too) the same way:
 
-    loss(log_probs, old_log_probs, advantages, response_mask, *, actor, scale, importance_weights=None)
+    loss(log_probs, old_log_probs, advantages, response_mask, *, actor, scale, importance_weights=None[, config])
         -> (this micro-batch's share of the mini-batch loss, LossStats)
 
 log_probs are the policy's [B, S] (with gradient), old_log_probs the same tokens' before the update, advantages [B, S]
-(or [B]), `actor` the actor config section (clip ranges, actor.loss_agg_mode, each loss's own keys), `scale` the
-mini-batch's sizes (`LossScale`: aggregate with `aggregate_loss(per_token, mask, actor.loss_agg_mode, scale)`), and
-importance_weights the rollout correction's per-token weights (algorithm.rollout_correction), which multiply the
-per-token loss. Token sums in the stats are reported as actor/<name> averaged over response tokens.
+(or [B]), `actor` the actor config section (clip ranges, actor.loss_agg_mode), `scale` the mini-batch's sizes
+(`LossScale`: aggregate with `aggregate_loss(per_token, mask, actor.loss_agg_mode, scale)`), and importance_weights
+the rollout correction's per-token weights (algorithm.rollout_correction), which multiply the per-token loss. A loss
+registered with a dataclass of its own keys (`register_policy_loss(name, config=...)`) gets them as `config`, read
+from the section named after it (actor.clip_cov.ratio). Token sums in the stats are reported as actor/<name>
+averaged over response tokens.
 
 Positions outside response_mask may hold anything (inf, NaN): every loss reads log-probs only through
 `masked_log_ratio` or a `torch.where` on the mask, so they reach neither the loss nor its gradient.
@@ -17,6 +19,7 @@ Positions outside response_mask may hold anything (inf, NaN): every loss reads l
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,17 +27,21 @@ from torch import Tensor
 from rl_megatron.algorithms.losses import (LossScale, LossStats, clipped_surrogate, masked_log_ratio, policy_loss,
                                           token_advantages, token_stats, weighted_aggregate)
 from rl_megatron.algorithms.masked import masked_sum
-from rl_megatron.algorithms.registry import Registry
+from rl_megatron.config.fields import NOT_NEGATIVE, checked, within
 from rl_megatron.config.schema import ActorConfig
+from rl_megatron.errors import ConfigError
+from rl_megatron.registry import Registry
 
 PolicyLoss = Callable[..., tuple[Tensor, LossStats]]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor.policy_loss",
-                                               "rl_megatron.algorithms.register_policy_loss")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
+    "policy loss", "actor.policy_loss",
+    "register yours with @rl_megatron.algorithms.register_policy_loss({name!r}) in a module listed in trainer.imports")
 
 
-def register_policy_loss(name: str):
-    """Register a policy loss with the signature of this module's docstring under `name`."""
-    return POLICY_LOSSES.register(name)
+def register_policy_loss(name: str, config: type | None = None):
+    """Register a policy loss with the signature of this module's docstring under `name`; `config`: the dataclass of
+    its own keys (section actor.<name>), passed to it as the keyword `config`."""
+    return POLICY_LOSSES.register(name, config=config)
 
 
 @register_policy_loss("ppo")
@@ -80,17 +87,22 @@ def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, resp
     return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
 
 
-@register_policy_loss("cispo")
+@dataclass
+class CISPOConfig:
+    clip_high: float = checked(0.2, NOT_NEGATIVE, formerly="actor.cispo_clip_high")  # a token's importance weight (its stop-gradient coefficient) is capped at 1 + this (MiniMax-M1's eps_high; no lower cap)
+
+
+@register_policy_loss("cispo", config=CISPOConfig)
 def cispo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-               actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+               actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None, config: CISPOConfig
                ) -> tuple[Tensor, LossStats]:
     """CISPO (MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585): clip the importance weight, not the update. The
     clipped weight is a stop-gradient coefficient of the REINFORCE term, so no token leaves the gradient (PPO's
     clipped tokens have none):
 
-        loss_t = -sg[min(r_t, 1 + cispo_clip_high)] * A_t * logp_t,   r_t = exp(logp_t - old_t)
+        loss_t = -sg[min(r_t, 1 + clip_high)] * A_t * logp_t,   r_t = exp(logp_t - old_t)
 
-    whose gradient is -min(r_t, 1 + cispo_clip_high) A_t grad logp_t. Upper bound only: the paper's
+    whose gradient is -min(r_t, 1 + clip_high) A_t grad logp_t. Upper bound only: the paper's
     clip(r, 1 - eps_low, 1 + eps_high) sets eps_low so large that it never binds (it tunes eps_high alone), so no
     lower bound is applied (verl clips with actor.clip_ratio_low/high instead; its CISPO example sets
     clip_ratio_low=10 to the same effect). The paper aggregates by token-mean (actor.loss_agg_mode's default). The
@@ -101,8 +113,8 @@ def cispo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, res
     mask = response_mask.bool()
     log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
     ratio = torch.exp(log_ratio)
-    capped = ratio > 1.0 + actor.cispo_clip_high
-    weight = ratio.clamp(max=1.0 + actor.cispo_clip_high).detach()
+    capped = ratio > 1.0 + config.clip_high
+    weight = ratio.clamp(max=1.0 + config.clip_high).detach()
     per_token = -weight * token_advantages(advantages, mask) * torch.where(mask, log_probs.float(), 0.0)
     stats = token_stats(mask, log_ratio, pg_clipfrac=capped)
     return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
@@ -157,9 +169,21 @@ def _data_keys(values: Tensor, mask: Tensor) -> Tensor:
     return (keys ^ _shift_right(keys, 31)).view_as(mask)
 
 
-@register_policy_loss("clip_cov")
+@dataclass
+class ClipCovConfig:
+    ratio: float = checked(0.0002, within(0, 1, low_open=True), formerly="actor.clip_cov_ratio")  # fraction of a micro-batch's response tokens (at least one) drawn from the covariance band to leave the policy gradient
+    lb: float = checked(1.0, formerly="actor.clip_cov_lb")  # lower end of the band of token covariances (centred log-prob x centred advantage) to draw from
+    ub: float = checked(5.0, formerly="actor.clip_cov_ub")  # upper end of that band (at least lb)
+
+    def check(self, section: str) -> None:
+        if self.lb > self.ub:
+            raise ConfigError(f"{section}.lb={self.lb} is above {section}.ub={self.ub}: the covariance band clip_cov "
+                              "draws from would be empty. Swap them.")
+
+
+@register_policy_loss("clip_cov", config=ClipCovConfig)
 def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-                  actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+                  actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None, config: ClipCovConfig
                   ) -> tuple[Tensor, LossStats]:
     """Clip-Cov (Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
     arXiv:2505.22617): the tokens whose log-prob and advantage covary most drive the entropy down; a few of them
@@ -167,10 +191,9 @@ def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
 
         cov_t = (logp_t - mean logp) * (A_t - mean A)        (means over the response tokens)
 
-    max(1, floor(clip_cov_ratio x response tokens)) tokens are drawn at random from those with cov_t in
-    [clip_cov_lb, clip_cov_ub] that still have a gradient (not already clipped by PPO); a drawn token's term is 0
-    (no value, no gradient: the paper's objective, and verl's), every other token's is PPO's (`ppo_loss`, with
-    actor.clip_ratio_low/high/c).
+    max(1, floor(ratio x response tokens)) tokens are drawn at random from those with cov_t in [lb, ub] that still
+    have a gradient (not already clipped by PPO); a drawn token's term is 0 (no value, no gradient: the paper's
+    objective, and verl's), every other token's is PPO's (`ppo_loss`, with actor.clip_ratio_low/high/c).
 
     The draw is reproducible and stays on the device: each candidate gets a pseudo-random key hashed from the
     micro-batch's old log-probs and its position (`_data_keys`), and the candidates of the smallest keys are drawn,
@@ -183,33 +206,36 @@ def clip_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, 
     Token sums: pg_clipfrac (the drawn tokens, as verl reports it), pg_clipfrac_ppo and pg_clipfrac_lower (clipped
     and dual-clipped by PPO, ppo's pg_clipfrac and pg_clipfrac_lower), ppo_kl.
     """
-    if actor.clip_cov_lb > actor.clip_cov_ub:
-        raise ValueError(f"clip_cov needs actor.clip_cov_lb <= actor.clip_cov_ub, got {actor.clip_cov_lb} > "
-                         f"{actor.clip_cov_ub}")
+    config.check("actor.clip_cov")
     mask = response_mask.bool()
     log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
     advantages = token_advantages(advantages, mask)
     per_token, clipped, dual_clipped = clipped_surrogate(torch.exp(log_ratio), advantages, actor.clip_ratio_low,
                                                          actor.clip_ratio_high, actor.clip_ratio_c)
     covariance = _token_covariance(log_probs, advantages, mask)
-    candidates = (mask & ~clipped & ~dual_clipped & (covariance >= actor.clip_cov_lb)
-                  & (covariance <= actor.clip_cov_ub))
+    candidates = mask & ~clipped & ~dual_clipped & (covariance >= config.lb) & (covariance <= config.ub)
     keys = torch.where(candidates, _data_keys(old_log_probs, mask), torch.iinfo(torch.int64).max)
-    drawn = candidates & _picked_first(keys, _pick_count(actor.clip_cov_ratio, mask))
+    drawn = candidates & _picked_first(keys, _pick_count(config.ratio, mask))
     per_token = torch.where(drawn, 0.0, per_token)
     stats = token_stats(mask, log_ratio, pg_clipfrac=drawn, pg_clipfrac_ppo=clipped, pg_clipfrac_lower=dual_clipped)
     return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats
 
 
-@register_policy_loss("kl_cov")
+@dataclass
+class KLCovConfig:
+    ratio: float = checked(0.0002, within(0, 1, low_open=True), formerly="actor.kl_cov_ratio")  # fraction of a micro-batch's response tokens (at least one), those of the largest covariance, that get the KL penalty
+    kl_coef: float = checked(0.1, NOT_NEGATIVE, formerly="actor.ppo_kl_coef")  # weight of the penalty |logp - old_logp| on those tokens (verl's ppo_kl_coef)
+
+
+@register_policy_loss("kl_cov", config=KLCovConfig)
 def kl_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-                actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None
+                actor: ActorConfig, scale: LossScale, importance_weights: Tensor | None = None, config: KLCovConfig
                 ) -> tuple[Tensor, LossStats]:
     """KL-Cov (Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
-    arXiv:2505.22617): the max(1, floor(kl_cov_ratio x response tokens)) response tokens of the largest covariance
+    arXiv:2505.22617): the max(1, floor(ratio x response tokens)) response tokens of the largest covariance
     cov_t (as in `clip_cov_loss`) get a KL penalty; every token has the importance-weighted policy gradient:
 
-        loss_t = -A_t r_t + [t picked] * ppo_kl_coef * |logp_t - old_t|,   r_t = exp(logp_t - old_t)
+        loss_t = -A_t r_t + [t picked] * kl_coef * |logp_t - old_t|,   r_t = exp(logp_t - old_t)
 
     |logp - old| is the paper's per-token estimate of KL(pi_old || pi). No PPO clip, as in the paper's objective and
     verl's: the penalty is the trust region of the tokens that drive the entropy down (actor.clip_ratio_low/high/c
@@ -219,14 +245,14 @@ def kl_cov_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, re
     (actor.micro_batch_size, actor.max_tokens_per_micro_batch).
 
     Token sums: pg_clipfrac (the picked tokens), kl_cov_penalty (|logp - old| of the picked tokens, before
-    ppo_kl_coef), ppo_kl (old - new log-prob over all tokens; verl reports |logp - old| there instead).
+    kl_coef), ppo_kl (old - new log-prob over all tokens; verl reports |logp - old| there instead).
     """
     mask = response_mask.bool()
     log_ratio = masked_log_ratio(log_probs, old_log_probs, mask)
     advantages = token_advantages(advantages, mask)
     covariance = _token_covariance(log_probs, advantages, mask)
-    picked = _picked_first(-covariance, _pick_count(actor.kl_cov_ratio, mask))
+    picked = _picked_first(-covariance, _pick_count(config.ratio, mask))
     penalty = torch.where(picked, log_ratio.abs(), 0.0)
-    per_token = -advantages * torch.exp(log_ratio) + actor.ppo_kl_coef * penalty
+    per_token = -advantages * torch.exp(log_ratio) + config.kl_coef * penalty
     stats = token_stats(mask, log_ratio, pg_clipfrac=picked, kl_cov_penalty=penalty)
     return weighted_aggregate(per_token, mask, actor.loss_agg_mode, scale, importance_weights), stats

@@ -1,5 +1,5 @@
 """Hot-path benchmarks: `python -m rl_megatron.bench {generate,log_probs,update,reshard,train,variable_length,recompute,
-multi_turn,async} [--json]`.
+multi_turn,agent,async} [--json]`.
 
 Each prints its figure and the ratio to a limit measured in the same run on the same machine:
 - generate, log_probs, update: model FLOP/s against the FLOP/s of a plain matrix multiply of the model's
@@ -23,6 +23,9 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   (rl_megatron/bench/recompute.py).
 - multi_turn (agent loops with tool latency): trajectories/s with asynchronous turns against the turn-synchronous
   schedule on the same batch, one in-process vLLM engine, a 256-wide 2-layer Qwen2 (rl_megatron/bench/multi_turn.py).
+- agent (a user's agent through the OpenAI-compatible gateway): episodes/s of the example `openai` agent
+  (examples/agents/lookup_openai.py) against the in-process tool loop on the same lookup rows, seeds and engine, the
+  gateway's added latency per call, and the share of episodes with identical tokens (rl_megatron/bench/agent.py).
 - async (one-step-off asynchronous RL): steps/s of the trainer at trainer.rollout_staleness=1 against the synchronous
   run on the same separate vLLM engine, both real runs of the CPU demo (`--steps`, `--max-tokens`), with each mode's
   generation and training times, wait shares and overlap, and the ideal step max(gen, train)
@@ -43,20 +46,24 @@ from rl_megatron import platform
 from rl_megatron.bench.host_syncs import count_syncs
 from rl_megatron.bench.measure import build_actor_and_batch, matmul_flops_per_s, peak_extra_memory, timed
 from rl_megatron.bench.peer import TransformersPeer, project_freed
-from rl_megatron.models.tiny import build_tokenizer
+from rl_megatron.models.tiny import DIGITS, TOOLS, build_tokenizer
 
 BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_length", "recompute", "multi_turn",
-           "async")
+           "agent", "async")
 PEER_BENCHES = {"transformers": ("train", "log_probs"), "vllm": ("generate", "multi_turn")}  # --peer: who runs it
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
-COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256}
+COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256, "threads": os.cpu_count()}
 MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
                   "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096},
                   # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
                   # probabilities count, on a model small enough for seconds per mode on 2 cores.
                   "recompute": {"hidden": 256, "batch": 4, "seq": 1024},
-                  "multi_turn": {"hidden": 256, "layers": 2, "batch": 32}}
+                  "multi_turn": {"hidden": 256, "layers": 2, "batch": 32},
+                  # The tool demo's tokenizer (its vocabulary) and chat template; --batch: lookup rows. One engine
+                  # thread: the other cores are left to the event loop of the gateway, the agents and the scheduler,
+                  # as the trainer's controller has cores of its own beside the engines' workers.
+                  "agent": {"hidden": 256, "layers": 2, "vocab": len(TOOLS.tokens), "batch": 16, "threads": 1}}
 # variable_length's batch: on a GPU 16 chains of thought of up to 2048 tokens; on CPU 8 of up to 256, 103 s of CPU time
 # in all its processes on the 2-core machine (under 2 minutes even one core at a time), where the GPU's batch runs past
 # 15 minutes.
@@ -112,13 +119,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "(default 2048 on GPU, 256 on CPU)")
     parser.add_argument("--max-tokens", type=int,
                         help="variable_length: the token budget of a micro-batch (default: twice the longest "
-                             "sample); async: rollout.max_tokens, the longest response (default 64)")
+                             "sample); async: rollout.max_tokens, the longest response (default 64); agent: "
+                             "rollout.max_tokens, the tokens of a model turn (default 32)")
     parser.add_argument("--steps", type=int, help="async: training steps of each run (default 8)")
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: model turns per trajectory")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--n", type=int, default=4, help="agent: samples (episodes) per prompt")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the machine's cores; agent 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
-                             "recompute updates per mode (the median)")
+                             "recompute updates per mode (the median), agent runs of each loop (the median)")
     parser.add_argument("--peer", choices=tuple(PEER_BENCHES),
                         help="run a peer on the same work after the project and report ratio_to_peer (the project's "
                              "tokens/s over the peer's). transformers (train, log_probs): Hugging Face transformers, "
@@ -145,6 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.peer is not None and args.name not in PEER_BENCHES[args.peer]:
         parser.error(f"--peer {args.peer} runs with {' and '.join(PEER_BENCHES[args.peer])} only")
+    if args.name == "agent" and args.vocab not in (None, len(TOOLS.tokens)):
+        parser.error(f"--vocab: the agent bench's model has the tool demo's tokenizer, {len(TOOLS.tokens)} tokens")
     if args.lora_rank and (args.name != "reshard" or args.placement != "colocated" or args.moe):
         parser.error("--lora-rank runs with reshard of a dense model and colocated engines only (separate engines "
                      "receive the adapters merged: docs/lora.md)")
@@ -176,8 +187,8 @@ def prepare(args) -> str:
                                      experts=MOE_EXPERTS if args.moe else 0,
                                      **widths), f)
     # The benchmarks feed random token ids; the config's pre-flight check wants a tokenizer (the demo's fits any
-    # vocabulary of at least its 18 tokens).
-    build_tokenizer().save_pretrained(model_dir)
+    # vocabulary of at least its 18 tokens). agent's: the tool demo's, with its chat template (tokenizer_config.json).
+    build_tokenizer(TOOLS if args.name == "agent" else DIGITS).save_pretrained(model_dir, save_jinja_files=False)
     return model_dir
 
 
@@ -203,6 +214,10 @@ def run_bench(args, model_dir: str) -> dict:
         from rl_megatron.bench import multi_turn
 
         return multi_turn.run(args, model_dir)
+    if args.name == "agent":
+        from rl_megatron.bench import agent
+
+        return agent.run(args, model_dir)
     return run(args, model_dir)
 
 
@@ -243,6 +258,16 @@ def report(result: dict, as_json: bool) -> None:
     if result["bench"] == "multi_turn":
         print(f"  {result['trajectories']} trajectories x {result['turns']} turns: asynchronous "
               f"{result['asynchronous_s']:.2f} s, turn-synchronous {result['turn_synchronous_s']:.2f} s")
+    if result["bench"] == "agent":
+        for name, figures in (("", result), ("1 token a turn: ", result["one_token"])):
+            print(f"  {name}{figures['episodes']} episodes x {figures['repeats']} of up to {figures['max_tokens']} "
+                  f"tokens a turn: gateway {figures['episodes_per_s']:.4g}/s, in-process "
+                  f"{figures['in_process_episodes_per_s']:.4g}/s; added latency per call median "
+                  f"{figures['added_latency_ms_median']:.2f} ms, p99 {figures['added_latency_ms_p99']:.2f} ms "
+                  f"({figures['calls']} calls); same tokens {figures['same_tokens']:.3f}, "
+                  f"{figures['same_tokens_without_malformed_calls'] or float('nan'):.3f} without malformed calls")
+        print(f"  one episode at a time: added latency per call median {result['lone_added_latency_ms_median']:.2f} "
+              f"ms, p99 {result['lone_added_latency_ms_p99']:.2f} ms ({result['lone_calls']} calls)")
     if result["bench"] == "recompute":
         for mode, figures in result["modes"].items():
             print(f"  {mode}: {figures['saved_bytes'] / 2**20:.1f} MiB saved for the backward, "
@@ -296,7 +321,8 @@ def run(args, model_dir: str) -> dict:
     from rl_megatron.batch import Prompt, Sample
     from rl_megatron.bench.vllm_alone import Conversation
     from rl_megatron.bench.vllm_peer import compare_with_vllm
-    from rl_megatron.rollout.vllm_engine import VLLMEngine, request_seeds
+    from rl_megatron.rollout.engine import request_seeds
+    from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine_dtype, engine_seed = "float32", 0
     engine = VLLMEngine(model_dir, cfg.rollout, engine_dtype, seed=engine_seed)

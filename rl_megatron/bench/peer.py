@@ -67,7 +67,7 @@ class TransformersPeer:
     def update(self, batch: TrainBatch) -> None:
         """One optimizer step over `batch`, accumulated over its micro-batches."""
         actor = self.cfg.actor
-        loss_fn = POLICY_LOSSES[actor.policy_loss]
+        loss_fn = POLICY_LOSSES.bound(actor.policy_loss, self.cfg.extension_keys)
         scale = LossScale(tokens=max(batch.response_mask.sum().item(), 1.0), sequences=float(batch.rows()),
                           horizon=self.cfg.rollout.max_tokens)
         for micro in self.micro_batches(batch):

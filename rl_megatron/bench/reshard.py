@@ -53,7 +53,7 @@ def measure_rank(cfg, repeats: int) -> dict:
 
     from rl_megatron.config.pools import engine_lora_rank
     from rl_megatron.models.hf_config import model_config
-    from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
+    from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
 
@@ -64,7 +64,7 @@ def measure_rank(cfg, repeats: int) -> dict:
                         lora_rank=engine_lora_rank(cfg))
     try:
         sources = actor.weight_sources()
-        resharder = Resharder(*sources, vllm_targets(engine.model()), bucket_bytes=cfg.resharding.bucket_mb << 20,
+        resharder = Resharder(*sources, engine.sync_targets(), bucket_bytes=cfg.resharding.bucket_mb << 20,
                               channel=cfg.resharding.channel)
         resharder.sync()  # warm-up: first touch of the buffers, shared-memory handshakes
         peaks, stats = [], []
@@ -74,7 +74,7 @@ def measure_rank(cfg, repeats: int) -> dict:
         resharder.verify()  # raises, naming the tensor, if any piece differs
         state = [export_hf_state_dict(actor.chunks, actor.table)]
         dist.broadcast_object_list(state, src=0)
-        exact = not engine_mismatches(engine.model(), state[0])
+        exact = not engine_mismatches(engine.sync_targets(), state[0])
         kept = resharder.channel.owned_bytes
         resharder.close()
         nbytes = resharder.plan.bytes_into(rank)
@@ -146,14 +146,14 @@ def receive_rank(cfg, syncs: int, host: str, port: int, size: int) -> dict:
     """An engine worker of a separate-engine sync (`RolloutWorker.sync_weights`'s path)."""
     import torch.distributed as dist
 
-    from rl_megatron.resharding import engine_mismatches, vllm_targets
+    from rl_megatron.resharding import engine_mismatches
     from rl_megatron.resharding import checksum
     from rl_megatron.resharding.broadcast import receive_weights, weight_group, write_engine_regions
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=0)
     try:
-        targets = vllm_targets(engine.model())
+        targets = engine.sync_targets()
         group = weight_group(host, port, 1 + dist.get_rank(), size)
         received = {}
         for _ in range(syncs):
@@ -161,7 +161,7 @@ def receive_rank(cfg, syncs: int, host: str, port: int, size: int) -> dict:
                 write_engine_regions(targets, tensors)
                 received.update({name: tensor.clone() for name, tensor in tensors.items()})
         engine.weights_updated()
-        return {"mismatches": engine_mismatches(engine.model(), received),
+        return {"mismatches": engine_mismatches(targets, received),
                 "checksums": {name: checksum(t) for name, t in received.items()}}
     finally:
         engine.release_process_groups()  # the rank exits next (run_distributed)

@@ -65,10 +65,17 @@ NOT_NEGATIVE = at_least(0)
 POSITIVE = at_least(1)  # a count or size
 
 
-def checked(default: Any, bound: Bound | None = None, hint: str = "") -> Any:
+def checked(default: Any, bound: Bound | None = None, hint: str = "", formerly: str | None = None) -> Any:
     """A schema field with a default, the range its value must lie in, and a `hint` that follows the rule in the
-    message (what a special value means, an example)."""
-    return dataclasses.field(default=default, metadata={"bound": bound, "hint": hint})
+    message (what a special value means, an example). `formerly`: the dotted key it was set by before it moved into
+    an extension's own section (actor.clip_cov_ratio, now actor.clip_cov.ratio), still read as this key."""
+    return dataclasses.field(default=default, metadata={"bound": bound, "hint": hint, "formerly": formerly})
+
+
+def extension_name(default: str) -> Any:
+    """A key naming a registered extension (a policy loss, an advantage estimator): the extension's own keys live in
+    the section named after it, next to this key (actor.policy_loss=clip_cov reads actor.clip_cov.ratio)."""
+    return dataclasses.field(default=default, metadata={"names_extension": True})
 
 
 def choices_of(annotation: Any) -> tuple | None:

@@ -1,5 +1,7 @@
 """Reading a config: YAML + `key=value` overrides merged onto the typed schema, every key and type checked as it
-is merged (an unknown key gets the closest known one suggested)."""
+is merged (an unknown key gets the closest known one suggested). A key of a section that holds registered extensions'
+own sections (actor: actor.clip_cov.ratio), not declared by the schema, is kept as given in `Config.extension_keys`,
+for `rl_megatron.config.extensions` to check once trainer.imports has registered every extension."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +22,8 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         dotted = prefix + f.name
         keys[dotted] = f.type
+        if f.metadata.get("names_extension"):
+            _EXTENDED_SECTIONS.add(prefix.rstrip("."))
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             _SECTIONS.add(dotted)
@@ -28,7 +32,9 @@ def _schema_keys(cls, prefix: str = "") -> dict[str, Any]:
 
 
 _SECTIONS: set[str] = set()  # dotted keys that hold a section (trainer, actor.optim, ...), filled by _schema_keys
+_EXTENDED_SECTIONS: set[str] = set()  # sections with a key naming an extension (actor), filled by _schema_keys
 _KEYS = _schema_keys(Config)
+SCHEMA_KEYS = tuple(_KEYS)  # every key the schema declares, sections included
 # YAML 1.1 reads these words unquoted as booleans; a text key (trainer.resume=off) means the word.
 _YAML_BOOLEAN_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off"}
 
@@ -37,25 +43,48 @@ def _text_key(key: str) -> bool:
     return _KEYS.get(key) in ("str", "Optional[str]")
 
 
-def _omegaconf_reason(err: OmegaConfBaseException) -> str:
+def omegaconf_reason(err: OmegaConfBaseException) -> str:
     """The first line of an OmegaConf error: its reason, without the full_key/reference_type trailer."""
     text = str(getattr(err, "msg", None) or err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _unknown_key(dotted: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(dotted, list(_KEYS), n=1, cutoff=0.6)
+def unknown_key(dotted: str, where: str, known: Sequence[str] = SCHEMA_KEYS) -> ConfigError:
+    close = difflib.get_close_matches(dotted, list(known), n=1, cutoff=0.6)
     hint = f" Did you mean '{close[0]}'?" if close else " See rl_megatron/config/schema.py for the keys."
     return ConfigError(f"Unknown config key '{dotted}' in {where}.{hint}")
 
 
+def _extension_key(dotted: str) -> bool:
+    """Whether `dotted` may be a registered extension's own key: in a section with a key naming an extension, under
+    a name the schema does not declare there (actor.clip_cov.ratio; or a key's former spelling,
+    actor.clip_cov_ratio)."""
+    section, _, rest = dotted.rpartition(".")
+    while section:
+        if section in _EXTENDED_SECTIONS:
+            return f"{section}.{rest.split('.')[0]}" not in _KEYS
+        section, _, head = section.rpartition(".")
+        rest = f"{head}.{rest}"
+    return False
+
+
+def _extension_leaves(tree: Any, dotted: str, where: str) -> list[tuple[str, Any, str]]:
+    if not isinstance(tree, dict):
+        return [(dotted, tree, where)]
+    return [leaf for key, value in tree.items() for leaf in _extension_leaves(value, f"{dotted}.{key}", where)]
+
+
 def _leaves(tree: dict, where: str, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """Flatten a (nested) mapping into (dotted key, value, where) settings, rejecting what the schema lacks."""
+    """Flatten a (nested) mapping into (dotted key, value, where) settings, rejecting what the schema lacks (but for
+    extensions' own keys, kept for `rl_megatron.config.extensions`)."""
     settings = []
     for key, value in tree.items():
         dotted = prefix + str(key)
         if dotted not in _KEYS:
-            raise _unknown_key(dotted, where)
+            if not _extension_key(dotted):
+                raise unknown_key(dotted, where)
+            settings += _extension_leaves(value, dotted, where)
+            continue
         if dotted in _SECTIONS:
             if value is None:  # an empty section (`trainer:` with every key commented out)
                 continue
@@ -97,8 +126,8 @@ def _parse_override(item: str) -> list[tuple[str, Any, str]]:
     key = key.strip()
     if not key:
         raise ConfigError(f"Override '{item}' has no key before '=' (e.g. trainer.total_steps=5).")
-    if key not in _KEYS:
-        raise _unknown_key(key, where)
+    if key not in _KEYS and not _extension_key(key):
+        raise unknown_key(key, where)
     try:  # parse the value as YAML, the way OmegaConf does: 5 -> int, 1e-3 -> float, [a, b] -> list, null -> None
         tree = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={value}"]))
     except Exception as err:
@@ -116,7 +145,11 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
     for item in overrides:
         settings += _parse_override(item)
     merged = OmegaConf.structured(Config)
+    extension_keys = {}
     for key, value, where in settings:  # one key at a time, so that a bad value is reported with its key
+        if key not in _KEYS:
+            extension_keys[key] = value
+            continue
         if _text_key(key) and isinstance(value, bool):  # only a YAML file's unquoted off/on/yes/no gets here
             raise ConfigError(f"Config key '{key}' (in {where}) takes text, but YAML read an unquoted word as the "
                               f"boolean {value}: quote it, e.g. {key.rsplit('.', 1)[-1]}: 'off'.")
@@ -124,7 +157,7 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
             OmegaConf.update(merged, key, value, merge=False)
             continue
         except OmegaConfBaseException as err:
-            reason = _omegaconf_reason(err)
+            reason = omegaconf_reason(err)
         if key in RULES and RULES[key].choices is not None:  # the message of every choice (or list of choices)
             RULES[key].check(value)
         raise ConfigError(f"Config key '{key}' (in {where}) has a bad value {value!r}: {reason}. See its type in "
@@ -137,14 +170,24 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:  # e.g. an interpolation ${...} that does not resolve
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"Config key '{key}' has a bad value: {_omegaconf_reason(err)}.") from None
+        raise ConfigError(f"Config key '{key}' has a bad value: {omegaconf_reason(err)}.") from None
+    cfg.extension_keys.update(extension_keys)
     return cfg
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(to_dict(cfg))
 
 
 def to_dict(cfg: Config) -> dict:
-    """`cfg` as nested plain dicts (e.g. the run's config for wandb and MLflow)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    """`cfg` as nested plain dicts (e.g. the run's config for wandb and MLflow), the extensions' own keys in their
+    sections (actor: clip_cov: ratio), as a YAML sets them."""
+    tree = OmegaConf.to_container(OmegaConf.structured(dataclasses.replace(cfg, extension_keys={})))
+    del tree["extension_keys"]
+    for dotted, value in cfg.extension_keys.items():
+        *sections, name = dotted.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return tree

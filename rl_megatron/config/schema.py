@@ -1,7 +1,10 @@
-"""The typed configuration schema. Every key has a default and a one-line description (its comment).
+"""The typed configuration schema. Every key has a default and a one-line description (its comment, the one that
+`python -m rl_megatron.train --help` shows: `rl_megatron.config.describe`).
 
-YAML files in configs/ and `key=value` overrides are merged onto these dataclasses; keys that are not
-declared here are rejected (see `rl_megatron.config.load`). A number's range is declared with `checked(default,
+YAML files in configs/ and `key=value` overrides are merged onto these dataclasses; keys that are not declared here
+are rejected (see `rl_megatron.config.load`), but for a registered extension's own keys, in the section named after
+it next to the key that names it (`extension_name`: actor.clip_cov.ratio), which its own dataclass declares
+(`rl_megatron.config.extensions`). A number's range is declared with `checked(default,
 bound, hint)` and a name's choices by its `Literal` type (the fixed lists in `rl_megatron.config.choices`);
 `rl_megatron.config.fields` checks both for every key. The schema imports nothing but the config package's own
 modules and the standard library, so that any package can import its types.
@@ -14,7 +17,8 @@ from typing import Any, Literal, Optional
 
 from rl_megatron.config.choices import CHANNELS, DEFAULT_LOGGERS, KL_ESTIMATORS, LOGGERS, LOSS_AGG_MODES, \
     LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES, TOOL_FORMATS
-from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, schema_rules, within
+from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, extension_name, schema_rules, \
+    within
 
 Placement = Literal["colocated", "separate"]
 OFF_AT_ZERO = "0 turns it off"
@@ -110,16 +114,10 @@ class ActorConfig:
     recompute_granularity: Optional[Literal["full", "selective"]] = None  # activation recomputation in the backward: whole layers (full, with recompute_method and recompute_num_layers) or the attention core (selective, alone); None: off
     recompute_method: Optional[Literal["uniform", "block"]] = None  # full recompute: checkpoint groups of recompute_num_layers layers (uniform), or recompute the first recompute_num_layers layers of each model chunk (block; a chunk is a pipeline stage without VPP)
     recompute_num_layers: Optional[int] = checked(None, POSITIVE)  # full recompute: layers per group (uniform; must divide the layers of a model chunk) or per model chunk (block)
-    policy_loss: str = "ppo"  # the registered policy loss: ppo (clipped surrogate, dual-clip with clip_ratio_c), gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), clip_cov, kl_cov (covariance-selected tokens), or yours (@rl_megatron.algorithms.register_policy_loss in a module of trainer.imports)
+    policy_loss: str = extension_name("ppo")  # the registered policy loss: ppo (clipped surrogate, dual-clip with clip_ratio_c), gspo (sequence-level ratio), cispo (clipped IS weight, stop-gradient), clip_cov, kl_cov (covariance-selected tokens), or yours (@rl_megatron.algorithms.register_policy_loss in a module of trainer.imports); a loss's own keys are in the section named after it (actor.clip_cov.ratio)
     clip_ratio_low: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept above 1 - clip_ratio_low
     clip_ratio_high: float = checked(0.2, NOT_NEGATIVE)  # PPO clip: ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher: raise it)
     clip_ratio_c: Optional[float] = checked(None, above(1), "dual-clip's bound, e.g. 3.0, or null to disable dual-clip")  # dual-clip PPO: a negative-advantage token's loss is capped at -A*c (c > 1)
-    cispo_clip_high: float = checked(0.2, NOT_NEGATIVE)  # cispo: a token's importance weight (its stop-gradient coefficient) is capped at 1 + this (MiniMax-M1's eps_high; no lower cap)
-    clip_cov_ratio: float = checked(0.0002, within(0, 1, low_open=True))  # clip_cov: fraction of a micro-batch's response tokens (at least one) drawn from the covariance band to leave the policy gradient
-    clip_cov_lb: float = 1.0  # clip_cov: lower end of the band of token covariances (centred log-prob x centred advantage) to draw from
-    clip_cov_ub: float = 5.0  # clip_cov: upper end of that band (at least clip_cov_lb)
-    kl_cov_ratio: float = checked(0.0002, within(0, 1, low_open=True))  # kl_cov: fraction of a micro-batch's response tokens (at least one), those of the largest covariance, that get the KL penalty
-    ppo_kl_coef: float = checked(0.1, NOT_NEGATIVE)  # kl_cov: weight of the penalty |logp - old_logp| on those tokens
     loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"  # how token losses sum up to the mini-batch loss
     entropy_coeff: float = checked(0.0, NOT_NEGATIVE)  # weight of the entropy bonus in the actor loss
     use_kl_loss: bool = False  # add coef * KL(actor || reference) to the actor loss (GRPO's KL term)
@@ -209,6 +207,7 @@ class RolloutConfig:
     agent_loop: str = SINGLE_TURN  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # limits and tools of multi-turn agent loops
     agent: AgentConfig = field(default_factory=AgentConfig)  # your own agent harness, served through the OpenAI-compatible gateway
+    engine: str = "vllm"  # the rollout engine: a name registered in rl_megatron/rollout/engine.py::ENGINES (vllm)
     placement: Placement = "colocated"  # colocated: engines in the actor's workers (hybrid engine); separate: their own workers (keys below)
     nnodes: int = checked(1, POSITIVE)  # separate placement: nodes of the engines' pool
     n_gpus_per_node: int = checked(1, POSITIVE)  # separate placement: devices per node of the engines' pool
@@ -259,7 +258,7 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # the registered advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or yours (@rl_megatron.algorithms.register_adv_estimator in a module of trainer.imports)
+    adv_estimator: str = extension_name("grpo")  # the registered advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or yours (@rl_megatron.algorithms.register_adv_estimator in a module of trainer.imports); an estimator's own keys are in the section named after it (algorithm.<name>.<key>)
     norm_adv_by_std: bool = True  # grpo: divide by the group's reward std (False gives Dr.GRPO)
     gamma: float = checked(1.0, within(0, 1))  # discount (gae, reinforce_plus_plus)
     lam: float = checked(1.0, within(0, 1))  # GAE lambda
@@ -327,6 +326,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    # the registered extensions' own keys (a loss's, an estimator's) by dotted key, as set in the YAML or overrides
+    # (actor.clip_cov.ratio); `rl_megatron.config.extensions` checks them, and fills in their defaults
+    extension_keys: dict[str, Any] = field(default_factory=dict)
 
 
 RULES = schema_rules(Config)  # every key's range and choices, by dotted key

@@ -17,9 +17,9 @@ from rl_megatron import platform
 from rl_megatron.config import Config
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.doctor.report import FAIL, PASS, SKIP, Result, gb_per_s
-from rl_megatron.launch import memory
-from rl_megatron.launch.plan import build_plan
 from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.planning import memory
+from rl_megatron.planning.plan import build_plan
 from rl_megatron.platform.stack import stack_problems
 from rl_megatron.workers.spawn import run_distributed
 

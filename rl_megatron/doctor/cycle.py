@@ -14,7 +14,7 @@ from rl_megatron.batch import Prompt, TrainBatch
 from rl_megatron.config.schema import Config
 from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.preflight import load_config
-from rl_megatron.rollout.vllm_engine import request_seeds
+from rl_megatron.rollout.engine import request_seeds
 from rl_megatron.trainer.workers import build_workers, sync_weights
 
 PROMPTS = ["3+4=", "1+1=", "0+9=", "5+2="]  # the tiny digits model's own task

@@ -23,6 +23,7 @@ from rl_megatron.cli import run_command
 from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.launch.auth import RayAuth, ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, NodeEnvironment, detect_node
+from rl_megatron.planning.plan import build_plan, render_plan
 from rl_megatron.preflight import load_config
 from rl_megatron.preflight.dry_run import load_plan_config, shipped_name
 from rl_megatron.workers.debugging import setup_problem
@@ -87,8 +88,6 @@ def plan_node(config: str, overrides: list[str], check: bool = False, dry_run: b
     """Load and check everything, build the plan; nothing is started. `check`: the head's command is the doctor.
     `dry_run`: check only what the plan reads (the config, the model's config.json, a shipped one where the model
     folder is not on this machine: `preflight.dry_run`); the launch checks the data and the weights."""
-    from rl_megatron.launch.plan import build_plan, render_plan
-
     node = detect_node()
     on_gpu = node.gpus is not None and node.gpus > 0
     if dry_run:

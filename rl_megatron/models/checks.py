@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rl_megatron.errors import ConfigError
-from rl_megatron.models.family import FAMILIES, REQUIRED_FIELDS, supported_model_types
+from rl_megatron.models.family import FAMILIES, REQUIRED_FIELDS
 from rl_megatron.models.pipeline_stages import check_split
 
 MODEL_SOURCE = "model.path's config.json"
@@ -29,10 +29,10 @@ def check_model_layout(hf: dict, tp: Size, pp: Size, ep: Size, vpp: Size | None 
         value = hf.get(key)
         if key in hf and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{source} has {key}={value!r}; it must be a positive integer.")
-    family = FAMILIES.get(hf.get("model_type"))
-    if family is None:
-        raise ConfigError(f"{source} has model_type={hf.get('model_type')!r}, which is not supported yet; "
-                          f"supported: {supported_model_types()}.")
+    try:
+        family = FAMILIES[hf.get("model_type")]
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
     check_heads(hf, tp, source)
     check_split(hf["num_hidden_layers"], pp, vpp or ("", 1), first_stage, last_stage, source)
     family.check(hf, source)

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from rl_megatron.models.weight_tables import Entry, FusedGateUp, MoeTable, Replicated, Shape, Split
+from rl_megatron.models.weight_layouts import Entry, FusedGateUp, Replicated, Shape, Split
+from rl_megatron.models.weight_tables import MoeTable
 
 # A per-expert name: (layer prefix, expert, projection, weight or bias).
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")

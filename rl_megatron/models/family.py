@@ -18,6 +18,7 @@ from rl_megatron.models.rotary import check_rope
 from rl_megatron.models.mla import MLA_FIELDS, mla_entries, mla_fields
 from rl_megatron.models.moe import MoeSpec
 from rl_megatron.models.weight_tables import DenseTable, MoeTable
+from rl_megatron.registry import Registry
 
 
 # config.json fields every family reads: the first four are required, the others have defaults.
@@ -194,27 +195,20 @@ class ModelFamily:
         return fields
 
 
-FAMILIES: dict[str, ModelFamily] = {}
+FAMILIES: Registry[ModelFamily] = Registry(
+    "model family", "model_type",
+    "register yours with rl_megatron.models.family.register(ModelFamily({name!r}, ...)) in a module listed in "
+    "trainer.imports", unique=True)
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    if family.model_type in FAMILIES:
-        raise ValueError(f"Model family '{family.model_type}' is registered twice.")
-    FAMILIES[family.model_type] = family
-    return family
-
-
-def supported_model_types() -> str:
-    return ", ".join(sorted(FAMILIES))
+    """Register `family` under its model_type (once: a second record of a model_type is an error)."""
+    return FAMILIES.add(family.model_type, family)
 
 
 def family_of(hf: dict) -> ModelFamily:
-    """The family of a config.json; ValueError naming the supported ones when rl_megatron has none for it."""
-    family = FAMILIES.get(hf.get("model_type"))
-    if family is None:
-        raise ValueError(f"Model family '{hf.get('model_type')}' (config.json model_type) is not supported yet; "
-                         f"supported: {supported_model_types()}.")
-    return family
+    """The family of a config.json; ConfigError naming the registered ones when rl_megatron has none for it."""
+    return FAMILIES[hf.get("model_type")]
 
 
 def table_for(hf: dict, padded_vocab: int, transformer_engine: bool = False) -> DenseTable:

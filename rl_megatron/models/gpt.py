@@ -23,7 +23,8 @@ from rl_megatron.models.lora import is_adapter_parameter
 from rl_megatron.models.packed_attention import LatentDotProductAttention, PackedDotProductAttention
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.rotary import partial_rotary_factor, rotary_of
-from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size, shard_from_hf
+from rl_megatron.models.weight_layouts import shard_from_hf
+from rl_megatron.models.weight_tables import DenseTable, padded_vocab_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.schema import LoraConfig
-from rl_megatron.models.weight_tables import (ADAPTABLE_LINEARS, DenseTable, Entry, FusedGateUp, Replicated, Split,
-                                             Stacked, adapted_parts, hf_view, is_row_parallel, local_view,
-                                             shard_from_hf)
+from rl_megatron.models.weight_layouts import (Entry, FusedGateUp, Replicated, Split, Stacked, adapted_parts, hf_view,
+                                              is_row_parallel, local_view, shard_from_hf)
+from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, DenseTable
 
 _ADAPTED = re.compile(rf"^(decoder\.layers\.\d+\.({'|'.join(map(re.escape, ADAPTABLE_LINEARS))})|output_layer)$")
 ADAPTER = "adapter"  # the adapter's attribute on its linear layer: parameters `<layer>.adapter.lora_A` / `.lora_B`

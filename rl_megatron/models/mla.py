@@ -10,7 +10,7 @@ tensors one to one as well). The q/kv LoRA norms are Megatron's q_layernorm / kv
 from __future__ import annotations
 
 from rl_megatron.models.rotary import rope_parameters, rope_theta
-from rl_megatron.models.weight_tables import Entry, Replicated, Split
+from rl_megatron.models.weight_layouts import Entry, Replicated, Split
 
 # The config.json fields of MLA (what decides its tensors, compared when a checkpoint is loaded).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")

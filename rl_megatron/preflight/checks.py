@@ -196,9 +196,6 @@ def _check_algorithm(cfg: Config) -> None:
     if c.enable and not needs_critic(alg.adv_estimator):
         raise ConfigError(f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} uses no values: the "
                           "critic would train for nothing. Use algorithm.adv_estimator=gae, or critic.enable=false.")
-    if cfg.actor.clip_cov_lb > cfg.actor.clip_cov_ub:
-        raise ConfigError(f"actor.clip_cov_lb={cfg.actor.clip_cov_lb} is above actor.clip_cov_ub="
-                          f"{cfg.actor.clip_cov_ub}: the covariance band clip_cov draws from would be empty. Swap them.")
     if alg.filter_groups.enable and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.filter_groups.enable=true keeps the prompts whose samples score differently, "
                           f"but rollout.n={cfg.rollout.n} gives each prompt one sample: set rollout.n to 2 or more "

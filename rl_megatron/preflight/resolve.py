@@ -5,25 +5,32 @@ import copy
 
 from rl_megatron.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, needs_critic
 from rl_megatron.config.choices import SINGLE_TURN
+from rl_megatron.config.extensions import resolve_extension_keys
 from rl_megatron.config.fields import check_fields
 from rl_megatron.config.schema import RULES, Config
 from rl_megatron.data.section import resolve_data_section
 from rl_megatron.errors import ConfigError
 from rl_megatron.plugins import import_user_modules
+from rl_megatron.rollout.engine import ENGINES
+
+# The registries whose entries may own config keys: those the schema's `extension_name` keys name.
+EXTENSIBLE = (POLICY_LOSSES, ADV_ESTIMATORS)
 
 
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
     rollout.gpu_memory_utilization (by placement), data.gen_batch_size, critic.enable (when the advantage estimator needs values), the
     reference's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
-    model folder, the rollout correction's shorthand (algorithm.rollout_is_cap), and the data section's file lists and built-in task (`rl_megatron.data.section`). `cfg`'s values are checked against their rules in
+    model folder, the rollout correction's shorthand (algorithm.rollout_is_cap), the data section's file lists and built-in task (`rl_megatron.data.section`), and the registered extensions' own keys (checked, with their defaults). `cfg`'s values are checked against their rules in
     schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
     check_fields(cfg, RULES)
     # The names a registry resolves (a user's own come from trainer.imports), and what they imply (the critic).
     import_user_modules(cfg.trainer.imports)
     ADV_ESTIMATORS.check(cfg.algorithm.adv_estimator)
     POLICY_LOSSES.check(cfg.actor.policy_loss)
+    ENGINES.check(cfg.rollout.engine)
     cfg = copy.deepcopy(cfg)
+    cfg.extension_keys = resolve_extension_keys(cfg.extension_keys, EXTENSIBLE)
     actor, rollout, critic = cfg.actor, cfg.rollout, cfg.critic
     turns = rollout.multi_turn
     if turns.max_response_length is None:

@@ -19,12 +19,12 @@ from typing import Callable, Optional
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
-from rl_megatron.launch.memory import GIB, WEIGHT_BYTES, RolePasses, activation_bytes, gib_text
-from rl_megatron.launch.model_shape import ModelShape
-from rl_megatron.launch.phase_memory import compute_phase
-from rl_megatron.launch.plan import ClusterPlan, build_plan, role_passes
 from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.planning.memory import GIB, WEIGHT_BYTES, RolePasses, activation_bytes, gib_text
+from rl_megatron.planning.model_shape import ModelShape
+from rl_megatron.planning.phase_memory import compute_phase
+from rl_megatron.planning.plan import ClusterPlan, build_plan, role_passes
 from rl_megatron.roles import Role
 
 # Score-sized tensors one layer holds at its peak, as measured on an H200 (torch 2.11, bf16 and fp32: 3.0-3.1 and

@@ -17,14 +17,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from rl_megatron.models.weight_tables import hf_view, local_view
+from rl_megatron.models.weight_layouts import hf_view, local_view
 from rl_megatron.resharding.channels import make_channel
 from rl_megatron.resharding.plan import Plan, PlanError, build_plan
 from rl_megatron.resharding.shared_params import peer_tensor, share_parameters
-from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources, rederive_after_sync, vllm_targets
+from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources
 
 __all__ = ["PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_hf_state_dict",
-           "megatron_sources", "rederive_after_sync", "share_parameters", "vllm_targets"]
+           "megatron_sources", "share_parameters"]
 
 
 @dataclass
@@ -188,10 +188,11 @@ def export_hf_state_dict(chunks: list, table, dst: int = 0, bucket_bytes: int = 
     return {name: tensor for name, (tensor, _) in resharder.targets.items()}
 
 
-def engine_mismatches(model, hf_state: dict[str, torch.Tensor]) -> list[str]:
-    """The vLLM parameters of `model` (this rank's engine) whose HF regions differ from `hf_state`, bit for bit."""
+def engine_mismatches(targets: Held, hf_state: dict[str, torch.Tensor]) -> list[str]:
+    """The engine's parameters on this rank (`targets`: its `sync_targets`) whose HF regions differ from `hf_state`,
+    bit for bit."""
     bad = []
-    for name, (tensor, spec) in vllm_targets(model).items():
+    for name, (tensor, spec) in targets.items():
         for region in spec.regions:
             expected = hf_state.get(region.hf_name)
             if expected is None or not torch.equal(local_view(tensor, region), hf_view(expected, region)):

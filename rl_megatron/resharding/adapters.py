@@ -1,10 +1,10 @@
 """A LoRA policy's weight sync without merging: the engines hold the frozen base weights from the first sync (the
 `Resharder`'s), and every sync after an update sends them the adapters alone, a few MB instead of the model, which
-each engine loads as a vLLM LoRA adapter in place of the previous one (`VLLMEngine.load_adapter`).
+each engine loads as its LoRA adapter in place of the previous one (`RolloutEngine.load_adapter`).
 
 verl and NeMo-RL hand vLLM the adapter tensors in memory by overriding its LoRA loader; here the engines load them
-through vLLM's own LoRARequest path, from a PEFT adapter folder each worker rewrites (the one `convert to-peft`
-writes: what vLLM serves is what users export). Each rank gathers the whole adapter of its model replica (TP, then
+through their own path (vLLM's LoRARequest), from a PEFT adapter folder each worker rewrites (the one `convert
+to-peft` writes: what vLLM serves is what users export). Each rank gathers the whole adapter of its model replica (TP, then
 the pipeline stages): every engine shard loads the whole adapter and takes its own slice, as vLLM does."""
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from rl_megatron.models.lora import adapter_tensors, peft_adapter_files
 
 
 class AdapterSync:
-    def __init__(self, chunks: list[torch.nn.Module], lora: LoraConfig, base_model: str, engine, dtype: torch.dtype,
-                 verify: bool = False):
-        """`chunks`: this rank's model chunks with their adapters; `engine`: this rank's `VLLMEngine` (started with
-        the adapters' rank); `dtype`: the engine's; `verify`: after each sync, compare what the engine loaded with
+    def __init__(self, chunks: list[torch.nn.Module], lora: LoraConfig, base_model: str, engine,
+                 dtype: torch.dtype, verify: bool = False):
+        """`chunks`: this rank's model chunks with their adapters; `engine`: this rank's engine, a
+        `rl_megatron.rollout.engine.RolloutEngine` (started with the adapters' rank; not imported: the engines
+        import resharding's sync targets, not the other way); `dtype`: the engine's; `verify`: after each sync, compare what the engine loaded with
         what was sent, bit for bit (resharding.verify)."""
         self.chunks, self.lora, self.base_model = chunks, lora, base_model
         self.engine, self.dtype, self.verify = engine, dtype, verify

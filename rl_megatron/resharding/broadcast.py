@@ -4,11 +4,11 @@ The policy's HF tensors are assembled on the actor's rank 0 one bucket at a time
 is then broadcast over a process group of that rank and every engine worker (NCCL on GPU, gloo on CPU): the
 sender holds one bucket of them (the largest tensor when it is bigger), plus the resharder's transfer buckets of
 what other actor ranks send it, never the whole model. Each engine worker writes into its parameters the HF
-regions it keeps (`vllm_targets`: the same map the colocated sync and `engine_mismatches` use, so both
-placements give engines the same bits).
+regions it keeps (the engine's `sync_targets`: the same map the colocated sync and `engine_mismatches` use, so
+both placements give engines the same bits).
 
 The group is a process group of its own (its own store), beside each side's default group: the actor's ranks
-and the engines' ranks each already form a world for Megatron and for vLLM's tensor parallelism.
+and the engines' ranks each already form a world for Megatron and for the engines' tensor parallelism.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron import platform
-from rl_megatron.models.weight_tables import hf_view, local_view
+from rl_megatron.models.weight_layouts import hf_view, local_view
 from rl_megatron.platform.debugger import collective_timeout
 from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.specs import Held, hf_shapes, hf_target
@@ -149,9 +149,9 @@ def receive_weights(group) -> Iterator[dict[str, torch.Tensor]]:
         yield {entry.name: _view(buffer, entry) for entry in bucket}
 
 
-def write_engine_regions(targets: dict, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy into the engine's parameters (`vllm_targets`) the regions of `tensors` (HF name -> full tensor)
-    they keep; returns the bytes written."""
+def write_engine_regions(targets: Held, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy into the engine's parameters (`targets`: its `sync_targets`) the regions of `tensors` (HF name -> full
+    tensor) they keep; returns the bytes written."""
     written = 0
     for tensor, spec in targets.values():
         for region in spec.regions:

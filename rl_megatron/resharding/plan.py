@@ -1,6 +1,6 @@
 """The transfer plan: which bytes of which source shard go into which target tensor, on which rank.
 
-Sources (Megatron shards) and targets (vLLM's parameters, or full HF tensors) each describe what they hold
+Sources (Megatron shards) and targets (an engine's parameters, or full HF tensors) each describe what they hold
 as `Region`s of HF tensors. The plan intersects them: every part of a target region is taken from a source
 on the same rank when one holds it (a direct copy: shard-to-shard, no gather), otherwise from the least
 loaded rank that does, packed with other parts going the same way into buckets of at most `bucket_bytes`,
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from rl_megatron.models.weight_tables import Region, Shape
+from rl_megatron.models.weight_layouts import Region, Shape
 
 ALIGN = 64  # bytes: every piece in a bucket (every parameter in a shared file) starts aligned for any dtype
 

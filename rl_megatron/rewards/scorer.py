@@ -30,7 +30,7 @@ import torch
 
 from rl_megatron.batch import Sample, ToolStats
 from rl_megatron.plugins import import_user_modules, with_absolute_path
-from rl_megatron.rewards import READS_PROMPT, REGISTRY, keywords_from_config, unknown_source_error
+from rl_megatron.rewards import SCORERS, keywords_from_config
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rewards.worker import IDLE, PROGRESS_BYTES, ScorerCode, progress_view
 
@@ -254,13 +254,14 @@ class RewardScorer:
         extra_infos = extra_infos or [None] * n
         if self.custom_fn_spec is None:  # unknown sources are a data or config bug: stop before scoring
             for source in dict.fromkeys(data_sources):
-                if source in REGISTRY and source not in self.sources:
+                if source in SCORERS and source not in self.sources:
                     raise KeyError(f"data_source {source!r} has a scorer registered in this process but not in the "
                                    "scorer processes, which import only the built-in scorers and trainer.imports: "
                                    "add the module that registers it to trainer.imports.")
-                if source not in self.sources:
-                    raise unknown_source_error(source)
-            with_prompt = [source in READS_PROMPT for source in data_sources]
+                if source not in self.sources:  # registered nowhere
+                    SCORERS.check(source)
+            reads_prompt = SCORERS.with_trait("reads_prompt")
+            with_prompt = [source in reads_prompt for source in data_sources]
             if any(with_prompt) and prompts is None:
                 source = data_sources[with_prompt.index(True)]
                 raise ValueError(f"data_source {source!r} is scored on the prompt followed by the response "

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 from rl_megatron.plugins import import_user_modules
-from rl_megatron.rewards import REGISTRY, score
+from rl_megatron.rewards import SCORERS, score
 from rl_megatron.rewards.custom import load_custom_fn
 
 PROGRESS_BYTES = 16
@@ -119,7 +119,7 @@ def serve(conn: Connection, progress, code: ScorerCode) -> None:
     except Exception as err:
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
-    conn.send(("ready", sorted(REGISTRY)))
+    conn.send(("ready", SCORERS.names()))
     while True:
         try:
             samples = conn.recv()

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.rollout.completions import Completion, TurnRequest
+from rl_megatron.rollout.engine import request_seeds
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.rollout.serving import Pausing
-from rl_megatron.rollout.vllm_engine import request_seeds
 
 # Partial rollouts: an engine's decoding returns to the controller at least this often (scheduler steps), so that a
 # weight update waits at most this long for it to pause.
@@ -62,12 +62,12 @@ class RolloutEngines:
         return self._stamped(samples)
 
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
-        """Engine `engine`'s `VLLMEngine.serve` (on each of its shards; the first's result)."""
+        """Engine `engine`'s `RolloutEngine.serve` (on each of its shards; the first's result)."""
         return await self.group.call_shard("serve", "rollout", engine, requests,
                                            None if self.gate is None else PAUSE_STEPS)
 
     async def interrupt(self, engine: int) -> list[tuple[str, Completion]]:
-        """Engine `engine`'s `VLLMEngine.interrupt` (partial rollouts)."""
+        """Engine `engine`'s `RolloutEngine.interrupt` (partial rollouts)."""
         return await self.group.call_shard("interrupt", "rollout", engine)
 
     def _stamped(self, samples: list[Sample]) -> list[Sample]:

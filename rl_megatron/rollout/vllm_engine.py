@@ -1,4 +1,5 @@
-"""The rollout engine: vLLM, in-process inside the worker that also holds the Megatron shards.
+"""The rollout engine of rollout.engine=vllm (`rollout/engine.py::RolloutEngine`): vLLM, in-process inside the worker
+that also holds the Megatron shards.
 
 The engine starts with dummy weights; the trainer writes its own weights into the engine's parameters (in
 place, see `rl_megatron.resharding`) before the first generation, so that the engine always samples from
@@ -12,7 +13,6 @@ import gc
 import os
 import re
 import warnings
-import zlib
 
 import torch
 
@@ -28,7 +28,9 @@ from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
 from rl_megatron.models.mxfp4 import is_mxfp4_config, unquantized_engine_overrides
 from rl_megatron.platform.cpu_compat import device_mode_off
 from rl_megatron.platform.debugger import collective_timeout
-from rl_megatron.resharding.specs import rederive_after_sync, zero_what_no_region_holds
+from rl_megatron.resharding.specs import Held, zero_what_no_region_holds
+from rl_megatron.rollout.engine import SLEEP_LEVELS, WAKE_TAGS
+from rl_megatron.rollout.vllm_weights import rederive_after_sync, vllm_targets
 
 # Set before vLLM is imported: an in-process engine (no engine-core subprocess) with its sockets on loopback.
 ENGINE_ENV = {
@@ -91,17 +93,6 @@ def vllm_allocator_settings():
 
 CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step
 ADAPTER_NAME, ADAPTER_ID = "policy", 1  # the one LoRA adapter an engine of a LoRA policy serves
-SLEEP_LEVELS = (1, 2)
-WAKE_TAGS = ("weights", "kv_cache")  # what a sleeping engine reallocates, in vLLM's names
-
-
-def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:
-    """Sampling seeds of the `count` prompts of a step, a function of (trainer.seed, purpose, step) only: a
-    resumed run draws the same samples. Below 2**32, so that vLLM's seed + j for sample j stays in range."""
-    import numpy as np
-
-    stream = np.random.SeedSequence([run_seed, zlib.crc32(purpose.encode()), step])
-    return stream.generate_state(count, dtype=np.uint32).tolist()
 
 
 def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
@@ -173,6 +164,9 @@ def drop_prefix_cache(llm) -> None:
 
 
 class VLLMEngine:
+    process_env = ENGINE_ENV
+    configure_process = staticmethod(configure_engine_process)
+
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
                  load_format: str = "dummy", routing: bool = False, lora_rank: int = 0):
         """`hf_overrides`: config.json fields to replace (the moe section's expert count and top-k), as the trainer's
@@ -225,7 +219,7 @@ class VLLMEngine:
             check_engine_moe_kernels(self.llm, self.model())
         if load_format == "dummy":  # the syncs write every region; what holds none must not stay random
             with torch.no_grad():
-                zero_what_no_region_holds(self.model())
+                zero_what_no_region_holds(self.sync_targets())
         self.routing = (EngineRouting(self._model_runner(), self.llm.llm_engine.output_processor.request_states,
                                       captured=not platform.has_cuda()) if routing else None)
 
@@ -311,6 +305,10 @@ class VLLMEngine:
     def model(self) -> torch.nn.Module:
         """The engine's model on this rank (its parameters are what a weight sync writes)."""
         return self._model_runner().get_model()
+
+    def sync_targets(self) -> Held:
+        """This rank's vLLM parameters and the HF regions each keeps (`rollout/vllm_weights.py`)."""
+        return vllm_targets(self.model())
 
     def sleep(self, level: int = 2) -> None:
         """Free the engine's device memory while the trainer uses the device (the hybrid engine, GPU).

@@ -1,7 +1,7 @@
 """The run's records: the loggers of trainer.logger behind one `Tracker` (verl's key and names).
 
-  tracker.py             Tracker, the backends by logger name, the check that the optional ones are installed
-  backend.py             what a logger is given (RunInfo) and does (Backend)
+  tracker.py             Tracker, the check that the optional loggers are installed
+  backend.py             what a logger is given (RunInfo) and does (Backend); the backends by logger name (BACKENDS)
   console.py             console: the progress bar, or one line per step
   jsonl.py               jsonl: metrics.jsonl, one JSON object per record
   tensorboard_events.py  tensorboard: scalars, tables as markdown text panels

@@ -5,6 +5,8 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from rl_megatron.registry import Registry
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -36,6 +38,11 @@ class Backend(ABC):
     @abstractmethod
     def close(self, failed: bool) -> None:
         """The run's end; `failed`: it ends with an exception."""
+
+
+# The backends by their name in trainer.logger, each registered by its module (`@BACKENDS.register(name)`); the names
+# are the fixed choices of `config.choices.LOGGERS` (with console, which shows the run on the terminal).
+BACKENDS: Registry[type[Backend]] = Registry("logger", "trainer.logger")
 
 
 def continued_run_id(run: RunInfo, file_name: str) -> str | None:

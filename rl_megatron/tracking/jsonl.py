@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from rl_megatron.tracking.backend import Backend, RunInfo
+from rl_megatron.tracking.backend import BACKENDS, Backend, RunInfo
 
 FILE_NAME = "metrics.jsonl"
 
@@ -17,6 +17,7 @@ def _step_of(line: str) -> int | None:
         return None
 
 
+@BACKENDS.register("jsonl")
 class JsonlLog(Backend):
     """Records of steps after `purge_after` (logged by an interrupted run after its checkpoint) are dropped: the run
     logs those steps again. Tables are not kept: the file holds numbers."""

@@ -15,7 +15,7 @@ import os
 import re
 import time
 
-from rl_megatron.tracking.backend import Backend, RunInfo, continued_run_id, store_run_id
+from rl_megatron.tracking.backend import BACKENDS, Backend, RunInfo, continued_run_id, store_run_id
 
 ID_FILE = "mlflow_run_id"
 PARAM_VALUE_LIMIT = 6000  # MLflow's longest param value, in characters
@@ -43,6 +43,7 @@ def batches(items: list, size: int) -> list[list]:
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
+@BACKENDS.register("mlflow")
 class MlflowRun(Backend):
     requires = ("mlflow", "sqlalchemy", "alembic")  # the local store is SQLite through SQLAlchemy and alembic
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch.utils.tensorboard import SummaryWriter
 
-from rl_megatron.tracking.backend import Backend, RunInfo
+from rl_megatron.tracking.backend import BACKENDS, Backend, RunInfo
 
 
 def markdown_table(columns: list[str], rows: list[list]) -> str:
@@ -17,6 +17,7 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+@BACKENDS.register("tensorboard")
 class TensorboardEvents(Backend):
     """Scalars, and tables as text panels. Events of steps after `purge_after` are dropped (the run logs them
     again)."""

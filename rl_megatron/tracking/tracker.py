@@ -7,17 +7,9 @@ from contextlib import ExitStack
 
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
-from rl_megatron.tracking.backend import Backend, RunInfo
+from rl_megatron.tracking import jsonl, mlflow_run, tensorboard_events, wandb_run  # noqa: F401 (they register)
+from rl_megatron.tracking.backend import BACKENDS, Backend, RunInfo
 from rl_megatron.tracking.console import Console, write as write_line
-from rl_megatron.tracking.jsonl import JsonlLog
-from rl_megatron.tracking.mlflow_run import MlflowRun
-from rl_megatron.tracking.tensorboard_events import TensorboardEvents
-from rl_megatron.tracking.wandb_run import WandbRun
-
-# The loggers that record the run, by their name in trainer.logger (`config.choices.LOGGERS`); console, the other
-# name there, shows it on the terminal.
-BACKENDS: dict[str, type[Backend]] = {"tensorboard": TensorboardEvents, "jsonl": JsonlLog, "wandb": WandbRun,
-                                      "mlflow": MlflowRun}
 
 
 def check_installed(logger: str, modules: tuple[str, ...]) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import uuid
 
-from rl_megatron.tracking.backend import Backend, RunInfo, continued_run_id, store_run_id
+from rl_megatron.tracking.backend import BACKENDS, Backend, RunInfo, continued_run_id, store_run_id
 
 ID_FILE = "wandb_run_id"
 
 
+@BACKENDS.register("wandb")
 class WandbRun(Backend):
     requires = ("wandb",)
 

@@ -9,10 +9,9 @@ from torch import Tensor
 
 from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.batch import Sample
-from rl_megatron.config import ConfigError
 from rl_megatron.config.schema import RewardConfig
 from rl_megatron.data.loader import PromptLoader
-from rl_megatron.rewards import REGISTRY
+from rl_megatron.rewards import SCORERS
 from rl_megatron.rewards.scorer import Scored
 
 
@@ -63,8 +62,5 @@ def check_scorers(reward: RewardConfig, loaders: list[PromptLoader]) -> None:
     starts, not at its first batch."""
     if reward.custom_fn is not None:
         return
-    unknown = {row["data_source"] for loader in loaders for row in loader.rows} - set(REGISTRY)
-    if unknown:
-        raise ConfigError(f"The data's data_source {', '.join(map(repr, sorted(unknown)))} has no reward function "
-                          f"(known: {', '.join(sorted(REGISTRY))}). Set reward.custom_fn=pkg.module:fn, or "
-                          "register one with @rl_megatron.rewards.register in a module listed in trainer.imports.")
+    for source in sorted({row["data_source"] for loader in loaders for row in loader.rows}):
+        SCORERS.check(source)

@@ -1,8 +1,8 @@
 """The training loop: one single controller driving the workers, step by step.
 
-    prompts -> generate (rollout.function over the vLLM engines) -> score (reward scorers, in the background)
-            -> old log-probs [-> reference log-probs, values] (Megatron) -> advantages (GRPO, GAE, ...)
-            -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> vLLM) -> log
+    prompts -> generate (rollout.function over the engines, rollout.engine's) -> score (reward scorers, in the
+            background) -> old log-probs [-> reference log-probs, values] (Megatron) -> advantages (GRPO, GAE, ...)
+            -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> the engines) -> log
 
 With trainer.rollout_staleness > 0 the first stage runs ahead in a generation thread (`rollout_ahead.py`): the
 engines generate the next batches while the trainer trains on this one.
@@ -30,9 +30,9 @@ from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, cho
 from rl_megatron.config import Config, to_dict, to_yaml
 from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.data.build import build_prompt_loader
-from rl_megatron.launch import format_plan
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
 from rl_megatron.models.tokenizer import checked_tokenizer
+from rl_megatron.planning import format_plan
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.scorer import RewardScorer, Scored
 from rl_megatron.roles import Role
@@ -250,7 +250,7 @@ class Trainer:
             self.kl_ctrl.update(kl, n_steps=batch.rows())
         batch.advantages, returns = compute_advantages(alg.adv_estimator, AdvantageInputs(
             token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std))
+            norm_by_std=alg.norm_adv_by_std), self.cfg.extension_keys)
         correction = alg.rollout_correction
         if correction.level is not None and batch.old_log_probs is not None:
             batch.importance_weights = rollout_correction_weights(batch.old_log_probs, batch.rollout_log_probs, mask,

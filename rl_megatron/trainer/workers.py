@@ -10,7 +10,7 @@ from rl_megatron.config import Config
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.platform.determinism import deterministic_env
 from rl_megatron.roles import Role, roles_name
-from rl_megatron.rollout.vllm_engine import ENGINE_ENV
+from rl_megatron.rollout.engine import engine_class
 from rl_megatron.workers.debugging import debugger_env
 from rl_megatron.workers.hybrid_worker import HybridWorker
 from rl_megatron.workers.rollout_worker import RolloutWorker
@@ -24,7 +24,8 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     """The worker groups, by role (a colocated role maps to the actor's group); closed by `stack`."""
     pools = worker_pools(cfg)
     threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
-    env = worker_env(threads, local_cluster=cfg.ray.address is None, deterministic=cfg.trainer.deterministic)
+    env = worker_env(threads, local_cluster=cfg.ray.address is None, deterministic=cfg.trainer.deterministic,
+                     engine_env=engine_class(cfg.rollout.engine).process_env)
     logs = logs_dir(cfg.trainer.run_dir)
     groups: dict[Role, WorkerGroup] = {}
     for pool in pools:
@@ -38,7 +39,7 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
             group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, logs, env=env,
                                 name=name)
         groups.update(dict.fromkeys(roles, stack.enter_context(group)))
-        logger.info("start-up: %s workers ready in %.1f s (process, Megatron, vLLM engine)", name,
+        logger.info("start-up: %s workers ready in %.1f s (process, Megatron, rollout engine)", name,
                     time.perf_counter() - started)
     if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:
         connect_engines(groups[Role.ACTOR], groups[Role.ROLLOUT])
@@ -62,12 +63,14 @@ def sync_weights(actor: WorkerGroup, rollout: WorkerGroup) -> None:
     rollout.get(receiving)
 
 
-def worker_env(threads: int, local_cluster: bool, deterministic: bool = False) -> dict:
+def worker_env(threads: int, local_cluster: bool, deterministic: bool = False,
+               engine_env: dict[str, str] | None = None) -> dict:
     """What the driver decides for every worker. Nothing here depends on a device: each worker sets what its own
-    device needs (`configure_engine_process`), since the driver may have no GPU while the workers do. Ray's
-    debugger variables go along: a cluster's nodes may have been started without them; so do trainer.deterministic's
-    (harmless without a GPU), which CUDA, cuBLAS and NCCL read when they start."""
-    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(threads), **debugger_env()}
+    device needs (`RolloutEngine.configure_process`), since the driver may have no GPU while the workers do.
+    `engine_env`: the engine's `RolloutEngine.process_env`. Ray's debugger variables go along: a cluster's nodes may
+    have been started without them; so do trainer.deterministic's (harmless without a GPU), which CUDA, cuBLAS and NCCL
+    read when they start."""
+    env = {**(engine_env or {}), "OMP_NUM_THREADS": str(threads), **debugger_env()}
     if deterministic:
         env.update(deterministic_env(os.environ))
     if local_cluster:  # everything on this machine: keep gloo on the loopback interface

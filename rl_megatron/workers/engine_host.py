@@ -1,7 +1,8 @@
-"""The rollout-engine side of a worker: a vLLM engine (or its TP shard) and what the controller asks of it. Hosted
-by the actor's workers (`HybridWorker`, rollout.placement=colocated) or by workers of its own (`RolloutWorker`,
-rollout.placement=separate). As the base of both worker classes it also holds what every worker does alike:
-recording the steps the controller profiles (`workers/profiling.py`)."""
+"""The rollout-engine side of a worker: the engine rollout.engine names (`rollout/engine.py::RolloutEngine`), or its
+TP shard, and what the controller asks of it. Hosted by the actor's workers (`HybridWorker`,
+rollout.placement=colocated) or by workers of its own (`RolloutWorker`, rollout.placement=separate). As the base of
+both worker classes it also holds what every worker does alike: recording the steps the controller profiles
+(`workers/profiling.py`)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.completions import Completion, TurnRequest
-from rl_megatron.rollout.vllm_engine import VLLMEngine, configure_engine_process
+from rl_megatron.rollout.engine import RolloutEngine, engine_class
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.profiling import StepProfiler
 from rl_megatron.workers.worker_group import dispatch
@@ -33,13 +34,14 @@ class EngineHost:
         """`logs`: the folder of the run's worker logs (the file is named by the worker's first role)."""
         defer_garbage_collection()  # until `init` is done (startup_done)
         redirect_output(worker_log_path(logs, self.roles[0], self.rank))
-        configure_engine_process()  # before Megatron or vLLM is imported in this worker
+        self.engine_class: type[RolloutEngine] = engine_class(self.cfg.rollout.engine)
+        self.engine_class.configure_process()  # before Megatron or the engine's library is imported in this worker
         if self.cfg.trainer.deterministic:  # before CUDA starts; this node's own environment is checked too
             make_process_deterministic(os.environ)
         trainer = self.cfg.trainer
         self.profiler = StepProfiler(trainer.profile_dir, f"{roles_name(self.roles)}_rank{self.rank}",
                                      records=self.rank in trainer.profile_ranks)
-        self.engine = None
+        self.engine: RolloutEngine | None = None
         # Engine e spans ranks e*TP .. e*TP+TP-1 (TP = rollout.tensor_parallel_size).
         self.engine_tp = self.cfg.rollout.tensor_parallel_size
         self.engine_index = self.rank // self.engine_tp
@@ -47,10 +49,10 @@ class EngineHost:
     def _start_engine(self) -> None:
         cfg = self.cfg
         # The shards of one engine must sample alike: they share a seed.
-        self.engine = VLLMEngine(cfg.model.path, cfg.rollout, cfg.model.dtype,
-                                 seed=cfg.trainer.seed + self.engine_index,
-                                 hf_overrides=moe_hf_overrides(cfg, self.hf_config),
-                                 routing=engine_routing(cfg, self.hf_config), lora_rank=engine_lora_rank(cfg))
+        self.engine = self.engine_class(cfg.model.path, cfg.rollout, cfg.model.dtype,
+                                        seed=cfg.trainer.seed + self.engine_index,
+                                        hf_overrides=moe_hf_overrides(cfg, self.hf_config),
+                                        routing=engine_routing(cfg, self.hf_config), lora_rank=engine_lora_rank(cfg))
 
     def _rollout_axis(self) -> tuple[int, int, bool]:
         """(engine index, engines, whether this rank returns its engine's samples: the engine's first rank)."""
@@ -58,7 +60,7 @@ class EngineHost:
 
     @dispatch(axis="rollout", phase=GENERATE)
     def generate(self, prompts: list[Prompt], seeds: list[int], *, n: int, temperature: float) -> list[Sample]:
-        """`n` samples per prompt, prompt-major; prompt i's are drawn from seeds[i] (see `VLLMEngine.generate`)."""
+        """`n` samples per prompt, prompt-major; prompt i's are drawn from seeds[i] (see `RolloutEngine.generate`)."""
         completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds)
         return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status,
                                  routed_experts=c.routed_experts)
@@ -70,11 +72,11 @@ class EngineHost:
         engines one at a time with `serve`."""
 
     def serve(self, requests: list[TurnRequest], max_steps: int | None = None) -> list[tuple[str, Completion]]:
-        """`VLLMEngine.serve`: called on one engine's shards at a time (`WorkerGroup.call_shard`)."""
+        """`RolloutEngine.serve`: called on one engine's shards at a time (`WorkerGroup.call_shard`)."""
         return self.engine.serve(requests, max_steps)
 
     def interrupt(self) -> list[tuple[str, Completion]]:
-        """`VLLMEngine.interrupt`, on one engine's shards (partial rollouts, before a weight update)."""
+        """`RolloutEngine.interrupt`, on one engine's shards (partial rollouts, before a weight update)."""
         return self.engine.interrupt()
 
     def start_profile(self, step: int, phase: str) -> None:
@@ -88,4 +90,4 @@ class EngineHost:
     @dispatch(axis=None)
     def engine_mismatches(self, hf_state: dict) -> list[str]:
         """The HF tensors whose part in this worker's engine differs from `hf_state` (bit for bit)."""
-        return engine_mismatches(self.engine.model(), hf_state)
+        return engine_mismatches(self.engine.sync_targets(), hf_state)

@@ -1,7 +1,7 @@
 """The worker: one Ray actor per device, hosting this device's share of the roles placed on its pool, all in one
 Megatron layout (the pool's TP/PP/VPP/EP):
 
-- "actor": the policy's Megatron shard and a vLLM engine (the hybrid engine: train and generate share the device
+- "actor": the policy's Megatron shard and a rollout engine (the hybrid engine: train and generate share the device
   in turn; after each update the new weights go from the shards into the engine through the resharding module).
   With rollout.placement=separate the engines run in `RolloutWorker`s instead, and rank 0 broadcasts the weights;
 - "ref": the frozen reference policy (a copy of the initial actor when colocated with it; on GPU its weights wait
@@ -25,7 +25,7 @@ from rl_megatron.config.schema import Config
 from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
 from rl_megatron.platform.startup import startup_done
 from rl_megatron.plugins import import_user_modules
-from rl_megatron.resharding import Resharder, vllm_targets
+from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_group
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
 from rl_megatron.resharding.specs import zero_what_no_region_holds
@@ -93,7 +93,7 @@ class HybridWorker(EngineHost):
         if Role.ROLLOUT in self.roles:
             self._start_engine()
             # The plan from the trainer's layout to the engines' is made (and checked) once, here.
-            self.resharder = Resharder(*self.models[Role.ACTOR].weight_sources(), vllm_targets(self.engine.model()),
+            self.resharder = Resharder(*self.models[Role.ACTOR].weight_sources(), self.engine.sync_targets(),
                                        bucket_bytes=cfg.resharding.bucket_mb << 20, channel=cfg.resharding.channel,
                                        verify=cfg.resharding.verify)
             if engine_lora_rank(cfg):  # the engines load the policy's adapters, on the base sent once
@@ -123,7 +123,7 @@ class HybridWorker(EngineHost):
         elif move.kind == "wake":
             self.engine.wake_up(move.parts)
         elif move.kind == "zero_unheld":
-            zero_what_no_region_holds(self.engine.model())
+            zero_what_no_region_holds(self.engine.sync_targets())
         elif move.kind == "sync":
             self._send_weights(move.parts)
         else:

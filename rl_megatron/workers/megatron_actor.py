@@ -120,7 +120,7 @@ class MegatronActor(MegatronModel):
         update's own forward pass, detached, gives them, and from them and rollout_log_probs the correction's
         weights; they come back with the entropy from the ranks that own outputs."""
         actor, correction = self.cfg.actor, self.cfg.algorithm.rollout_correction
-        policy_loss = POLICY_LOSSES[actor.policy_loss]
+        policy_loss = POLICY_LOSSES.bound(actor.policy_loss, self.cfg.extension_keys)
         on_policy = batch.old_log_probs is None
         kept = [] if on_policy else None
 

@@ -1,6 +1,6 @@
 """Where a worker's state lives between phases, as an explicit state machine.
 
-A hybrid worker takes turns: the vLLM engine generates, then Megatron computes (forward passes, updates) for each
+A hybrid worker takes turns: the rollout engine generates, then Megatron computes (forward passes, updates) for each
 role, then the new weights go into the engine. On GPU each turn wants the device memory the others hold, so:
 
 - a role's Megatron state ("params", "grads", "optimizer") waits in host memory while others use the device
@@ -69,10 +69,10 @@ def load(role: Role) -> Phase:
 @dataclass(frozen=True)
 class Move:
     """One step the worker carries out. kind: "to_host" / "to_device" (a role's `parts` of its state), "sleep" (the
-    engine, at vLLM's `level`), "wake" (the engine's `parts`: "weights", "kv_cache"), "zero_unheld" (zero the
-    engine's parameters that no sync writes, `resharding.specs.zero_what_no_region_holds`), "sync" (the policy's
-    `parts` into the engine: "weights", all that the resharder writes, the whole model or a LoRA policy's frozen base;
-    "adapters", a LoRA policy's adapters, which the engine serves)."""
+    engine, at `level`: `rollout.engine.SLEEP_LEVELS`), "wake" (the engine's `parts`: `rollout.engine.WAKE_TAGS`),
+    "zero_unheld" (zero the engine's parameters that no sync writes, `resharding.specs.zero_what_no_region_holds`),
+    "sync" (the policy's `parts` into the engine: "weights", all that the resharder writes, the whole model or a LoRA
+    policy's frozen base; "adapters", a LoRA policy's adapters, which the engine serves)."""
     kind: str
     role: Role | None = None
     parts: tuple[str, ...] = ()
@@ -82,7 +82,7 @@ class Move:
 @dataclass
 class PhaseMachine:
     """`offloaded`: roles whose state moves between device and host; `engine`: the worker hosts an engine;
-    `engine_sleeps`: the engine frees its memory during Megatron phases (GPU; vLLM's CPU backend cannot);
+    `engine_sleeps`: the engine frees its memory during Megatron phases (`RolloutEngine.sleeps`: vLLM on GPU);
     `adapters`: the engine serves the policy's LoRA adapters on its frozen base (actor.lora.merge=false)."""
     offloaded: tuple[Role, ...] = ()
     engine: bool = False
@@ -96,8 +96,8 @@ class PhaseMachine:
 
     def __post_init__(self):
         # Every offloaded role starts in host memory: the worker moves it there before the engine starts, so that
-        # vLLM, which sizes its KV cache by the device memory free at start, does not count Megatron's state as used
-        # (verl's order); each role comes back when a phase first needs it.
+        # the engine, sizing its KV cache by the device memory free at start (vLLM), does not count Megatron's state
+        # as used (verl's order); each role comes back when a phase first needs it.
         for role in self.offloaded:
             self.on_host.setdefault(role, set(STATE))
 
@@ -107,7 +107,7 @@ class PhaseMachine:
 
     @property
     def sleep_level(self) -> int:
-        """vLLM's sleep level for this engine; both free the same device memory (weights and KV cache). Level 2
+        """The engine's sleep level (`RolloutEngine.sleep`); both free the same device memory (weights and KV cache). Level 2
         discards the weights: right for an engine that every sync rewrites whole. An engine serving adapters gets
         its frozen base at the first sync only, then the adapters alone, so level 2 would leave it generating from
         garbage after its first sleep. Level 1 keeps its weights in host memory instead: host RAM equal to the
@@ -177,7 +177,7 @@ class PhaseMachine:
         return Move("to_device", role, moving) if moving else None
 
     def _sleep(self) -> Move | None:
-        # Like vLLM, a sleep while any part is still asleep does nothing: the engine must wake fully first.
+        # As `RolloutEngine.sleep`: a sleep while any part is still asleep does nothing; the engine wakes fully first.
         if not (self.engine and self.engine_sleeps) or self.engine_asleep:
             return None
         self.engine_asleep = {"weights", "kv_cache"}

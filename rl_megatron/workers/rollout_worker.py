@@ -1,5 +1,5 @@
-"""A worker of the rollout pool when the engines have devices of their own (rollout.placement=separate): one vLLM
-engine (or its TP shard) per device, which receives the policy's weights over the weight group after each update
+"""A worker of the rollout pool when the engines have devices of their own (rollout.placement=separate): one engine
+(or its TP shard) per device, which receives the policy's weights over the weight group after each update
 (see `resharding/broadcast.py`)."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 from rl_megatron.config.schema import Config
 from rl_megatron.platform.startup import startup_done
 from rl_megatron.plugins import import_user_modules
-from rl_megatron.resharding import vllm_targets
 from rl_megatron.resharding.broadcast import leave_weight_group, receive_weights, weight_group, write_engine_regions
 from rl_megatron.roles import Role
 from rl_megatron.workers.distributed import connect_store, init_distributed, rendezvous_address
@@ -33,7 +32,7 @@ class RolloutWorker(EngineHost):
         init_distributed(self.rank, self.world_size, connect_store(master_addr, master_port), tp=1, pp=1,
                          seed=self.cfg.trainer.seed)
         self._start_engine()
-        self.targets = vllm_targets(self.engine.model())
+        self.targets = self.engine.sync_targets()
         startup_done()
 
     def mesh(self) -> dict:

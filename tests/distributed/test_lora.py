@@ -18,7 +18,7 @@ from helpers.parity import config, family_model_dir, make_batch
 from helpers.worlds import run_distributed
 from rl_megatron import convert
 from rl_megatron.config.choices import LORA_MODULES, lora_modules
-from rl_megatron.launch.lora_memory import lora_parameters
+from rl_megatron.planning.lora_memory import lora_parameters
 from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.lora import PEFT_PREFIX
 from rl_megatron.doctor.cycle import hf_greedy

@@ -21,9 +21,9 @@ import torch
 
 from helpers.worlds import run_distributed
 from rl_megatron.batch import TrainBatch
-from rl_megatron.launch.memory import FP32, WEIGHT_BYTES, activation_bytes, head_bytes, layer_bytes
-from rl_megatron.launch.model_shape import ModelShape
-from rl_megatron.launch.plan import role_passes
+from rl_megatron.planning.memory import FP32, WEIGHT_BYTES, activation_bytes, head_bytes, layer_bytes
+from rl_megatron.planning.model_shape import ModelShape
+from rl_megatron.planning.plan import role_passes
 from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.tiny import build_tokenizer, family_config
 from rl_megatron.preflight import load_config

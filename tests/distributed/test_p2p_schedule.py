@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from rl_megatron.models.weight_tables import along, whole
+from rl_megatron.models.weight_layouts import along, whole
 from rl_megatron.resharding import Resharder
 from rl_megatron.resharding.plan import TensorSpec
 from helpers.worlds import run_distributed

@@ -29,7 +29,7 @@ def test_engines_hold_the_trainer_weights_exactly(tmp_path, tp, pp, vpp, engine_
 
 def plan_errors_leave_the_engine_untouched(cfg, engine_model_dir: str, drop_from_table: str | None):
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.resharding import PlanError, Resharder, vllm_targets
+    from rl_megatron.resharding import PlanError, Resharder
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
 
@@ -40,7 +40,7 @@ def plan_errors_leave_the_engine_untouched(cfg, engine_model_dir: str, drop_from
     try:
         before = {n: p.clone() for n, p in engine.model().named_parameters()}
         with pytest.raises(PlanError) as error:
-            Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=1 << 20)
+            Resharder(*actor.weight_sources(), engine.sync_targets(), bucket_bytes=1 << 20)
         untouched = all(torch.equal(before[n], p) for n, p in engine.model().named_parameters())
         return str(error.value), untouched
     finally:

@@ -40,7 +40,7 @@ def test_generation_after_a_level_2_sleep_is_synced_first(ray_session, tiny_mode
 
     from rl_megatron.batch import Prompt
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.rollout.vllm_engine import request_seeds
+    from rl_megatron.rollout.engine import request_seeds
     from rl_megatron.trainer.workers import build_workers, sync_weights
 
     cfg = sync_config(tiny_model_dir, "actor.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
@@ -75,7 +75,7 @@ def test_adapters_served_by_a_sleeping_engine_generate_as_peft_after_two_steps(r
     from rl_megatron.doctor.cycle import NEW_TOKENS, hf_greedy
     from rl_megatron.doctor.parity import hf_model
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.rollout.vllm_engine import request_seeds
+    from rl_megatron.rollout.engine import request_seeds
     from rl_megatron.trainer.workers import build_workers, sync_weights
 
     full = sync_config(tiny_model_dir, "actor.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1")

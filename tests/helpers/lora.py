@@ -119,7 +119,7 @@ def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, pro
 
     from rl_megatron.config.pools import engine_lora_rank
     from rl_megatron.models.lora import load_adapter_tensors
-    from rl_megatron.resharding import Resharder, vllm_targets
+    from rl_megatron.resharding import Resharder
     from rl_megatron.resharding.adapters import AdapterSync
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -130,7 +130,7 @@ def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, pro
                          verify=True) if engine_lora_rank(cfg) else None
     out = []
     try:
-        resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=16 << 10,
+        resharder = Resharder(*actor.weight_sources(), engine.sync_targets(), bucket_bytes=16 << 10,
                               channel=channel, verify=True)
         for i, adapters in enumerate(adapters_each_sync):
             load_adapter_tensors(actor.chunks, adapters)

@@ -21,7 +21,7 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
     import torch.distributed as dist
 
     from rl_megatron.models.hf_config import read_hf_config
-    from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict, vllm_targets
+    from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict
     from rl_megatron.rollout.vllm_engine import VLLMEngine
     from rl_megatron.workers.megatron_actor import MegatronActor
 
@@ -33,7 +33,7 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
         # A first generation with the dummy weights: nothing the engine derives from its weights (packed copies,
         # cached KV) may outlive the sync.
         engine.generate(PROMPTS, n=1, temperature=0.0)
-        resharder = Resharder(*actor.weight_sources(), vllm_targets(engine.model()), bucket_bytes=bucket_bytes,
+        resharder = Resharder(*actor.weight_sources(), engine.sync_targets(), bucket_bytes=bucket_bytes,
                               channel=channel, verify=True)
         stats = resharder.sync()
         resharder.close()
@@ -41,7 +41,7 @@ def sync_into_engine(cfg, channel: str, bucket_bytes: int):
         state = [export_hf_state_dict(actor.chunks, actor.table)]
         dist.broadcast_object_list(state, src=0)
         greedy = [g.response_ids for g in engine.generate(PROMPTS, n=1, temperature=0.0)]
-        return engine_mismatches(engine.model(), state[0]), greedy, state[0], stats
+        return engine_mismatches(engine.sync_targets(), state[0]), greedy, state[0], stats
     finally:
         engine.close()
 

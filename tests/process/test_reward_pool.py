@@ -12,7 +12,7 @@ import torch
 from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError
-from rl_megatron.rewards import REGISTRY
+from rl_megatron.rewards import SCORERS
 from rl_megatron.rewards.scorer import RewardScorer
 from rl_megatron.trainer.rewards import Rewards
 
@@ -191,7 +191,7 @@ def test_a_bad_custom_fn_fails_at_start_naming_the_key(user_module, spec, messag
 
 def test_unknown_sources_and_missing_prompts_fail_before_scoring():
     with RewardScorer(reward_cfg(num_workers=1)) as scorer:
-        with pytest.raises(KeyError, match="no_such_task.*arithmetic"):
+        with pytest.raises(ConfigError, match="data_source='no_such_task' is not a registered .*arithmetic"):
             scorer.score(["no_such_task"], ["1"], ["1"])
         with pytest.raises(ValueError, match="'countdown'.*pass prompts="):
             scorer.score(["countdown"], ["<answer>1</answer>"], [{"target": 1, "numbers": [1]}])
@@ -262,7 +262,7 @@ def registering_module(tmp_path, monkeypatch):
     (tmp_path / "user_registry_for_test.py").write_text(textwrap.dedent(REGISTERING_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_registry_for_test"
-    REGISTRY.pop("shouting_task", None)
+    SCORERS.remove("shouting_task")
     sys.modules.pop("user_registry_for_test", None)
 
 

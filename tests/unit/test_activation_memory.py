@@ -1,4 +1,4 @@
-"""The activation estimate of rl_megatron/launch/memory.py and layer_memory.py against figures worked out by hand from
+"""The activation estimate of rl_megatron/planning/memory.py and layer_memory.py against figures worked out by hand from
 their docstrings (tests/distributed/test_memory_plan.py holds them to the bytes autograd saves).
 
 One small dense layer throughout: h = 64, f = 128, 4 heads of 16 (h_q = 64), 2 kv heads (h_kv = 32), 4 layers,
@@ -12,8 +12,8 @@ token of a packed row, the MLP 640; the head 10 * 64/2 + 500 = 820 in an update.
 """
 import pytest
 
-from rl_megatron.launch.memory import Activations, ModelShape, RolePasses, activation_bytes, in_flight, layer_bytes
-from rl_megatron.launch.model_shape import LatentAttention
+from rl_megatron.planning.memory import Activations, ModelShape, RolePasses, activation_bytes, in_flight, layer_bytes
+from rl_megatron.planning.model_shape import LatentAttention
 
 SHAPE = ModelShape(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, layers=4, vocab=100)
 T = 1000

@@ -31,7 +31,7 @@ What counts as a command, and how each is checked (in this process, no training 
   `section.{a, b}`, in lower case; not a file name such as `moe.py`) names a key (or section) of the schema, and a
   span naming a path of the repository (`configs/...`, `tests/...`, `rl_megatron/...`, `launch/...`, `docs/...`,
   without placeholders such as `<name>` or `*`) names an existing file or folder (a package-relative one, as
-  docs/architecture.md writes `launch/memory.py`, under rl_megatron/). A span that names a module of rl_megatron
+  docs/architecture.md writes `planning/memory.py`, under rl_megatron/). A span that names a module of rl_megatron
   (`rollout.vllm_engine.x`), or something of the library a section is named after (`ray.get`), is code, not a
   config key.
 - ```python blocks compile, and each name their `from rl_megatron... import` lines import exists.
@@ -432,9 +432,12 @@ def test_inline_commands_name_existing_modules_scripts_targets_and_flags():
 
 
 def schema_keys() -> set[str]:
-    """Every key of the config schema, sections included (`actor.optim`, `actor.optim.lr`)."""
+    """Every key of the config schema, sections included (`actor.optim`, `actor.optim.lr`), and the built-in
+    extensions' own keys (`actor.clip_cov`, `actor.clip_cov.ratio`)."""
     from omegaconf import DictConfig, OmegaConf
     from rl_megatron.config import Config
+    from rl_megatron.config.extensions import resolve_extension_keys
+    from rl_megatron.preflight.resolve import EXTENSIBLE
 
     keys = set()
 
@@ -446,6 +449,8 @@ def schema_keys() -> set[str]:
                 walk(child, prefix + name + ".")
 
     walk(OmegaConf.structured(Config), "")
+    for key in resolve_extension_keys({}, EXTENSIBLE):
+        keys |= {key, key.rpartition(".")[0]}
     return keys
 
 

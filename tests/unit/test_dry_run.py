@@ -11,7 +11,7 @@ import pytest
 from helpers.runs import REPO
 
 from rl_megatron.config import ConfigError
-from rl_megatron.launch import build_plan
+from rl_megatron.planning import build_plan
 from rl_megatron.launch.__main__ import plan_node
 from rl_megatron.preflight import load_config
 from rl_megatron.preflight.dry_run import SHIPPED_MODELS, load_plan_config, shipped_models

@@ -1,7 +1,9 @@
 """The package layers, read from the source's imports: config is the floor (it imports nothing of rl_megatron but
-the leaf modules errors and roles, and no config type needs a TYPE_CHECKING guard to be imported); nothing below
-workers/ imports it; workers/ does not import launch/. And importing the schema in a fresh interpreter loads a
-handful of modules, none of torch, Ray, vLLM or Megatron."""
+the leaf modules errors, roles and registry, and no config type needs a TYPE_CHECKING guard to be imported); the
+leaves import nothing of rl_megatron but one another (registry: errors); nothing below
+workers/ imports it; the planner (planning/) imports none of the drivers that read it, and nothing imports the
+launcher (launch/, the top). And importing the schema in a fresh interpreter loads a handful of modules, none of torch,
+Ray, vLLM or Megatron."""
 import ast
 import json
 import subprocess
@@ -12,8 +14,12 @@ import pytest
 from helpers.runs import REPO
 
 PACKAGE = Path(REPO) / "rl_megatron"
-LEAF_MODULES = ("rl_megatron.errors", "rl_megatron.roles")  # import nothing of rl_megatron: any package may use them
-BELOW_WORKERS = ("rollout", "resharding", "models", "platform", "algorithms", "data", "rewards")
+# Import nothing of rl_megatron but one another: any package may use them.
+LEAF_MODULES = ("rl_megatron.errors", "rl_megatron.roles", "rl_megatron.registry")
+BELOW_WORKERS = ("rollout", "resharding", "models", "platform", "planning", "algorithms", "data", "rewards")
+# The drivers above the planner: launch/ and the trainer print the plan, preflight/ and the doctor check against it.
+PLAN_READERS = ("rl_megatron.launch", "rl_megatron.preflight", "rl_megatron.trainer", "rl_megatron.doctor",
+                "rl_megatron.bench")
 HEAVY = ("torch", "ray", "vllm", "megatron")
 MAX_MODULES_FOR_THE_SCHEMA = 12
 
@@ -55,8 +61,8 @@ def test_config_imports_nothing_of_rl_megatron_but_itself_and_the_leaf_modules()
                               and name not in LEAF_MODULES)
                for module, names in imports_of("config").items()}
     assert not {module: names for module, names in outside.items() if names}
-    for leaf in LEAF_MODULES:
-        assert imports_of(leaf.rpartition(".")[2]) == {leaf: set()}
+    assert {leaf: imports_of(leaf.rpartition(".")[2])[leaf] for leaf in LEAF_MODULES} == {
+        "rl_megatron.errors": set(), "rl_megatron.roles": set(), "rl_megatron.registry": {"rl_megatron.errors"}}
 
 
 def test_no_type_checking_guard_imports_a_config_type():
@@ -76,10 +82,17 @@ def test_nothing_below_workers_imports_them(package):
     assert not {module: names for module, names in upward.items() if names}
 
 
-def test_workers_do_not_import_the_launcher():
-    upward = {module: sorted(name for name in names if within(name, "rl_megatron.launch"))
-              for module, names in imports_of("workers").items()}
+def test_the_planner_imports_none_of_the_drivers_that_read_it():
+    upward = {module: sorted(name for name in names if any(within(name, reader) for reader in PLAN_READERS))
+              for module, names in imports_of("planning").items()}
     assert not {module: names for module, names in upward.items() if names}
+
+
+def test_nothing_imports_the_launcher():
+    importers = {module_name(path): sorted(name for name in imported_modules(ast.parse(path.read_text(), str(path)))
+                                           if within(name, "rl_megatron.launch"))
+                 for path in sorted(PACKAGE.rglob("*.py")) if not within(module_name(path), "rl_megatron.launch")}
+    assert not {module: names for module, names in importers.items() if names}
 
 
 def test_the_schema_alone_loads_a_handful_of_modules_and_no_framework():

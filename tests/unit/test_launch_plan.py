@@ -12,12 +12,12 @@ from helpers.ports import closed_port
 from rl_megatron.config import ConfigError
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.preflight import load_config
-from rl_megatron.launch import build_plan, format_plan
+from rl_megatron.planning import build_plan, format_plan
 from rl_megatron.launch.__main__ import check_environment, describe_node, plan_node, shell_assignments
 from rl_megatron.launch.auth import ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
-from rl_megatron.launch.memory import (GIB, ModelShape, RankParameters, RolePasses, activation_bytes,
-                                       rank_parameters, training_state_bytes)
+from rl_megatron.planning.memory import (GIB, ModelShape, RankParameters, RolePasses, activation_bytes,
+                                         rank_parameters, training_state_bytes)
 from rl_megatron.launch.ray_cluster import cluster_shortfall, wait_for_head
 from rl_megatron.workers.cluster import port_open
 

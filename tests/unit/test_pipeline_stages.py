@@ -11,9 +11,9 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from rl_megatron.config import ConfigError
 from rl_megatron.preflight import load_config
-from rl_megatron.launch import format_plan
-from rl_megatron.launch.memory import (ModelShape, RankParameters, RolePasses, activation_bytes, in_flight,
-                                       rank_parameters)
+from rl_megatron.planning import format_plan
+from rl_megatron.planning.memory import (ModelShape, RankParameters, RolePasses, activation_bytes, in_flight,
+                                         rank_parameters)
 from rl_megatron.models.gpt import transformer_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, split_problem
 from rl_megatron.roles import Role

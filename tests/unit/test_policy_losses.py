@@ -14,6 +14,7 @@ from helpers.runs import REPO
 
 from rl_megatron.algorithms import (ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, LossScale, cispo_loss,
                                     clip_cov_loss, gspo_loss, kl_cov_loss, ppo_loss)
+from rl_megatron.algorithms.policy_losses import CISPOConfig, ClipCovConfig, KLCovConfig
 from rl_megatron.config import ConfigError
 from rl_megatron.preflight import load_config
 from rl_megatron.bench.host_syncs import HostSyncCounter
@@ -49,10 +50,11 @@ def with_ratios(old: torch.Tensor, ratios: list[list[float]]) -> torch.Tensor:
 
 
 def run(loss_fn, log_probs, old, advantages, mask=MASK, scale=TOKEN_MEAN_OF_5, importance_weights=None,
-        **actor_keys):
-    """The loss, its stats, and d loss / d log_probs."""
+        config=None, **actor_keys):
+    """The loss, its stats, and d loss / d log_probs; `config`: the loss's own keys, where it has them."""
+    own = {} if config is None else {"config": config}
     loss, stats = loss_fn(log_probs, old, advantages, mask, actor=ActorConfig(**actor_keys), scale=scale,
-                          importance_weights=importance_weights)
+                          importance_weights=importance_weights, **own)
     (gradient,) = torch.autograd.grad(loss, log_probs)
     return loss, stats, gradient
 
@@ -128,7 +130,7 @@ def test_cispo_caps_the_weight_and_keeps_every_tokens_gradient():
     old = on_mask([[-1.0] * 3, [-1.0] * 2])
     log_probs = with_ratios(old, [[1.5, 0.5, 1.1], [2.0, 0.9]])
     advantages = torch.tensor([1.0, -1.0, 3.0])
-    loss, stats, gradient = run(cispo_loss, log_probs, old, advantages, cispo_clip_high=0.2)
+    loss, stats, gradient = run(cispo_loss, log_probs, old, advantages, config=CISPOConfig(clip_high=0.2))
     # Weights sg[min(r, 1.2)]: row 0 [1.2 (capped), 0.5 (no lower cap), 1.1], row 1 [1.2 (capped), 0.9]
     # logp = -1 + log r: row 0 [-0.594535, -1.693147, -0.904690], row 1 [-0.306853, -1.105361]
     # per token -w A logp:
@@ -166,8 +168,8 @@ def cov_inputs():
 
 def test_clip_cov_drops_the_drawn_token_from_the_loss_and_keeps_ppo_elsewhere():
     log_probs, old = cov_inputs()
-    loss, stats, gradient = run(clip_cov_loss, log_probs, old, COV_ADVANTAGES, clip_cov_ratio=0.2,
-                                clip_cov_lb=1.0, clip_cov_ub=5.0)
+    loss, stats, gradient = run(clip_cov_loss, log_probs, old, COV_ADVANTAGES,
+                                config=ClipCovConfig(ratio=0.2, lb=1.0, ub=5.0))
     # In the band [1, 5]: t0 (1.2, but already clipped by PPO: not a candidate) and t3 (3.6).
     # max(1, floor(0.2 * 5)) = 1 token drawn: t3, whose term becomes 0.
     # sum = -2.4 - 2.2 - 1.8 + 0 + 0.8 = -5.6 over 5 tokens
@@ -182,7 +184,7 @@ def test_clip_cov_drops_the_drawn_token_from_the_loss_and_keeps_ppo_elsewhere():
 
 def test_clip_cov_draws_nothing_outside_the_band():
     log_probs, old = cov_inputs()
-    loss, stats, _ = run(clip_cov_loss, log_probs, old, COV_ADVANTAGES, clip_cov_lb=4.0, clip_cov_ub=5.0)
+    loss, stats, _ = run(clip_cov_loss, log_probs, old, COV_ADVANTAGES, config=ClipCovConfig(lb=4.0, ub=5.0))
     # No covariance in [4, 5]: PPO's loss, (-5.6 + 1.1) / 5
     assert loss.item() == pytest.approx(-4.5 / 5, abs=1e-6)
     assert stats.token_sums["pg_clipfrac"].item() == 0.0
@@ -201,38 +203,38 @@ def random_batch(rows: int = 6, positions: int = 8, seed: int = 0):
     return log_probs, old, advantages, weights, mask.long()
 
 
-def drawn_tokens(log_probs, old, advantages, mask, **actor_keys) -> torch.Tensor:
+def drawn_tokens(log_probs, old, advantages, mask, config: ClipCovConfig) -> torch.Tensor:
     """Where clip_cov's gradient is 0 but PPO's is not: the tokens it drew."""
     scale = LossScale(tokens=mask.sum().item(), sequences=len(mask), horizon=mask.shape[1])
-    _, _, gradient = run(clip_cov_loss, log_probs, old, advantages, mask, scale, **actor_keys)
+    _, _, gradient = run(clip_cov_loss, log_probs, old, advantages, mask, scale, config=config)
     _, _, ppo_gradient = run(ppo_loss, log_probs, old, advantages, mask, scale)
     return (gradient == 0) & (ppo_gradient != 0)
 
 
 def test_clip_cov_draw_is_reproducible_and_leaves_the_global_rng_alone():
     log_probs, old, advantages, _, mask = random_batch()
-    wide_band = {"clip_cov_ratio": 0.1, "clip_cov_lb": -100.0, "clip_cov_ub": 100.0}
+    wide_band = ClipCovConfig(ratio=0.1, lb=-100.0, ub=100.0)
     torch.manual_seed(1)
     state = torch.get_rng_state()
-    drawn = drawn_tokens(log_probs, old, advantages, mask, **wide_band)
+    drawn = drawn_tokens(log_probs, old, advantages, mask, wide_band)
     assert torch.equal(torch.get_rng_state(), state)
     # 28 response tokens: floor(0.1 * 28) = 2 drawn
     assert mask.sum().item() == 28 and drawn.sum().item() == 2
     torch.manual_seed(2)
-    assert torch.equal(drawn_tokens(log_probs, old, advantages, mask, **wide_band), drawn)
+    assert torch.equal(drawn_tokens(log_probs, old, advantages, mask, wide_band), drawn)
     # Other data draws other tokens: the seed comes from the old log-probs.
-    shifted = drawn_tokens(log_probs, old - 1e-3, advantages, mask, **wide_band)
+    shifted = drawn_tokens(log_probs, old - 1e-3, advantages, mask, wide_band)
     assert shifted.sum().item() == 2 and not torch.equal(shifted, drawn)
 
 
 def test_clip_cov_rejects_an_empty_band():
-    with pytest.raises(ValueError, match="clip_cov_lb <= actor.clip_cov_ub"):
-        run(clip_cov_loss, *cov_inputs(), COV_ADVANTAGES, clip_cov_lb=5.0, clip_cov_ub=1.0)
+    with pytest.raises(ValueError, match="actor.clip_cov.lb=5.0 is above actor.clip_cov.ub=1.0"):
+        run(clip_cov_loss, *cov_inputs(), COV_ADVANTAGES, config=ClipCovConfig(lb=5.0, ub=1.0))
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens_only():
     log_probs, old = cov_inputs()
-    loss, stats, gradient = run(kl_cov_loss, log_probs, old, COV_ADVANTAGES, kl_cov_ratio=0.4, ppo_kl_coef=0.5)
+    loss, stats, gradient = run(kl_cov_loss, log_probs, old, COV_ADVANTAGES, config=KLCovConfig(ratio=0.4, kl_coef=0.5))
     # floor(0.4 * 5) = 2 tokens of the largest covariance: t3 (3.6) and t0 (1.2).
     # No clip: -A r = [-3.0, -2.2, -1.8], [1.1, 0.7], sum -5.2
     # penalties 0.5 * |log r|: t0 0.5 * log 1.5 = 0.202733, t3 0.5 * log 1.1 = 0.047655
@@ -248,7 +250,7 @@ def test_kl_cov_penalises_the_top_covariance_tokens_only():
 
 def test_kl_cov_picks_at_least_one_token():
     log_probs, old = cov_inputs()
-    _, stats, gradient = run(kl_cov_loss, log_probs, old, COV_ADVANTAGES, ppo_kl_coef=0.5)
+    _, stats, gradient = run(kl_cov_loss, log_probs, old, COV_ADVANTAGES, config=KLCovConfig(kl_coef=0.5))
     # The default 2e-4 of 5 tokens rounds down to 0: one token, t3, the largest covariance
     assert stats.token_sums["pg_clipfrac"].item() == 1.0
     assert_close(gradient[1, 1], 1.6 / 5)
@@ -260,12 +262,12 @@ def test_kl_cov_picks_at_least_one_token():
 def test_importance_weights_multiply_each_tokens_loss(name):
     log_probs, old, advantages, weights, mask = random_batch()
     scale = LossScale(tokens=28, sequences=6, horizon=8)
-    loss, _, gradient = run(POLICY_LOSSES[name], log_probs, old, advantages, mask, scale)
-    tripled, _, _ = run(POLICY_LOSSES[name], log_probs, old, advantages, mask, scale,
+    loss, _, gradient = run(POLICY_LOSSES.bound(name, {}), log_probs, old, advantages, mask, scale)
+    tripled, _, _ = run(POLICY_LOSSES.bound(name, {}), log_probs, old, advantages, mask, scale,
                         importance_weights=torch.where(mask.bool(), 3.0, NAN))
     torch.testing.assert_close(tripled, 3 * loss)
     # Each token's loss has a gradient in its own log-prob only, so the weights scale the gradient token by token.
-    _, _, weighted_gradient = run(POLICY_LOSSES[name], log_probs, old, advantages, mask, scale,
+    _, _, weighted_gradient = run(POLICY_LOSSES.bound(name, {}), log_probs, old, advantages, mask, scale,
                                   importance_weights=weights)
     torch.testing.assert_close(weighted_gradient, torch.where(mask.bool(), weights * gradient, 0.0))
 
@@ -279,7 +281,7 @@ def test_garbage_outside_the_mask_reaches_neither_loss_nor_gradient(name):
     clean[0].requires_grad_()
     garbage = [torch.where(outside, fill, tensor) for tensor, fill in zip(clean, (torch.inf, NAN, -torch.inf, NAN))]
     garbage[0] = garbage[0].detach().requires_grad_()
-    results = [run(POLICY_LOSSES[name], *inputs[:3], mask, scale, importance_weights=inputs[3])
+    results = [run(POLICY_LOSSES.bound(name, {}), *inputs[:3], mask, scale, importance_weights=inputs[3])
                for inputs in (clean, garbage)]
     (clean_loss, clean_stats, clean_gradient), (loss, stats, gradient) = results
     assert loss.isfinite() and gradient.isfinite().all() and (gradient[outside] == 0).all()
@@ -296,11 +298,12 @@ MICRO_BATCHES = (slice(0, 2), slice(2, 6))  # uneven halves, the second with the
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
 def test_micro_batch_losses_sum_to_the_mini_batch_loss(name, mode):
     log_probs, old, advantages, weights, mask = random_batch()
-    actor = ActorConfig(loss_agg_mode=mode, clip_ratio_low=0.05, clip_ratio_high=0.05, cispo_clip_high=0.1)
+    actor = ActorConfig(loss_agg_mode=mode, clip_ratio_low=0.05, clip_ratio_high=0.05)
     scale = LossScale(tokens=28, sequences=6, horizon=8)
+    loss = POLICY_LOSSES.bound(name, {"actor.cispo.clip_high": 0.1})
 
     def loss_of(rows):
-        return POLICY_LOSSES[name](log_probs[rows], old[rows], advantages[rows], mask[rows], actor=actor,
+        return loss(log_probs[rows], old[rows], advantages[rows], mask[rows], actor=actor,
                                    scale=scale, importance_weights=weights[rows])
 
     whole, whole_stats = loss_of(slice(None))
@@ -314,8 +317,9 @@ def test_micro_batch_losses_sum_to_the_mini_batch_loss(name, mode):
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_every_registered_loss_runs_with_the_default_config(name):
     log_probs, old, advantages, weights, mask = random_batch()
-    loss, stats = POLICY_LOSSES[name](log_probs, old, advantages, mask, actor=ActorConfig(),
-                                      scale=LossScale(tokens=28, sequences=6, horizon=8), importance_weights=weights)
+    loss, stats = POLICY_LOSSES.bound(name, {})(log_probs, old, advantages, mask, actor=ActorConfig(),
+                                                scale=LossScale(tokens=28, sequences=6, horizon=8),
+                                                importance_weights=weights)
     loss.backward()
     assert loss.isfinite() and log_probs.grad.isfinite().all()
     assert stats.tokens == 28 and {"pg_clipfrac", "ppo_kl"} <= set(stats.token_sums)
@@ -327,8 +331,7 @@ def test_every_registered_loss_runs_with_the_default_config(name):
 def restore_registries(monkeypatch):
     """What a test registers is gone after it."""
     for registry in (POLICY_LOSSES, ADV_ESTIMATORS):
-        monkeypatch.setattr(registry, "entries", dict(registry.entries))
-        monkeypatch.setattr(registry, "traits", dict(registry.traits))
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))
 
 
 def load_demo(*overrides):
@@ -377,11 +380,13 @@ def test_no_loss_waits_on_the_host(name):
     KL-Cov's top-k included): counted as a GPU run would sync, with the inputs as device tensors."""
     log_probs, old, advantages, weights, mask = random_batch()
     scale = LossScale(tokens=28, sequences=6, horizon=8)
-    actor = ActorConfig(clip_cov_ratio=0.1, clip_cov_lb=-100.0, clip_cov_ub=100.0, kl_cov_ratio=0.1)
+    actor = ActorConfig()
+    own_keys = {"actor.clip_cov.ratio": 0.1, "actor.clip_cov.lb": -100.0, "actor.clip_cov.ub": 100.0,
+                "actor.kl_cov.ratio": 0.1}
 
     def step():
-        loss, stats = POLICY_LOSSES[name](log_probs, old, advantages, mask, actor=actor, scale=scale,
-                                          importance_weights=weights)
+        loss, stats = POLICY_LOSSES.bound(name, own_keys)(log_probs, old, advantages, mask, actor=actor,
+                                                          scale=scale, importance_weights=weights)
         loss.backward()
 
     with HostSyncCounter([log_probs, old, advantages, weights, mask], torch.device("cpu")) as counter:

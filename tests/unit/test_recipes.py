@@ -18,8 +18,8 @@ from rl_megatron.algorithms import overlong_penalty
 from rl_megatron.config import ConfigError
 from rl_megatron.preflight import load_config
 from rl_megatron.data import prepare as data_prepare
-from rl_megatron.launch import build_plan, format_plan
-from rl_megatron.launch.memory import GIB
+from rl_megatron.planning import build_plan, format_plan
+from rl_megatron.planning.memory import GIB
 from rl_megatron.rewards import score
 from rl_megatron.tools import sandbox
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from rl_megatron.models.weight_tables import along, whole
+from rl_megatron.models.weight_layouts import along, whole
 from rl_megatron.resharding.channels import SharedBuffer, make_channel, shared_file_prefix
 from rl_megatron.resharding.shared_params import _remove_files_of_dead_processes
 from rl_megatron.resharding.plan import PlanError, TensorSpec, build_plan

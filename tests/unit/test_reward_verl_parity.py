@@ -27,7 +27,7 @@ import sys
 
 import pytest
 
-from rl_megatron.rewards import REGISTRY, gsm8k, math, math_dapo, score
+from rl_megatron.rewards import SCORERS, gsm8k, math, math_dapo, score
 
 VERL_VERSION = "0.9.1"  # the Makefile's VERL; docs/tasks-and-rewards.md names it
 VERL_DIR = os.path.join(sys.prefix, f"verl-{VERL_VERSION}")  # the Makefile's VERL_DIR, in the virtual environment
@@ -285,7 +285,7 @@ def test_verl_routes_these_data_sources_to_these_scorers():
             "math_dapo": {math_dapo.compute_score, math.compute_score_math_source}}
     for source, modules in routes.items():
         for module in modules & set(ours):
-            assert modules == {module} and REGISTRY.get(source) in ours[module], \
+            assert modules == {module} and SCORERS.get(source) in ours[module], \
                 f"verl scores {source!r} with {modules}"
     assert set().union(*routes.values()) >= set(ours)
     assert prefixes == ["aime"]  # verl's `data_source.startswith("aime")`: docs/tasks-and-rewards.md says how

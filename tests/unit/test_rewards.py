@@ -1,6 +1,7 @@
 import pytest
 
-from rl_megatron.rewards import REGISTRY, register, score
+from rl_megatron.errors import ConfigError
+from rl_megatron.rewards import SCORERS, register, score
 from rl_megatron.rewards.arithmetic import compute_score
 from rl_megatron.rewards.worker import as_reward, score_chunk
 
@@ -45,7 +46,7 @@ def test_arithmetic_custom_score_value():
 
 
 def test_registry_dispatches_by_data_source():
-    assert REGISTRY["arithmetic"] is compute_score
+    assert SCORERS["arithmetic"] is compute_score
     assert score("arithmetic", " 7", "7") == 1.0
 
 
@@ -57,17 +58,16 @@ def test_register_adds_a_source():
     try:
         assert score("test_exact_match", "a", "a") == 1.0
     finally:
-        del REGISTRY["test_exact_match"]
+        SCORERS.remove("test_exact_match")
 
 
 def test_unknown_data_source_names_the_known_ones():
-    with pytest.raises(KeyError, match="no_such_task.*arithmetic"):
+    with pytest.raises(ConfigError, match="data_source='no_such_task' is not a registered reward scorer .*arithmetic"):
         score("no_such_task", "3", "3")
 
 
 def test_builtin_scorers_are_registered_under_verl_and_tinyzero_data_source_names():
-    from rl_megatron.rewards import (KEYWORDS_FROM_CONFIG, READS_EXTRA_INFO, READS_PROMPT, countdown, gsm8k, lookup,
-                                     math, math_dapo)
+    from rl_megatron.rewards import countdown, gsm8k, lookup, math, math_dapo
 
     expected = {"countdown": countdown.compute_score, "openai/gsm8k": gsm8k.compute_score,
                 "gsm8k": gsm8k.compute_score, "lighteval/MATH": math.compute_score,
@@ -76,32 +76,35 @@ def test_builtin_scorers_are_registered_under_verl_and_tinyzero_data_source_name
                 "math_dapo": math_dapo.compute_score, "math_dapo_reasoning": math_dapo.compute_score,
                 "lookup": lookup.compute_score}
     for name, scorer in expected.items():
-        assert REGISTRY[name] is scorer, name
-    assert READS_PROMPT == {"countdown"}  # only TinyZero's countdown reads the prompt's "Assistant:" marker
-    assert READS_EXTRA_INFO == {"lookup"}  # the tool-calling demo's reads the rollout's tool calls
+        assert SCORERS[name] is scorer, name
+    # only TinyZero's countdown reads the prompt's "Assistant:" marker
+    assert SCORERS.with_trait("reads_prompt") == {"countdown"}
+    # the tool-calling demo's reads the rollout's tool calls
+    assert SCORERS.with_trait("reads_extra_info") == {"lookup"}
     # The match modes come from the reward config.
-    assert KEYWORDS_FROM_CONFIG == {"openai/gsm8k": {"match": "gsm8k_match"}, "gsm8k": {"match": "gsm8k_match"},
-                                    **{name: {"match": "math_match"} for name in ("lighteval/MATH", "math",
-                                       "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")}}
+    from_config = {name: SCORERS.trait(name, "from_config") for name in SCORERS.with_trait("from_config")}
+    assert from_config == {"openai/gsm8k": {"match": "gsm8k_match"}, "gsm8k": {"match": "gsm8k_match"},
+                           **{name: {"match": "math_match"} for name in ("lighteval/MATH", "math",
+                              "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")}}
 
 
 def test_keywords_from_config_follow_the_registrations():
     """The built-in scorers get their match modes from the reward config; a scorer registered again under a
     built-in's name (a user's own) gets only the keywords it asks for."""
     from rl_megatron.config.schema import RewardConfig
-    from rl_megatron.rewards import KEYWORDS_FROM_CONFIG, keywords_from_config
+    from rl_megatron.rewards import keywords_from_config
 
     cfg = RewardConfig(gsm8k_match="numeric")
     keywords = keywords_from_config(cfg)
     assert keywords["openai/gsm8k"] == {"match": "numeric"}
     assert keywords["lighteval/MATH"] == keywords["math"] == {"match": "exact"}
-    builtin = REGISTRY["openai/gsm8k"]
+    builtin = SCORERS["openai/gsm8k"]
     try:
         register("openai/gsm8k")(lambda solution_str, ground_truth: 0.5)
         assert "openai/gsm8k" not in keywords_from_config(cfg)
     finally:
         register("openai/gsm8k", from_config={"match": "gsm8k_match"})(builtin)
-    assert KEYWORDS_FROM_CONFIG["openai/gsm8k"] == {"match": "gsm8k_match"}
+    assert SCORERS.trait("openai/gsm8k", "from_config") == {"match": "gsm8k_match"}
 
 
 def test_scorer_processes_call_the_scorers_with_their_keywords():
@@ -135,19 +138,16 @@ def test_as_reward_refuses_a_bad_score_or_accuracy(raw, error, words):
 
 
 def test_register_takes_several_names_and_the_prompt_flag():
-    from rl_megatron.rewards import READS_PROMPT
-
     @register("test_a", "test_b", reads_prompt=True)
     def constant(solution_str, ground_truth):
         return 0.5
 
     try:
         assert score("test_a", "", "") == score("test_b", "", "") == 0.5
-        assert {"test_a", "test_b"} <= READS_PROMPT
+        assert {"test_a", "test_b"} <= SCORERS.with_trait("reads_prompt")
     finally:
         for name in ("test_a", "test_b"):
-            del REGISTRY[name]
-            READS_PROMPT.discard(name)
+            SCORERS.remove(name)
 
 
 MALFORMED = [None, 0, 7, 3.5, b"Assistant: <answer>1+2</answer>", {"answer": 3}, ["#### 3"], object(),
@@ -155,7 +155,7 @@ MALFORMED = [None, 0, 7, 3.5, b"Assistant: <answer>1+2</answer>", {"answer": 3},
              "#### " + "1," * 300_000, "." * 1_000_000, "(" * 100_000]
 
 
-@pytest.mark.parametrize("data_source", sorted(REGISTRY))
+@pytest.mark.parametrize("data_source", SCORERS.names())
 @pytest.mark.parametrize("solution", MALFORMED, ids=lambda value: f"{type(value).__name__}{len(repr(value))}")
 def test_every_scorer_returns_a_reward_for_malformed_input(data_source, solution):
     """A float, or (DAPO) verl's dict whose score and accuracy are floats."""

@@ -19,7 +19,7 @@ from helpers.runs import REPO
 
 from rl_megatron import platform
 from rl_megatron.config import ConfigError
-from rl_megatron.launch.memory import ModelShape, RolePasses, layer_bytes
+from rl_megatron.planning.memory import ModelShape, RolePasses, layer_bytes
 from rl_megatron.models.hf_config import model_config
 from rl_megatron.preflight import load_config, sink_attention
 from rl_megatron.preflight.sink_attention import check_sink_attention, layer_score_bytes, sink_attention_bytes

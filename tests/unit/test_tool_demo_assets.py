@@ -12,7 +12,7 @@ from rl_megatron.data import TASKS
 from rl_megatron.data.loader import PromptLoader
 from rl_megatron.data.lookup import NUM_ROWS, lookup_rows
 from rl_megatron.models.tiny import EOS_ID, LOOKUP_CALL, TOOLS, build_tokenizer
-from rl_megatron.rewards import READS_EXTRA_INFO, REGISTRY, register, score
+from rl_megatron.rewards import SCORERS, register, score
 from rl_megatron.rewards.lookup import CALL_CREDIT, compute_score
 from rl_megatron.rewards.worker import score_chunk
 
@@ -185,16 +185,16 @@ def test_register_reads_extra_info():
     samples = [("test_reads_extra_info", "", "", {"num_turns": 3}), ("test_plain", "", "", {"num_turns": 3}),
                ("lookup", "3", "7", stats({"lookup": 1})), ("arithmetic", "7", "7", {"num_turns": 3})]
     try:
-        assert READS_EXTRA_INFO >= {"lookup", "test_reads_extra_info"} and "test_plain" not in READS_EXTRA_INFO
+        reads_extra_info = SCORERS.with_trait("reads_extra_info")
+        assert reads_extra_info >= {"lookup", "test_reads_extra_info"} and "test_plain" not in reads_extra_info
         assert score("test_reads_extra_info", "", "", {"num_turns": 2}) == 2.0
         assert score("test_plain", "", "", {"num_turns": 2}) == 0.5
         # The scorer processes call them the same way.
         assert score_chunk(samples, None, {}, [0.0, 0.0]) == ([(3.0, 3.0), (0.5, 0.5), (CALL_CREDIT, CALL_CREDIT),
                                                                (1.0, 1.0)], [])
         register("test_reads_extra_info")(plain)  # registered again without the option: no extra_info
-        assert "test_reads_extra_info" not in READS_EXTRA_INFO
+        assert "test_reads_extra_info" not in SCORERS.with_trait("reads_extra_info")
         assert score("test_reads_extra_info", "", "", {"num_turns": 2}) == 0.5
     finally:
         for name in ("test_reads_extra_info", "test_plain"):
-            del REGISTRY[name]
-            READS_EXTRA_INFO.discard(name)
+            SCORERS.remove(name)

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from rl_megatron.models.family import table_for
-from rl_megatron.models.weight_tables import (DenseTable, Entry, FusedGateUp, FusedQKV, PaddedVocab, Split, hf_view,
-                                              local_view, shard_from_hf)
+from rl_megatron.models.weight_layouts import (Entry, FusedGateUp, FusedQKV, PaddedVocab, Split, hf_view, local_view,
+                                               shard_from_hf)
+from rl_megatron.models.weight_tables import DenseTable
 
 
 def rebuild_from_shards(entry: Entry, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:

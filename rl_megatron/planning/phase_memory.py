@@ -23,15 +23,10 @@ starts only with its share free beside it: the pool needs the sum of all it hold
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from rl_megatron.config.schema import Config
-from rl_megatron.launch.memory import GIB, gib_text
+from rl_megatron.planning.memory import GIB, gib_text
+from rl_megatron.planning.pool import Held, PhaseMemory, Pool, peak
 from rl_megatron.roles import Role
-
-if TYPE_CHECKING:  # plan.py imports this module
-    from rl_megatron.launch.plan import Pool
 
 # What stays of a sleeping engine: its CUDA graphs. vLLM measures them at start (it logs "Estimated CUDA graph memory:
 # X GiB") and the plan cannot compute them; vLLM's issues report from 0.2 GiB (a 1B model) to 1.4 GiB (a 1T-parameter
@@ -40,24 +35,6 @@ if TYPE_CHECKING:  # plan.py imports this module
 SLEEPING_ENGINE_BYTES = int(1.5 * GIB)
 
 TRAINING, GENERATION, WEIGHT_SYNC, ALL_AT_ONCE = "training", "generation", "weight sync", "all at once"
-
-
-@dataclass(frozen=True)
-class Held:
-    """One thing a phase keeps on each GPU of its pool."""
-    what: str
-    bytes: int
-    detail: str = ""  # for the over-memory message: e.g. whose activations, which pass
-
-
-@dataclass(frozen=True)
-class PhaseMemory:
-    name: str  # training, generation, weight sync; "all at once" where nothing takes turns
-    held: tuple[Held, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(item.bytes for item in self.held)
 
 
 def hosts_engine_and_actor(pool: Pool) -> bool:
@@ -103,11 +80,6 @@ def _activations(pool: Pool) -> tuple[Held, ...]:
 def compute_phase(phases: list[PhaseMemory]) -> PhaseMemory:
     """The phase in which a pool's Megatron passes run: training where phases take turns, else the only one."""
     return next(phase for phase in phases if phase.name in (TRAINING, ALL_AT_ONCE))
-
-
-def peak(phases: list[PhaseMemory]) -> PhaseMemory:
-    """The phase that needs the most (the first of equals, in phase order)."""
-    return max(phases, key=lambda phase: phase.bytes)
 
 
 def phase_line(pool: Pool, on_gpu: bool) -> str:

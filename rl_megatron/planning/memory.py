@@ -80,9 +80,9 @@ from dataclasses import dataclass
 
 # RolePasses, Attention and layer_bytes are this module's API too (the plan, the pre-flight checks and tests import
 # them from here).
-from rl_megatron.launch.layer_memory import (FP32, WEIGHT_BYTES, Attention, LayerBytes, RolePasses,  # noqa: F401
-                                             layer_bytes, norm_bytes)
-from rl_megatron.launch.model_shape import ModelShape
+from rl_megatron.planning.layer_memory import (FP32, WEIGHT_BYTES, Attention, LayerBytes, RolePasses,  # noqa: F401
+                                               layer_bytes, norm_bytes)
+from rl_megatron.planning.model_shape import ModelShape
 from rl_megatron.models.family import moe_experts, table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.models.weight_tables import padded_vocab_size

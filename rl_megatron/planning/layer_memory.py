@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
 
-from rl_megatron.launch.model_shape import ModelShape
+from rl_megatron.planning.model_shape import ModelShape
 from rl_megatron.models.pipeline_stages import StageLayers
 
 WEIGHT_BYTES = {"bfloat16": 2, "float32": 4}

@@ -33,64 +33,16 @@ from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import lora_merge_reason, worker_pools
 from rl_megatron.config.schema import Config
-from rl_megatron.launch import memory
-from rl_megatron.launch.memory import gib_text
-from rl_megatron.launch.lora_memory import lora_parameters
 from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config
-from rl_megatron.launch.phase_memory import (SLEEPING_ENGINE_BYTES, PhaseMemory, over_memory, peak, phase_line,
-                                             pool_phases)
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
+from rl_megatron.planning import memory
+from rl_megatron.planning.lora_memory import lora_parameters
+from rl_megatron.planning.memory import gib_text
+from rl_megatron.planning.phase_memory import SLEEPING_ENGINE_BYTES, over_memory, phase_line, pool_phases
+from rl_megatron.planning.pool import Pool, RolePlan
 from rl_megatron.roles import Role
 
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an H100 80GB; GPU_MEMORY_GIB or nvidia-smi give the real size
-
-
-@dataclass
-class RolePlan:
-    """One role's line of the plan."""
-    name: str
-    engine: str  # Megatron (trained), Megatron forward-only, or vLLM
-    layout: str  # its parallel sizes, printed
-    memory_bytes: int  # per GPU: weights (+ gradients and optimizer state), or the engine's share
-    memory_note: str
-    weight_bytes: int  # per GPU: its weights alone (what a weight sync holds of the actor and of the engine)
-    activations: Optional[memory.Activations] = None  # a Megatron role's passes (None for the engines)
-    activation_note: str = ""
-
-    @property
-    def activation_bytes(self) -> int:
-        return self.activations.bytes if self.activations else 0
-
-
-@dataclass
-class Pool:
-    name: str
-    first_node: int
-    nnodes: int
-    gpus_per_node: int
-    nodes_key: str  # config keys of its size, for messages
-    gpus_key: str
-    roles: list[RolePlan] = field(default_factory=list)
-    placement_notes: list[str] = field(default_factory=list)
-    phases: list[PhaseMemory] = field(default_factory=list)  # what it holds phase by phase, once its roles are in
-
-    @property
-    def world(self) -> int:
-        return self.nnodes * self.gpus_per_node
-
-    @property
-    def activation_bytes(self) -> int:
-        """The largest of its roles' activations: the roles of a pool run their passes one at a time."""
-        return max((role.activation_bytes for role in self.roles), default=0)
-
-    @property
-    def peak(self) -> PhaseMemory:
-        return peak(self.phases)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Per GPU at its peak phase (the sum of all it holds where nothing takes turns)."""
-        return self.peak.bytes
 
 
 @dataclass

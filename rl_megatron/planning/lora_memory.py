@@ -1,5 +1,5 @@
 """The parameters a LoRA actor holds per rank (actor.lora, models/lora.py), for the memory plan: the adapters the
-optimizer trains, and the merged copies of the adapted weights that the weight sync sends (launch/memory.py's
+optimizer trains, and the merged copies of the adapted weights that the weight sync sends (planning/memory.py's
 "LoRA actor")."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 
 from rl_megatron.models.family import table_for
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
-from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, adapted_parts, is_row_parallel, padded_vocab_size
+from rl_megatron.models.weight_layouts import adapted_parts, is_row_parallel
+from rl_megatron.models.weight_tables import ADAPTABLE_LINEARS, padded_vocab_size
 
 
 def lora_parameters(hf: dict, modules: tuple[str, ...], rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
