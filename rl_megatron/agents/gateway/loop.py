@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from numbers import Real
 
 from rl_megatron.agents.base import AgentContext, AgentLoop, TurnGenerator
@@ -37,7 +38,7 @@ class GatewayLoop(AgentLoop):
         super().__init__(context)
         self.function, self.server, self.max_model_len = function, server, max_model_len
         self.agent = context.rollout.agent
-        self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}  # per rollout (each its own loop)
+        self._slots = weakref.WeakKeyDictionary()  # event loop -> its semaphore: per rollout (each its own loop)
 
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         self.server.start()  # binds the socket once, for the run

@@ -10,6 +10,7 @@ parallel_tool_calls, seed, service_tier, ...) are accepted and ignored.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -114,8 +115,8 @@ def _options(body: dict, run: RunSampling, other_max_key: str | None) -> Generat
         if given is not None and not (key == "top_k" and given in (-1, 0) and run.top_k == -1) and given != value:
             raise ApiError(f"{key}={given}: this run samples at {key}={value} (rollout.{key}), which the trainer's "
                            f"log-probs assume; leave '{key}' out or send {value}", key, "unsupported_value")
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if body.get(key) not in (None, 0, 0.0, 1.0 if key == "repetition_penalty" else 0):
+    for key, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        if body.get(key) not in (None, neutral):
             raise ApiError(f"'{key}' would change the policy's distribution, which the trainer's log-probs assume "
                            "unchanged; leave it out", key, "unsupported_parameter")
     if body.get("logit_bias"):
@@ -219,15 +220,25 @@ def _tools(tools: Any) -> list[dict] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ApiError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
                            where)
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        try:
-            jsonschema.validators.validator_for(parameters).check_schema(parameters)
-        except (jsonschema.SchemaError, TypeError, AttributeError) as err:
-            message = getattr(err, "message", str(err))
-            raise ApiError(f"{where}.function.parameters is not a valid JSON schema: {message}",
-                           f"{where}.function.parameters", "invalid_tool_schema") from None
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        problem = _schema_problem(json.dumps(parameters, sort_keys=True))
+        if problem is not None:
+            raise ApiError(f"{where}.function.parameters is not a valid JSON schema: {problem}",
+                           f"{where}.function.parameters", "invalid_tool_schema")
         checked.append({"type": "function", "function": dict(function, parameters=parameters)})
     return checked
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(parameters: str) -> str | None:
+    """Why a tool's parameters (as JSON) are not a JSON schema, None when they are; cached: a harness sends the same
+    tools with every call, and checking a schema costs a millisecond or more."""
+    schema = json.loads(parameters)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except (jsonschema.SchemaError, TypeError, AttributeError) as err:
+        return getattr(err, "message", str(err))
+    return None
 
 
 # -- responses -------------------------------------------------------------------------------------------------------

@@ -107,19 +107,18 @@ class _LoopServing:
 
 
 def _app(gateway: GatewayServer) -> web.Application:
-    async def chat(request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat_request(await _body(request), gateway.sampling)
-        response = await _call(gateway.episode(request.match_info["episode_id"]).chat(parsed))
-        if parsed.options.stream:
-            return _events(chat_chunks(response, parsed.options.include_usage))
-        return web.json_response(response)
+    def generation(parse, method: str, chunks):
+        """A handler of one of the two generating endpoints: the request parsed, the episode's `method` called, the
+        answer as JSON or as a stream of `chunks`."""
+        async def handle(request: web.Request) -> web.StreamResponse:
+            parsed = parse(await _body(request), gateway.sampling)
+            episode = gateway.episode(request.match_info["episode_id"])
+            response = await _call(getattr(episode, method)(parsed))
+            if parsed.options.stream:
+                return _events(chunks(response, parsed.options.include_usage))
+            return web.json_response(response)
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion_request(await _body(request), gateway.sampling)
-        response = await _call(gateway.episode(request.match_info["episode_id"]).complete(parsed))
-        if parsed.options.stream:
-            return _events(text_chunks(response, parsed.options.include_usage))
-        return web.json_response(response)
+        return handle
 
     async def models(request: web.Request) -> web.StreamResponse:
         gateway.episode(request.match_info["episode_id"])
@@ -143,8 +142,10 @@ def _app(gateway: GatewayServer) -> web.Application:
                                               kind="server_error").body(), status=500)
 
     app = web.Application(middlewares=[openai_errors], client_max_size=64 << 20)
-    app.router.add_post("/episodes/{episode_id}/v1/chat/completions", chat)
-    app.router.add_post("/episodes/{episode_id}/v1/completions", completions)
+    app.router.add_post("/episodes/{episode_id}/v1/chat/completions",
+                        generation(parse_chat_request, "chat", chat_chunks))
+    app.router.add_post("/episodes/{episode_id}/v1/completions",
+                        generation(parse_completion_request, "complete", text_chunks))
     app.router.add_get("/episodes/{episode_id}/v1/models", models)
     app.router.add_route("*", "/{path:.*}", elsewhere)
     return app
