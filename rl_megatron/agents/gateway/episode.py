@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import secrets
 
@@ -130,7 +131,8 @@ class Episode:
                 segment.tool_stats.tokens += len(ids)
                 return segment
         self._tools, self._text = tools, None
-        ids = tokenize_prompts([request.messages], self.context.tokenizer, True, request.tools)[0]
+        ids = list(_rendered(self.context.tokenizer, json.dumps(request.messages),
+                             json.dumps(request.tools) if request.tools else None))  # in the order sent
         return self._new_segment(ids, request.messages)
 
     def _completion_context(self, prompt: str | list[int]) -> Trajectory:
@@ -225,6 +227,14 @@ class Episode:
     def _check_open(self) -> None:
         if self.ended:
             raise EpisodeEnded(self.id)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rendered(tokenizer, messages: str, tools: str | None) -> tuple[int, ...]:
+    """A conversation (as JSON) rendered and encoded as the data's prompts are; cached: GRPO's rollout.n episodes of
+    a row open with the same messages."""
+    return tuple(tokenize_prompts([json.loads(messages)], tokenizer, True,
+                                  None if tools is None else json.loads(tools))[0])
 
 
 def _compared(message: dict) -> tuple:
