@@ -38,6 +38,9 @@ def test_gateway_episodes_run_one_step_off_with_partial_rollouts(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["async/staleness/max"] <= 1 and r["async/dropped"] == 0 and r["agent/episodes_failed"] == 0
                for r in rows)
-    # The tokens the newest weights sampled agree with the trainer as in synchronous RL, mid-episode or not.
-    assert max(r["async/current_version_max_abs_logprob_diff"] for r in rows) < 5e-5
+    # The tokens the newest weights sampled agree with the trainer as in synchronous RL, mid-episode or not (a step
+    # whose batch holds none of them logs neither figure).
+    current = [r["async/current_version_max_abs_logprob_diff"] for r in rows
+               if "async/current_version_max_abs_logprob_diff" in r]
+    assert current and max(current) < 5e-5
     assert rows[0]["async/current_version_tokens"] == 1.0
