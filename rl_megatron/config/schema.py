@@ -42,6 +42,7 @@ class TrainerConfig:
     val_before_train: bool = False  # validate once before the first step (the starting point of the curves)
     val_only: bool = False  # validate once and exit, no training: the weights of the run's latest checkpoint (trainer.resume), else model.checkpoint, else model.path; no optimizer state, reference or critic is built
     val_generations_to_log: int = checked(4, NOT_NEGATIVE, OFF_AT_ZERO)  # validation samples logged as a table (tensorboard text panel, wandb Table, MLflow JSON artifact)
+    rollout_data_dir: Optional[str] = None  # write every training step's samples to <dir>/<step>.jsonl (verl's key; relative to the working directory): per sample its decoded prompt and response, the reward trained on and its sources, the advantage, status, policy version (docs/watching-and-debugging.md)
     # save a checkpoint every this many steps; 0: only at the end and when stopped (SIGTERM/SIGINT); -1: never
     save_every: int = checked(0, at_least(-1), "use N > 0 (every N steps), 0 (at the end and when stopped) or -1 (never)")
     keep_last: int = checked(2, NOT_NEGATIVE, OFF_AT_ZERO)  # keep the newest this many checkpoints, delete older ones (0 keeps all)

@@ -81,8 +81,9 @@ def _check_trainer(cfg: Config, files: bool = True) -> None:
     check_loggers_installed(t.logger)
     if t.deterministic:  # the environment the workers inherit besides what they are handed
         determinism.check_environment(os.environ)
-    if t.checkpoint_dir is not None:
-        check_creatable_folder(t.checkpoint_dir, "trainer.checkpoint_dir")
+    for key, folder in (("trainer.checkpoint_dir", t.checkpoint_dir), ("trainer.rollout_data_dir", t.rollout_data_dir)):
+        if folder is not None:
+            check_creatable_folder(folder, key)
     # A built-in data.task validates on its own prompts; data.train_files need data.val_files beside them.
     if (t.val_every or t.val_before_train or t.val_only) and cfg.data.train_files and not cfg.data.val_files:
         asked = "trainer.val_only=true" if t.val_only else (f"trainer.val_every={t.val_every} / "

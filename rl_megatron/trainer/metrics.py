@@ -26,6 +26,16 @@ class RunSummary:
     training_started: float  # time.time() when the workers were ready: what came before is start-up
     validation: Validation | None  # the last validation's, if any
 
+    @classmethod
+    def of(cls, reward_history: list[float], run_dir: str, training_started: float,
+           validation: Validation | None) -> RunSummary:
+        """The summary of a run whose steps had the mean rewards `reward_history` (a validation-only run of weights
+        that never trained has none: NaN means)."""
+        first = reward_history[:REWARD_WINDOW]
+        first_mean, last_mean = ((sum(first) / len(first), window_mean(reward_history)) if first
+                                 else (float("nan"), float("nan")))
+        return cls(len(reward_history), first_mean, last_mean, len(first), run_dir, training_started, validation)
+
     @property
     def validation_path(self) -> str:
         """Where the last validation wrote its samples."""

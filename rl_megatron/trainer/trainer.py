@@ -40,14 +40,14 @@ from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
-from rl_megatron.trainer.metrics import (REWARD_WINDOW, RunSummary, Timer, reached_target, step_metrics,
-                                         window_mean)
+from rl_megatron.trainer.metrics import RunSummary, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.dynamic_sampling import GroupFilter
 from rl_megatron.trainer.old_log_probs import old_log_probs_from_update, old_log_probs_pass, update_actor
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import (Ahead, InStep, Rollout, checked_samples, current_version_mismatch,
                                                drop_stale)
+from rl_megatron.trainer.rollout_records import RolloutRecords
 from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.validation import GENERATION_COLUMNS, Validation, validate, validation_file, weights_source
@@ -158,6 +158,7 @@ class Trainer:
             for sample, score in zip(samples, rewards.scores.tolist()):
                 sample.reward = score
             metrics |= self.advantages(batch, rewards.scores, group_ids)
+            self.records.write(step, samples, order, rewards, batch)  # trainer.rollout_data_dir
             metrics |= self.update(batch, step)
             if self.cfg.trainer.rollout_staleness:
                 metrics |= current_version_mismatch(samples, batch, self.version_training(step))
@@ -313,6 +314,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
+        self.records.wait()  # a run resumed from the checkpoint has written this step's samples
         partial = start_save(self.checkpoint_root, step)
         for group in self.model_groups:
             group.save_checkpoint(partial)
@@ -379,6 +381,7 @@ class Trainer:
         # A validation-only run adds to the run's records.
         purge_after = None if cfg.trainer.val_only else self.start_step if self.resume else -1
         self.tracker = stack.enter_context(Tracker(cfg, to_dict(cfg), purge_after=purge_after))
+        self.records = stack.enter_context(RolloutRecords(cfg.trainer.rollout_data_dir, self.tokenizer, purge_after))
         self.scorer = stack.enter_context(RewardScorer(cfg.reward, cfg.trainer.imports))
         if self.resume:
             self.load_checkpoint()
@@ -392,9 +395,4 @@ class Trainer:
         elif trained and self.stop.received and not done:
             print(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its "
                   "checkpoint.")
-        first = self.reward_history[:REWARD_WINDOW]
-        # A validation-only run of weights that never trained has no rewards.
-        first_mean, last_mean = ((sum(first) / len(first), window_mean(self.reward_history)) if first
-                                 else (float("nan"), float("nan")))
-        return RunSummary(steps, first_mean, last_mean, len(first), self.run_dir, self.training_started,
-                          self.last_validation)
+        return RunSummary.of(self.reward_history, self.run_dir, self.training_started, self.last_validation)

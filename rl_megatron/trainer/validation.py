@@ -69,11 +69,7 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
     each (greedy for one, sampled at rollout.temperature for more); rewards per data source, pass@k, and every
     sample."""
     n = cfg.rollout.val_n
-    sources, scores, accuracies, generations = [], [], [], []
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
+    sources, scores, accuracies, decoded = [], [], [], []
     for batch_index, prompts in enumerate(val_loader.in_order()):
         sampling = Sampling(n, 0.0 if n == 1 else cfg.rollout.temperature, f"validation {batch_index}", step)
         samples = rollout(prompts, sampling)
@@ -81,9 +77,16 @@ def validate(rollout: Callable[[list[Prompt], Sampling], list[Sample]], val_load
         scored = scorer.submit_samples(samples, tokenizer).result()
         scores.append(scored.scores)
         accuracies.append(scored.acc)
-        generations += [Generation(prompts[i // n].data_source, decode(s.prompt_ids), decode(s.response_ids), score)
-                        for i, (s, score) in enumerate(zip(samples, scored.scores.tolist()))]
-    return Validation(step, validation_metrics(sources, torch.cat(scores), torch.cat(accuracies), n), generations)
+        decoded += generations(samples, scored.scores.tolist(), tokenizer)
+    return Validation(step, validation_metrics(sources, torch.cat(scores), torch.cat(accuracies), n), decoded)
+
+
+def generations(samples: list[Sample], scores: list[float], tokenizer) -> list[Generation]:
+    """The samples decoded, special tokens skipped (as verl's dumps decode them), each with its score."""
+    prompts = tokenizer.batch_decode([s.prompt_ids for s in samples], skip_special_tokens=True)
+    responses = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    return [Generation(s.data_source, prompt, response, score)
+            for s, prompt, response, score in zip(samples, prompts, responses, scores)]
 
 
 def validation_metrics(data_sources: list[str], scores: torch.Tensor, acc: torch.Tensor,

@@ -1,6 +1,6 @@
 """Watching and debugging a run, end to end on the demo's run (helpers/demo_run.py: every logger, a profiled step,
-validation and checkpoints), then a validation-only run of its last checkpoint. (Each logger's records are read back
-in detail by tests/unit/test_trackers.py; here they must come from a real run.)"""
+validation and checkpoints, every step's samples), then a validation-only run of its last checkpoint. (Each
+logger's records are read back in detail by tests/unit/test_trackers.py; here they must come from a real run.)"""
 import json
 import os
 import re
@@ -8,7 +8,7 @@ import re
 import mlflow
 import pytest
 
-from helpers.demo_run import PROFILED_STEP, VAL_EVERY, step_rows, validated_steps
+from helpers.demo_run import PROFILED_STEP, ROLLOUT_DATA, VAL_EVERY, step_rows, validated_steps
 from helpers.runs import train
 
 # Each phase's trace holds the range of the dispatched calls it recorded (`Phase.label`).
@@ -77,6 +77,25 @@ def test_validation_writes_every_sample_with_its_score(demo_run):
     samples = [json.loads(line) for line in last_validation(run_dir, rows).splitlines()]
     assert len(samples) == 55 and {s["data_source"] for s in samples} == {"arithmetic"}
     assert validations[-1]["val/arithmetic/reward_mean"] == pytest.approx(sum(s["score"] for s in samples) / 55)
+
+
+def test_every_step_writes_its_samples(demo_run):
+    """trainer.rollout_data_dir: a file per trained step, a line per sample (32 prompts x rollout.n=8), prompt-major,
+    each with the reward the step's reward/mean averages."""
+    log_dir, _, rows, _ = demo_run
+    steps = [row["step"] for row in step_rows(rows)]
+    folder = os.path.join(log_dir, ROLLOUT_DATA)
+    assert sorted(os.listdir(folder)) == sorted(f"{step}.jsonl" for step in steps)
+    keys = ["step", "data_source", "prompt", "response", "score", "ground_truth", "acc", "advantage", "status",
+            "model_tokens", "policy_version", "turns"]
+    for row in step_rows(rows):
+        with open(os.path.join(folder, f"{row['step']}.jsonl")) as f:
+            samples = [json.loads(line) for line in f]
+        assert len(samples) == 256 and all(list(sample) == keys for sample in samples)
+        assert {(s["step"], s["data_source"], s["policy_version"]) for s in samples} == {(row["step"], "arithmetic",
+                                                                                         row["step"] - 1)}
+        assert all(len({s["prompt"] for s in samples[i:i + 8]}) == 1 for i in range(0, 256, 8))
+        assert row["reward/mean"] == pytest.approx(sum(s["score"] for s in samples) / 256)
 
 
 def test_val_only_validates_the_checkpoint_and_changes_nothing_else(demo_run):

@@ -1,7 +1,7 @@
 """The e2e tier's one run of `make demo` (the session fixture `demo_run` in tests/e2e/conftest.py), with what a user
-watching it turns on. Sampling seeds depend on (trainer.seed, purpose, step) only and profiling does not change the
-arithmetic, so its trained steps are the plain demo's (tests/e2e/test_train_cli.py compares them with a recorded
-trace)."""
+watching it turns on. Sampling seeds depend on (trainer.seed, purpose, step) only, and neither profiling nor writing
+the samples changes the arithmetic, so its trained steps are the plain demo's (tests/e2e/test_train_cli.py compares
+them with a recorded trace)."""
 from helpers.runs import train
 
 # Every logger, offline.
@@ -11,14 +11,17 @@ OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 VAL_EVERY = 50
 # The step traced by torch.profiler.
 PROFILED_STEP = 2
+# trainer.rollout_data_dir, under the run's log_dir.
+ROLLOUT_DATA = "rollouts"
 
 
 def run_demo(log_dir) -> tuple:
     """The demo to its target with every logger, step PROFILED_STEP profiled, validation and checkpoints every
-    VAL_EVERY steps and at the end. Returns (log_dir, stdout, metrics.jsonl records, run folder): a record per step,
-    and one per validation (at the step it followed)."""
+    VAL_EVERY steps and at the end, every step's samples in <log_dir>/ROLLOUT_DATA. Returns (log_dir, stdout,
+    metrics.jsonl records, run folder): a record per step, and one per validation (at the step it followed)."""
     stdout, rows, run_dir = train(log_dir, f"trainer.profile_steps=[{PROFILED_STEP}]", f"trainer.val_every={VAL_EVERY}",
-                                  f"trainer.save_every={VAL_EVERY}", LOGGERS, env=OFFLINE)
+                                  f"trainer.save_every={VAL_EVERY}", LOGGERS,
+                                  f"trainer.rollout_data_dir={log_dir}/{ROLLOUT_DATA}", env=OFFLINE)
     return log_dir, stdout, rows, run_dir
 
 

@@ -139,6 +139,13 @@ def test_a_checkpoint_dir_that_cannot_be_created(run_train, tmp_path):
     assert_config_error(proc, seconds, "trainer.checkpoint_dir", f"'{blocker}' is a file")
 
 
+def test_a_rollout_data_dir_that_cannot_be_created(run_train, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, seconds = run_train("--config", DEMO, f"trainer.rollout_data_dir={blocker}/rollouts")
+    assert_config_error(proc, seconds, "trainer.rollout_data_dir", f"'{blocker}' is a file")
+
+
 def test_a_ray_address_where_no_head_answers(run_train, tmp_path):
     """Ray's own connect retries for minutes, printing its internals; the trainer gives up after
     ray.connect_timeout_s with one line naming the key and what it tried."""
