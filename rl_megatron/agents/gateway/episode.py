@@ -259,14 +259,13 @@ def _stopped(completion: Completion, stop: list[str], pieces) -> tuple[Completio
     dropped; those kept are exactly as sampled), and whether a stop string cut it."""
     if not stop:
         return completion, False
-    text = "".join(pieces(completion.response_ids))
-    if not any(s in text for s in stop):
-        return completion, False
     written = ""
     for kept, piece in enumerate(pieces(completion.response_ids), start=1):
         written += piece
         if any(s in written for s in stop):
             break
+    else:  # no stop string in the response
+        return completion, False
     if kept == len(completion.response_ids):
         return completion, completion.status != SampleStatus.OK
     routing = completion.routed_experts
