@@ -51,7 +51,7 @@ def _timed_together(fn, repeats: int) -> float:
 def measure_rank(cfg, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from rl_megatron.config.pools import engine_lora_rank
+    from rl_megatron.rollout.engine import engine_lora_rank
     from rl_megatron.models.hf_config import model_config
     from rl_megatron.resharding import Resharder, engine_mismatches, export_hf_state_dict
     from rl_megatron.rollout.vllm_engine import VLLMEngine

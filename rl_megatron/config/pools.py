@@ -19,35 +19,6 @@ def reference_in_actor(cfg: Config) -> bool:
     return cfg.actor.lora.rank > 0
 
 
-# vLLM's choices of max_lora_rank: an engine serves adapters of any rank up to the one it starts with.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_merge_reason(cfg: Config) -> str | None:
-    """Why a LoRA policy's engines receive its weights with the adapters merged; None when they load the adapters
-    themselves, as a vLLM LoRA adapter, on the base weights they were given once (also None without LoRA)."""
-    lora = cfg.actor.lora
-    if not lora.rank:
-        return None
-    if lora.merge:
-        return "actor.lora.merge=true"
-    if "lm_head" in lora.target_modules:
-        return "vLLM serves no LoRA adapter on lm_head (actor.lora.target_modules)"
-    if lora.rank > VLLM_LORA_RANKS[-1]:
-        return f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]} (actor.lora.rank={lora.rank})"
-    if cfg.rollout.placement == "separate":
-        return "engines in processes of their own receive merged weights (rollout.placement=separate)"
-    return None
-
-
-def engine_lora_rank(cfg: Config) -> int:
-    """The max_lora_rank the engines start with: the smallest vLLM offers that holds actor.lora.rank; 0 when they
-    load no adapters (no LoRA, or merged weights: `lora_merge_reason`)."""
-    if not cfg.actor.lora.rank or lora_merge_reason(cfg):
-        return 0
-    return next(rank for rank in VLLM_LORA_RANKS if rank >= cfg.actor.lora.rank)
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerPool:
     """Processes on nodes of their own: the roles they host, how many (and the config section that says so), and the

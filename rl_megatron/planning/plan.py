@@ -31,7 +31,7 @@ from typing import Optional
 
 from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
-from rl_megatron.config.pools import lora_merge_reason, worker_pools
+from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
@@ -41,6 +41,7 @@ from rl_megatron.planning.memory import gib_text
 from rl_megatron.planning.phase_memory import SLEEPING_ENGINE_BYTES, over_memory, phase_line, pool_phases
 from rl_megatron.planning.pool import Pool, RolePlan
 from rl_megatron.roles import Role
+from rl_megatron.rollout.engine import lora_merge_reason
 
 DEFAULT_GPU_MEMORY_GIB = 80.0  # an H100 80GB; GPU_MEMORY_GIB or nvidia-smi give the real size
 

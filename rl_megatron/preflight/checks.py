@@ -6,7 +6,7 @@ the checks of keys together (the parallel layouts in `layout.py`), and each pack
 loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatron.data.section`), the user's code
 (`rl_megatron.plugins`: trainer.imports, rollout.function, reward.custom_fn), the model against the layouts
 (`rl_megatron.models.checks`; without Transformer Engine, the attention sinks' scores against the memory plan in
-`sink_attention.py`; without CUDA, the head size against vLLM's CPU attention in `cpu_attention.py`), and last the
+`sink_attention.py`), the model against the rollout engine (`RolloutEngine.check_model`), and last the
 model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first prompt encoded), the agent loop with its
 tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
 the files' headers). A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves them, the data
@@ -30,11 +30,11 @@ from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.tokenizer import checked_tokenizer
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
-from rl_megatron.preflight.cpu_attention import check_cpu_attention
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
     check_moe_knobs, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
+from rl_megatron.rollout.engine import engine_class
 from rl_megatron.tracking import check_loggers_installed
 
 
@@ -60,7 +60,7 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
     check_activations(cfg, hf)
-    check_cpu_attention(hf, platform.has_cuda() if cuda is None else cuda)
+    engine_class(cfg.rollout.engine).check_model(hf, platform.has_cuda() if cuda is None else cuda)
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
     check_sink_attention(cfg, hf, platform.has_cuda(), importlib.util.find_spec("transformer_engine") is not None)
     if not files:

@@ -16,7 +16,8 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
-from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.config.schema import Config, RolloutConfig
+from rl_megatron.models.checks import MODEL_SOURCE
 from rl_megatron.plugins import load_callable
 from rl_megatron.registry import Registry
 from rl_megatron.resharding.specs import Held
@@ -41,6 +42,13 @@ class RolloutEngine(Protocol):
     # The environment the driver gives every worker (nothing that depends on a device: each worker decides that in
     # `configure_process`), e.g. the engine's log level from the user's shell.
     process_env: ClassVar[dict[str, str]]
+    # The adapter ranks an engine can start with (each serves adapters of any rank up to its own), ascending; ():
+    # it serves none, and a LoRA policy's weights reach it merged.
+    lora_ranks: ClassVar[tuple[int, ...]]
+    adapters_on_output_layer: ClassVar[bool]  # whether it serves an adapter on lm_head
+    # A module that imports the engine's library as a process hosting an engine would: the CPU fork server of
+    # `workers.spawn` preloads it, so that the ranks it forks do not import it again.
+    preload: ClassVar[str]
     sleeps: bool  # `sleep` frees device memory (GPU); False: sleep and wake_up do nothing, the phase machine skips them
 
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
@@ -49,6 +57,11 @@ class RolloutEngine(Protocol):
         trainer's model has them; `load_format`: "dummy" (every weight comes from the first sync, the parameters
         no sync writes zeroed) or "auto" (the folder's own weights); `routing`: each completion carries the experts
         of every position it fed (moe.engine_routing); `lora_rank`: serve the adapter `load_adapter` loads (0: none)."""
+
+    @staticmethod
+    def check_model(hf: dict, cuda: bool, source: str = MODEL_SOURCE) -> None:
+        """Before anything starts: ConfigError, naming the field of `source` (config.json `hf`) and the fix, for a
+        model the engine would fail on (`cuda`: whether its processes have CUDA)."""
 
     @staticmethod
     def configure_process() -> None:
@@ -103,6 +116,34 @@ class RolloutEngine(Protocol):
 def engine_class(name: str) -> type[RolloutEngine]:
     """The class implementing the engine `name` (rollout.engine), its module imported."""
     return load_callable(ENGINES[name], "rollout.engine")
+
+
+def lora_merge_reason(cfg: Config) -> str | None:
+    """Why a LoRA policy's engines receive its weights with the adapters merged; None when they load the adapters
+    themselves, as an adapter of their own, on the base weights they were given once (also None without LoRA)."""
+    lora, engine = cfg.actor.lora, engine_class(cfg.rollout.engine)
+    if not lora.rank:
+        return None
+    if lora.merge:
+        return "actor.lora.merge=true"
+    if not engine.lora_ranks:
+        return f"the {cfg.rollout.engine} engine serves no LoRA adapters (rollout.engine)"
+    if "lm_head" in lora.target_modules and not engine.adapters_on_output_layer:
+        return f"the {cfg.rollout.engine} engine serves no LoRA adapter on lm_head (actor.lora.target_modules)"
+    if lora.rank > engine.lora_ranks[-1]:
+        return (f"the {cfg.rollout.engine} engine serves LoRA adapters up to rank {engine.lora_ranks[-1]} "
+                f"(actor.lora.rank={lora.rank})")
+    if cfg.rollout.placement == "separate":
+        return "engines in processes of their own receive merged weights (rollout.placement=separate)"
+    return None
+
+
+def engine_lora_rank(cfg: Config) -> int:
+    """The adapter rank the engines start with: the smallest of the engine's `lora_ranks` that holds
+    actor.lora.rank; 0 when they load no adapters (no LoRA, or merged weights: `lora_merge_reason`)."""
+    if not cfg.actor.lora.rank or lora_merge_reason(cfg):
+        return 0
+    return next(rank for rank in engine_class(cfg.rollout.engine).lora_ranks if rank >= cfg.actor.lora.rank)
 
 
 def request_seeds(run_seed: int, purpose: str, step: int, count: int) -> list[int]:

@@ -22,6 +22,7 @@ from rl_megatron.rollout.completions import Completion, TurnRequest, completion_
 from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, name_cpu_shm_by_world, remove_stale_cpu_shm
 from rl_megatron.rollout.moe_backend import check_engine_moe_kernels, engine_moe_arguments, pins_moe_backend
 from rl_megatron.rollout.routing_capture import EngineRouting
+from rl_megatron.rollout.vllm_cpu_attention import check_cpu_attention
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
@@ -166,6 +167,10 @@ def drop_prefix_cache(llm) -> None:
 class VLLMEngine:
     process_env = ENGINE_ENV
     configure_process = staticmethod(configure_engine_process)
+    check_model = staticmethod(check_cpu_attention)  # the head sizes its CPU attention kernels take
+    lora_ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices of max_lora_rank
+    adapters_on_output_layer = False
+    preload = "rl_megatron.rollout.vllm_import"
 
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None = None,
                  load_format: str = "dummy", routing: bool = False, lora_rank: int = 0):

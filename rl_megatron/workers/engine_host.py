@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 from rl_megatron.batch import Prompt, Sample
-from rl_megatron.config.pools import engine_lora_rank
 from rl_megatron.config.schema import Config
 from rl_megatron.models.hf_config import engine_routing, moe_hf_overrides
 from rl_megatron.platform.determinism import make_process_deterministic
@@ -16,7 +15,7 @@ from rl_megatron.platform.startup import defer_garbage_collection
 from rl_megatron.resharding import engine_mismatches
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.completions import Completion, TurnRequest
-from rl_megatron.rollout.engine import RolloutEngine, engine_class
+from rl_megatron.rollout.engine import RolloutEngine, engine_class, engine_lora_rank
 from rl_megatron.workers.phases import GENERATE
 from rl_megatron.workers.profiling import StepProfiler
 from rl_megatron.workers.worker_group import dispatch

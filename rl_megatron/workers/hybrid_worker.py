@@ -20,7 +20,6 @@ from rl_megatron import platform
 from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
 from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
-from rl_megatron.config.pools import engine_lora_rank
 from rl_megatron.config.schema import Config
 from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
 from rl_megatron.platform.startup import startup_done
@@ -30,6 +29,7 @@ from rl_megatron.resharding.broadcast import SENDER, BroadcastSender, weight_gro
 from rl_megatron.resharding.shared_params import unlink_shared_parameters
 from rl_megatron.resharding.specs import zero_what_no_region_holds
 from rl_megatron.roles import Role
+from rl_megatron.rollout.engine import engine_lora_rank
 from rl_megatron.workers.distributed import connect_store, init_distributed, owns_dp_output, rendezvous_address
 from rl_megatron.workers.engine_host import EngineHost
 from rl_megatron.workers.offload import Offloader

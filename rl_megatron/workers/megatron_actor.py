@@ -14,7 +14,6 @@ import torch
 from rl_megatron import platform
 from rl_megatron.algorithms import POLICY_LOSSES, aggregate_loss, kl_divergence, rollout_correction_weights
 from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
-from rl_megatron.config.pools import lora_merge_reason
 from rl_megatron.config.schema import Config
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
@@ -26,6 +25,7 @@ from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.models.router_replay import Pass, RoutingReplay
 from rl_megatron.resharding import export_hf_state_dict, megatron_sources, share_parameters
 from rl_megatron.roles import Role
+from rl_megatron.rollout.engine import lora_merge_reason
 from rl_megatron.sequences import MicroBatch
 from rl_megatron.workers.distributed import owns_dp_output
 from rl_megatron.workers.megatron_model import Batching, MegatronModel

@@ -14,13 +14,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl_megatron import platform
+from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.rollout.engine import engine_class
 from rl_megatron.workers.distributed import connect_store, init_distributed, init_model_parallel, listen_store
 
 HOST = "127.0.0.1"
 SEED = 0
-# What ranks import, imported once by the server that forks them (CPU only: `rank_context`): vLLM as an engine
-# process imports it (which first quiets the CPU notices Megatron's imports print), torch and Megatron.
-FORK_SERVER_PRELOAD = ["rl_megatron.rollout.vllm_import", "rl_megatron.workers.megatron_actor",
+# What ranks import, imported once by the server that forks them (CPU only: `rank_context`): the default rollout
+# engine's library as an engine process imports it (`RolloutEngine.preload`; vLLM's first quiets the CPU notices
+# Megatron's imports print), torch and Megatron.
+FORK_SERVER_PRELOAD = [engine_class(RolloutConfig.engine).preload, "rl_megatron.workers.megatron_actor",
                        "rl_megatron.workers.spawn"]
 
 

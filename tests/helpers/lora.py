@@ -117,7 +117,7 @@ def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, pro
     per sync the engine's greedy answers and the adapter bytes it received (0 when merged)."""
     import torch.distributed as dist
 
-    from rl_megatron.config.pools import engine_lora_rank
+    from rl_megatron.rollout.engine import engine_lora_rank
     from rl_megatron.models.lora import load_adapter_tensors
     from rl_megatron.resharding import Resharder
     from rl_megatron.resharding.adapters import AdapterSync
@@ -151,11 +151,10 @@ def lora_sync_into_engine(cfg, adapters_each_sync: list[dict], channel: str, pro
 def vllm_serves_peft_folder(model_dir: str, adapter_dir: str, rollout, rank: int, prompts: list[list[int]]):
     """One vLLM engine over `model_dir`'s own weights serving the PEFT adapter folder `adapter_dir` (of LoRA rank
     `rank`), as a user serves `convert to-peft`'s output: its greedy answers."""
-    from rl_megatron.config.pools import VLLM_LORA_RANKS
     from rl_megatron.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, rollout, "float32", seed=0, load_format="auto",
-                        lora_rank=next(r for r in VLLM_LORA_RANKS if r >= rank))
+                        lora_rank=next(r for r in VLLMEngine.lora_ranks if r >= rank))
     try:
         engine.load_adapter(adapter_dir)
         return [c.response_ids for c in engine.generate(prompts, n=1, temperature=0.0)]

@@ -307,7 +307,7 @@ def test_tp_must_divide_the_key_value_heads(tmp_path):
 
 
 def test_tp_dividing_both_head_counts_is_fine(tmp_path):
-    # head_dim 32: the width 64 / 6 heads would leave vLLM's CPU attention no kernel (preflight/cpu_attention.py)
+    # head_dim 32: the width 64 / 6 heads would leave vLLM's CPU attention no kernel (rollout/vllm_cpu_attention.py)
     model = model_folder(tmp_path / "m", num_attention_heads=6, num_key_value_heads=2, head_dim=32)
     assert load_demo(f"model.path={model}").actor.tensor_model_parallel_size == 2
 
@@ -675,7 +675,7 @@ def test_lora_keys_and_where_adapters_cannot_go_yet(tmp_path):
 
 
 def test_lora_engines_load_the_adapters_unless_vllm_cannot_serve_them():
-    from rl_megatron.config.pools import engine_lora_rank, lora_merge_reason
+    from rl_megatron.rollout.engine import engine_lora_rank, lora_merge_reason
 
     # Served by the engines (vLLM's max_lora_rank: the smallest of its choices that holds the rank).
     for rank, engine_rank in ((8, 8), (12, 16), (64, 64), (300, 320), (512, 512)):

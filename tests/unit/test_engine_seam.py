@@ -3,6 +3,7 @@ config is refused; every registered engine has each operation of the `RolloutEng
 the shared code (workers, trainer, resharding, pre-flight) reaches an engine only through the protocol and the
 registry, never by importing vLLM's engine modules."""
 import ast
+import importlib.util
 import inspect
 
 import pytest
@@ -12,9 +13,11 @@ from rl_megatron.errors import ConfigError
 from rl_megatron.preflight import load_config
 from rl_megatron.rollout.engine import ENGINES, RolloutEngine, engine_class
 
-SHARED = ("workers", "trainer", "resharding", "preflight")
-ENGINE_MODULES = "rl_megatron.rollout.vllm"  # vllm_engine, vllm_weights, vllm_import: the vLLM engine's own modules
-ENGINE_NAMES = ("VLLMEngine", "vllm_targets")  # its names that shared code once used
+SHARED = ("workers", "trainer", "resharding", "preflight", "config", "planning")
+# vllm_engine, vllm_weights, vllm_import, vllm_cpu_attention: the vLLM engine's own modules
+ENGINE_MODULES = "rl_megatron.rollout.vllm"
+# its names and facts that shared code once used
+ENGINE_NAMES = ("VLLMEngine", "vllm_targets", "VLLM_LORA_RANKS", "check_cpu_attention", "CPU_ATTENTION_HEAD_SIZES")
 
 
 def protocol_members() -> dict[str, object]:
@@ -37,7 +40,8 @@ def test_the_protocol_has_every_operation_the_workers_call():
     assert set(protocol_members()) >= {
         "__init__", "configure_process", "generate", "serve", "interrupt", "sleep", "wake_up", "sync_targets",
         "weights_updated", "load_adapter", "adapter_mismatches", "release_process_groups", "close"}
-    assert {"process_env", "sleeps"} <= set(RolloutEngine.__annotations__)
+    assert {"process_env", "sleeps", "lora_ranks", "adapters_on_output_layer", "preload"} <= set(
+        RolloutEngine.__annotations__)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
@@ -51,6 +55,9 @@ def test_every_registered_engine_implements_the_protocol(name):
         assert [(p.name, p.kind, p.default) for p in actual.parameters.values()] == [
             (p.name, p.kind, p.default) for p in expected.parameters.values()], f"{engine.__name__}.{member}{actual}"
     assert isinstance(engine.process_env, dict)
+    assert list(engine.lora_ranks) == sorted(set(engine.lora_ranks)) and all(r > 0 for r in engine.lora_ranks)
+    assert isinstance(engine.adapters_on_output_layer, bool)
+    assert importlib.util.find_spec(engine.preload) is not None, engine.preload
     # `sleeps` is an instance attribute: one the class's methods set.
     methods = ast.parse(inspect.getsource(engine))
     assigned = {target.attr for node in ast.walk(methods) if isinstance(node, ast.Assign) for target in node.targets
@@ -69,6 +76,9 @@ def test_shared_code_reaches_the_engine_through_the_protocol_only(package):
             named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
             if named in ENGINE_NAMES:
                 by_name.append(f"{module_name(path)}:{node.lineno} {named}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(
+                    ENGINE_MODULES):  # a module named by its path, e.g. to import it later
+                by_name.append(f"{module_name(path)}:{node.lineno} names {node.value}")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 by_name += [f"{module_name(path)}:{node.lineno} imports {m}" for m in modules

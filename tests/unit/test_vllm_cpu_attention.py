@@ -1,5 +1,5 @@
 """A head size vLLM's CPU attention does not take is refused before anything starts, naming the config.json field
-and the sizes that work; the sizes and dtypes mirrored in rl_megatron/preflight/cpu_attention.py are the installed
+and the sizes that work; the sizes and dtypes mirrored in rl_megatron/rollout/vllm_cpu_attention.py are the installed
 vLLM's own (read from its source: importing vLLM costs seconds)."""
 import ast
 import importlib.util
@@ -14,7 +14,7 @@ from helpers.runs import REPO
 from rl_megatron.config import ConfigError, load
 from rl_megatron.config.schema import ModelConfig
 from rl_megatron.preflight import preflight, resolve
-from rl_megatron.preflight.cpu_attention import (CPU_ATTENTION_HEAD_SIZES, CPU_MLA_HEAD_SIZES, check_cpu_attention,
+from rl_megatron.rollout.vllm_cpu_attention import (CPU_ATTENTION_HEAD_SIZES, CPU_MLA_HEAD_SIZES, check_cpu_attention,
                                                  engine_head_size)
 from rl_megatron.preflight.dry_run import load_plan_config
 

@@ -4,7 +4,7 @@ vLLM's CPU platform picks its attention backend without checking the head size: 
 CPU_MLA for DeepSeek's latent attention (the engines ask for it, `rollout.vllm_engine.engine_arguments`). Their
 kernels are compiled for a fixed list of head sizes, and any other fails inside the worker at the first forward
 (`Unsupported CPU attention configuration: head_dim=...`). The lists below are the backends' own
-(`get_supported_head_sizes`); tests/unit/test_cpu_attention.py reads them from the installed vLLM's source to keep
+(`get_supported_head_sizes`); tests/unit/test_vllm_cpu_attention.py reads them from the installed vLLM's source to keep
 them in step (importing vLLM here would cost every pre-flight check seconds). The dtypes those backends take
 (float16, bfloat16, float32) cover every model.dtype choice, which the same test checks.
 """
@@ -35,7 +35,7 @@ def engine_head_size(hf: dict) -> tuple[int, str]:
 
 def check_cpu_attention(hf: dict, cuda: bool, source: str = MODEL_SOURCE) -> None:
     """Where the engines run without CUDA, the model's head size is one vLLM's CPU attention is compiled for;
-    ConfigError naming the config.json field and the sizes that work."""
+    ConfigError naming the config.json field and the sizes that work (`VLLMEngine.check_model`)."""
     if cuda:
         return
     size, fields = engine_head_size(hf)
