@@ -247,6 +247,10 @@ class RolloutCorrectionConfig:
     level: Optional[Literal["token", "sequence"]] = None  # the ratio p_train / p_rollout per token, or per sequence (the product over its tokens); null: no correction
     mode: Literal["truncate", "mask"] = "truncate"  # truncate (TIS): the policy gradient weighted by min(ratio, threshold); mask (MIS): weighted by the ratio where it is at most threshold, tokens (or sequences) past it excluded
     threshold: float = checked(2.0, at_least(1), "e.g. 2.0")  # the cap (truncate) or the limit (mask) of the ratio
+    # verl's bypass mode: the PPO ratio is p_new / p_rollout, the clipped trust region anchored on the policy that
+    # sampled (the trainer's recomputed log-probs still give the metrics); null (the default): on where the rollout
+    # may lag the trainer (trainer.rollout_staleness > 0) and no level is set, off otherwise (docs/async.md)
+    bypass_mode: Optional[bool] = None
 
 
 @dataclass

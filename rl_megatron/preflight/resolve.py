@@ -65,6 +65,13 @@ def resolve(cfg: Config) -> Config:
                               f"algorithm.rollout_correction.level={correction.level} both set the rollout correction; "
                               "keep one (rollout_is_cap=C means level=token, mode=truncate, threshold=C).")
         correction.level, correction.mode, correction.threshold = "token", "truncate", cfg.algorithm.rollout_is_cap
+    if correction.bypass_mode is None:  # stale samples learn best clipped against the policy that sampled them
+        correction.bypass_mode = cfg.trainer.rollout_staleness > 0 and correction.level is None
+    elif correction.bypass_mode and correction.level is not None:
+        raise ConfigError(f"algorithm.rollout_correction.bypass_mode=true and algorithm.rollout_correction.level="
+                          f"{correction.level} both correct for the rollout's policy: bypass mode takes the PPO ratio "
+                          "against the rollout's log-probs, which leaves the weights p_train / p_rollout nothing to "
+                          "correct. Keep one (docs/async.md).")
     if cfg.data.gen_batch_size is None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
     cfg.data = resolve_data_section(cfg.data)

@@ -27,14 +27,17 @@ def old_log_probs_from_update(cfg: Config, hf: dict) -> bool:
     - an actor whose passes carry MoE routing (`carries_routing`: actor.router_replay, or the engines' routing): R2
       replays in the update the routing the separate pass records, and R3 and the engines' routing alone measure
       moe/routing_agreement in that pass;
-    - LoRA with actor.lora.dropout > 0: the update's forward drops adapter activations, the separate pass does not.
+    - LoRA with actor.lora.dropout > 0: the update's forward drops adapter activations, the separate pass does not;
+    - algorithm.rollout_correction.bypass_mode: the update's ratio is against the rollout's log-probs, so it is never
+      on-policy in the sense above; the pass gives the metrics (the mismatch, the entropy, the current version's).
 
     The steps of the critic's warm-up (no actor update to take them from) run the pass whatever this says.
     `hf`: the model's config.json with the moe section's overrides (`models.hf_config.model_config`)."""
     actor = cfg.actor
     one_optimizer_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
     return (one_optimizer_step and not cfg.algorithm.use_kl_in_reward
-            and not carries_routing(cfg, hf, trainable=True) and not (actor.lora.rank and actor.lora.dropout))
+            and not carries_routing(cfg, hf, trainable=True) and not (actor.lora.rank and actor.lora.dropout)
+            and not cfg.algorithm.rollout_correction.bypass_mode)
 
 
 def old_log_probs_pass(actor: WorkerGroup, batch: TrainBatch, router_replay: str) -> None:
@@ -48,12 +51,16 @@ def old_log_probs_pass(actor: WorkerGroup, batch: TrainBatch, router_replay: str
 
 def update_actor(actor: WorkerGroup, batch: TrainBatch, correction: RolloutCorrectionConfig) -> dict[str, float]:
     """The actor's update of `batch`; its metrics. A batch without old log-probs gets them, and the entropy, from
-    the update's forward pass (which weighs the tokens by the rollout correction from there too)."""
+    the update's forward pass (which weighs the tokens by the rollout correction from there too). In bypass mode
+    the PPO ratio's denominator is the rollout's log-probs instead of the old ones."""
     fields = ["old_log_probs", "advantages", "ref_log_probs", "importance_weights", "routed_experts"]
     from_update = batch.old_log_probs is None
     if from_update and correction.level is not None:
         fields.append("rollout_log_probs")
-    result = actor.update(batch.select(*fields))
+    selected = batch.select(*fields)
+    if correction.bypass_mode:
+        selected.old_log_probs = batch.rollout_log_probs
+    result = actor.update(selected)
     if from_update:
         batch.old_log_probs, batch.entropy = result.log_probs, result.entropy
     return result.metrics

@@ -535,6 +535,8 @@ def test_resharding_settings_are_checked(override, words):
     (["algorithm.filter_groups.enable=true", "data.gen_batch_size=16"], ["data.gen_batch_size=16", "Raise"]),
     (["data.gen_batch_size=64"], ["data.gen_batch_size=64", "algorithm.filter_groups.enable=true"]),
     (["algorithm.filter_groups.metric=reward"], ["algorithm.filter_groups.metric='reward'", "acc, score"]),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.level=token"],
+     ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.level=token", "Keep one"]),
     (["algorithm.rollout_is_cap=2", "algorithm.rollout_correction.level=sequence"],
      ["algorithm.rollout_is_cap=2", "algorithm.rollout_correction.level=sequence", "keep one"]),
     (["algorithm.gamma=1.5"], ["algorithm.gamma=1.5", "[0, 1]"]),
@@ -577,6 +579,24 @@ def test_rollout_is_cap_is_the_token_truncate_shorthand():
     correction = load_demo("algorithm.rollout_is_cap=2").algorithm.rollout_correction
     assert (correction.level, correction.mode, correction.threshold) == ("token", "truncate", 2.0)
     assert load_demo().algorithm.rollout_correction.level is None
+
+
+ASYNC = ("trainer.rollout_staleness=1", "rollout.placement=separate", "rollout.n_gpus_per_node=1",
+         "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1")
+
+
+def test_stale_samples_are_clipped_against_the_policy_that_sampled_them_by_default():
+    """bypass_mode unset (the default): on where the rollout may lag the trainer and no correction level is set, off
+    in synchronous runs; an explicit setting, or a level (the shorthand too), is kept as written."""
+    correction = load_demo(*ASYNC).algorithm.rollout_correction
+    assert correction.bypass_mode is True and correction.level is None
+    assert load_demo().algorithm.rollout_correction.bypass_mode is False
+    assert load_demo(*ASYNC, "algorithm.rollout_correction.bypass_mode=false").algorithm.rollout_correction.bypass_mode \
+        is False
+    for setting in ("algorithm.rollout_correction.level=token", "algorithm.rollout_is_cap=3"):
+        correction = load_demo(*ASYNC, setting).algorithm.rollout_correction
+        assert correction.level == "token" and correction.bypass_mode is False
+    assert load_demo("algorithm.rollout_correction.bypass_mode=true").algorithm.rollout_correction.bypass_mode
 
 
 def test_critic_and_reference_default_to_the_actor_settings():

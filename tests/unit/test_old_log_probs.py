@@ -71,3 +71,9 @@ def test_lora_dropout_keeps_the_pass():
     cfg = on_policy()
     cfg.actor.lora.rank, cfg.actor.lora.dropout = 8, 0.05  # only the update's forward drops
     assert not old_log_probs_from_update(cfg, DENSE)
+
+
+def test_bypass_mode_keeps_the_pass():
+    cfg = on_policy()
+    cfg.algorithm.rollout_correction.bypass_mode = True  # the ratio is against the rollout's log-probs
+    assert not old_log_probs_from_update(cfg, DENSE)
