@@ -17,12 +17,19 @@ MAX_CALLS = 3
 _CLIENTS = weakref.WeakKeyDictionary()  # event loop -> its client
 
 
+def new_client(base_url: str, cls: type[openai.AsyncOpenAI] = openai.AsyncOpenAI) -> openai.AsyncOpenAI:
+    """The agent's client of the gateway. (Not on the `openai` package's aiohttp transport, though its calls cost
+    less there: an aiohttp session left open when its event loop ends is reported as unclosed, and each rollout
+    batch runs in an event loop of its own.)"""
+    return cls(base_url=base_url, api_key="unused", max_retries=0)
+
+
 def client_for(base_url: str) -> openai.AsyncOpenAI:
     """A client of this episode's base URL. An AsyncOpenAI costs ~50 ms of CPU to create (its SSL context), more than
     a whole episode here: one per event loop, copied per episode (with_options shares its connections)."""
     loop = asyncio.get_running_loop()
     if loop not in _CLIENTS:
-        _CLIENTS[loop] = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        _CLIENTS[loop] = new_client(base_url)
     return _CLIENTS[loop].with_options(base_url=base_url)
 
 

@@ -119,14 +119,14 @@ class TimedGateway(AgentLoop):
 
 
 def timed_agent(function):
-    """`function` (the example agent) with its client a `TimedClient`: the example keeps one client per event loop
-    (`_CLIENTS`), which this fills before the agent's first call in each."""
-    clients = function.__globals__["_CLIENTS"]
+    """`function` (the example agent) with its client a `TimedClient` made by the example's own `new_client`: the
+    example keeps one client per event loop (`_CLIENTS`), which this fills before the agent's first call in each."""
+    clients, new_client = function.__globals__["_CLIENTS"], function.__globals__["new_client"]
 
     async def agent(base_url: str, row: dict):
         loop = asyncio.get_running_loop()
         if loop not in clients:
-            clients[loop] = TimedClient(base_url=base_url, api_key="unused", max_retries=0)
+            clients[loop] = new_client(base_url, cls=TimedClient)
         return await function(base_url, row)
 
     return agent

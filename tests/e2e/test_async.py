@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from helpers.runs import (assert_same_metrics, latest_checkpoint, read_rows_if_any, start_until, train,
                           train_command)
@@ -20,6 +21,11 @@ ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1
 # float32 on both sides, summed in different orders (the synchronous demo's bound: tests/e2e/test_train_cli.py).
 SAME_WEIGHTS_LOGPROB_DIFF = 5e-5
 SYNC_AT = 24  # partial rollouts: the token of each 48-token answer where the update lands
+# Issue 54's target: one-step-off within 1.25x the synchronous run's steps to 0.8. The synchronous demo at this
+# layout (seed 0) took 155 steps with torch 2.13.0 on AVX2 (docs/benchmarks.md); the steps are a property of the
+# machine's arithmetic (as the demo's reward trace, test_train_cli), so elsewhere only the bound before the target.
+SYNCHRONOUS_STEPS = {("2.13.0", "AVX2"): 155}
+LOOSE_STEP_BOUND = 250
 
 
 # The one-step-off run is SIGKILLed once it has logged two steps past its first checkpoint (with the batch after it,
@@ -47,7 +53,9 @@ def one_step_off(tmp_path_factory):
 
 def test_one_step_off_learns_the_demo_within_its_bound(one_step_off):
     _, stdout, rows, _ = one_step_off
-    assert "Target mean reward 0.8 reached." in stdout and len(rows) < 250
+    assert "Target mean reward 0.8 reached." in stdout and len(rows) < LOOSE_STEP_BOUND
+    synchronous = SYNCHRONOUS_STEPS.get((torch.__version__.split("+")[0], torch.backends.cpu.get_cpu_capability()))
+    assert synchronous is None or len(rows) <= 1.25 * synchronous, (len(rows), synchronous)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
     # Batch 1 comes from the initial weights; every later batch from the weights one update behind the trainer.
