@@ -228,12 +228,15 @@ def test_a_machine_without_user_namespaces_refuses_rather_than_degrades(monkeypa
     assert run(PythonTool({"isolation": "none"}, SCHEMA), "print(1)").text == "1\n"
 
 
-def test_a_trivial_call_takes_well_under_a_second(tool):
-    """The boundary's cost: the median of 10 trivial calls (76 ms on 2 idle cores, docs/sandbox.md; the bound leaves
-    room for the suite's other work on the same cores)."""
-    seconds = []
+def test_the_boundary_costs_a_trivial_call_little(tool):
+    """The boundary's cost: 10 trivial calls with it and 10 without (isolation: none, the same interpreter and
+    launcher), interleaved so that whatever else runs on the cores weighs on both alike: the median with it within
+    4x the median without (85 and 41 ms on 2 idle cores: docs/sandbox.md), however loaded the machine."""
+    bare = PythonTool({"timeout_s": 10, "isolation": "none"}, SCHEMA)
+    seconds = {tool: [], bare: []}
     for _ in range(10):
-        start = time.perf_counter()
-        assert run(tool, "print(1)").text == "1\n"
-        seconds.append(time.perf_counter() - start)
-    assert statistics.median(seconds) < 0.5
+        for each in (tool, bare):
+            start = time.perf_counter()
+            assert run(each, "print(1)").text == "1\n"
+            seconds[each].append(time.perf_counter() - start)
+    assert statistics.median(seconds[tool]) < 4 * statistics.median(seconds[bare]), seconds
