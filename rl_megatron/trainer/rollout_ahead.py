@@ -167,7 +167,8 @@ class Ahead:
 
 def drop_stale(samples: list[Sample], trainer_version: int, bound: int) -> dict[str, float]:
     """Keep samples older than `bound` policy versions out of the loss (their loss mask zeroed, marked ABORTED);
-    the staleness metrics of the batch."""
+    the staleness metrics of the batch: of its samples (each as old as its oldest token), and the histogram of its
+    trained tokens, `async/token_staleness/<lag>` the share sampled `lag` versions behind the trainer."""
     staleness = [trainer_version - sample.policy_version for sample in samples]
     dropped = 0
     for sample, age in zip(samples, staleness):
@@ -178,7 +179,21 @@ def drop_stale(samples: list[Sample], trainer_version: int, bound: int) -> dict[
             dropped += 1
     versions = [len(set(s.token_versions)) > 1 for s in samples if s.token_versions]
     return {"async/staleness/mean": sum(staleness) / len(staleness), "async/staleness/max": max(staleness),
-            "async/dropped": dropped, "async/partial_samples": sum(versions) / len(samples)}
+            "async/dropped": dropped, "async/partial_samples": sum(versions) / len(samples),
+            **token_staleness(samples, trainer_version, bound)}
+
+
+def token_staleness(samples: list[Sample], trainer_version: int, bound: int) -> dict[str, float]:
+    """The shares of the batch's trained tokens sampled 0 .. `bound` versions behind the trainer (each lag logged,
+    0 where none; none of them when no token is trained)."""
+    counts = [0] * (bound + 1)
+    for sample in samples:
+        versions = sample.token_versions or [sample.policy_version] * len(sample.response_ids)
+        for version, kept in zip(versions, sample.loss_mask):
+            if kept:
+                counts[trainer_version - version] += 1
+    total = sum(counts)
+    return {f"async/token_staleness/{lag}": count / total for lag, count in enumerate(counts)} if total else {}
 
 
 def current_version_mismatch(samples: list[Sample], batch: TrainBatch, version: int) -> dict[str, float]:

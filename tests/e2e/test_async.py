@@ -60,6 +60,7 @@ def test_one_step_off_learns_the_demo_within_its_bound(one_step_off):
     assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
     # Batch 1 comes from the initial weights; every later batch from the weights one update behind the trainer.
     assert [r["async/staleness/max"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
+    assert [r["async/token_staleness/1"] for r in rows] == [0.0] + [1.0] * (len(rows) - 1)
     assert not any(r["async/dropped"] for r in rows)
     # Only batch 1 was sampled by the trainer's own version: there, trainer and engine agree.
     assert rows[0]["async/current_version_max_abs_logprob_diff"] < SAME_WEIGHTS_LOGPROB_DIFF
@@ -93,6 +94,7 @@ def test_partial_rollouts_continue_samples_across_updates_with_each_tokens_versi
     assert [r["async/staleness/max"] for r in rows] == [0.0] + [1.0] * 4
     assert [r["async/partial_samples"] for r in rows] == [0.0] + [1.0] * 4
     assert [r["async/current_version_tokens"] for r in rows] == [1.0] + [0.5] * 4
+    assert [(r["async/token_staleness/0"], r["async/token_staleness/1"]) for r in rows] == [(1.0, 0.0)] + [(0.5, 0.5)] * 4
     assert all(r["async/current_version_max_abs_logprob_diff"] < SAME_WEIGHTS_LOGPROB_DIFF for r in rows)
     assert all(r["mismatch/max_abs_logprob_diff"] > 1e-3 for r in rows[1:])
     assert not any(key.startswith("rollout_corr/") for r in rows for key in r)  # no weights: bypass mode

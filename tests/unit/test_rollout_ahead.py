@@ -120,8 +120,10 @@ def test_finished_batches_restore_into_a_new_pipeline_as_they_were():
 def test_drop_stale_keeps_samples_past_the_bound_out_of_the_loss():
     samples = [sample(5), sample(4), sample(2), sample(4, versions=[4, 5])]
     metrics = drop_stale(samples, trainer_version=5, bound=2)
+    # Trained tokens (two a sample, the third sample's dropped): 3 sampled by version 5, 3 by version 4.
     assert metrics == {"async/staleness/mean": (0 + 1 + 3 + 1) / 4, "async/staleness/max": 3, "async/dropped": 1,
-                       "async/partial_samples": 0.25}
+                       "async/partial_samples": 0.25, "async/token_staleness/0": 0.5,
+                       "async/token_staleness/1": 0.5, "async/token_staleness/2": 0.0}
     assert samples[2].loss_mask == [0, 0] and samples[2].status == SampleStatus.ABORTED
     assert "trainer.rollout_staleness=2" in samples[2].error
     assert samples[1].loss_mask == [1, 1]
