@@ -1,16 +1,38 @@
 """Your own agent, end to end: `make demo-agent` (configs/demo_cpu_agent.yaml) trains the tool demo's task through
 the OpenAI-compatible gateway, driven by an agent written with the official `openai` client
-(examples/agents/lookup_openai.py), and learns from chance to the 0.8 target. One run serves every assert."""
-from helpers.runs import train
+(examples/agents/lookup_openai.py), and learns from chance to the 0.8 target, killed with SIGKILL on the way and
+resumed exactly by the same command. One run serves every assert."""
+import os
+import signal
+
+from helpers.runs import assert_same_metrics, latest_checkpoint, read_rows_if_any, start_until, train, train_command
 
 AGENT_METRICS = {"agent/calls_per_episode", "agent/prefix_breaks", "agent/samples_per_episode",
                  "agent/untrained_tokens", "agent/episode_s", "agent/episode_s_max", "agent/episodes_failed"}
 
 
+# The run is SIGKILLed (the whole process group: the controller, its gateway and agents, the workers) once it has
+# logged two steps past its first checkpoint; the same command resumes there, re-running the episodes of those steps.
+SAVE_EVERY = 20
+
+
 def test_an_openai_client_agent_learns_through_the_gateway(tmp_path):
     # ~510 HTTP calls a step through the `openai` client, ~4 ms of the controller's CPU each: ~10 minutes on two
     # cores shared with the suite's other worker (docs/benchmarks.md).
-    stdout, rows, _ = train(tmp_path, config="demo_cpu_agent", timeout=1800)
+    run = (f"trainer.save_every={SAVE_EVERY}",)
+    killed = start_until(train_command(tmp_path, *run, config="demo_cpu_agent"),
+                         lambda: latest_checkpoint(tmp_path, "demo_cpu_agent") == SAVE_EVERY
+                         and SAVE_EVERY + 2 in read_rows_if_any(tmp_path, "demo_cpu_agent"),
+                         timeout=900, start_new_session=True)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    before = read_rows_if_any(tmp_path, "demo_cpu_agent")
+    stdout, rows, _ = train(tmp_path, *run, config="demo_cpu_agent", timeout=1800)
+    # Exactly where it stopped: the episodes in flight when it was killed ran again, none counted twice.
+    assert "Resumed from" in stdout and f"(step {SAVE_EVERY})" in stdout
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    for step in (SAVE_EVERY + 1, SAVE_EVERY + 2):
+        assert_same_metrics(before[step], rows[step - 1], tolerance=1e-6)
     # Chance: a random policy rarely calls the tool (one token in 29) and guesses a digit at 1 in 10.
     assert rows[0]["reward/mean"] < 0.15 and rows[0]["tool/call_rate"] < 0.3
     assert sum(r["reward/mean"] for r in rows[-5:]) / 5 >= 0.8
