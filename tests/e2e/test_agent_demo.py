@@ -66,3 +66,25 @@ def test_gateway_episodes_run_one_step_off_with_partial_rollouts(tmp_path):
                if "async/current_version_max_abs_logprob_diff" in r]
     assert current and max(current) < 5e-5
     assert rows[0]["async/current_version_tokens"] == 1.0
+
+
+# The gateway's episodes through two more of the trainer's paths at once, a few steps: LoRA adapters served by the
+# engines themselves (verified bit for bit at each sync) and dynamic sampling (groups whose episodes all score the
+# same are dropped and more rows generated until a batch's worth vary).
+LORA_SERVED = ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.lora.target_modules=[all-linear]",
+               "resharding.verify=true")
+DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", "data.gen_batch_size=32")
+
+
+def test_gateway_episodes_train_lora_adapters_served_by_the_engines_under_dynamic_sampling(tmp_path):
+    _, rows, _ = train(tmp_path, *LORA_SERVED, *DYNAMIC_SAMPLING, "trainer.total_steps=4", "trainer.target_reward=null",
+                       config="demo_cpu_agent")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["agent/episodes_failed"] == 0 and r["agent/prefix_breaks"] == 0 for r in rows)
+    # Only groups whose episodes scored differently are trained on: a batch's worth each step, from as many rounds
+    # of 32 rows as it took.
+    assert all(r["filter/kept_groups"] == 32 and r["filter/prompts_used"] == 32 * r["filter/gen_batches"]
+               and 0 < r["reward/mean"] < 1 for r in rows)
+    # The engines generated through the adapters the trainer holds (they are updated every step): the trainer's
+    # recomputed log-probs of the episodes' tokens are the engines' (the lora demo's bound for served adapters).
+    assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-5
