@@ -56,8 +56,10 @@ def build_agent_loop(rollout, tokenizer, stop_ids: list[int], model_path: str = 
         cls = GatewayLoop
     else:
         cls = agent_loop_class(rollout.agent_loop)
-    if cls is None:
-        return SingleTurnLoop(AgentContext(tokenizer, rollout, None, None)) if rollout.partial_rollout else None
+    if cls is None and not rollout.partial_rollout:
+        return None
+    if cls is None or issubclass(cls, SingleTurnLoop):  # one turn a trajectory: no tools, no chat template's deltas
+        return (cls or SingleTurnLoop)(AgentContext(tokenizer, rollout, None, None))
     path = rollout.multi_turn.tool_config_path
     tools = ToolSet.from_config_file(path) if path else None
     if cls is ToolAgentLoop and tools is None:

@@ -61,9 +61,13 @@ class SingleTurnLoop(AgentLoop):
     need for single-turn tasks (a request can be interrupted by a weight update and continued)."""
 
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
-        completion = await generate(prompt.ids)
+        completion = await generate(prompt.ids, self.response_limit(prompt))
         return Sample.answering(prompt, completion.response_ids, completion.log_probs, status=completion.status,
                                 token_versions=completion.versions)
+
+    def response_limit(self, prompt: Prompt) -> int | None:
+        """The most tokens this trajectory's answer may have (None: rollout.max_tokens)."""
+        return None
 
 
 # The agent loops rollout.agent_loop names: single_turn (no loop: each prompt answered in one batched generation) and

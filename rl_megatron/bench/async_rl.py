@@ -49,28 +49,41 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_STEPS = 8
 DEFAULT_MAX_TOKENS = 64
 MODES = {"synchronous": 0, "one_step_off": 1}
+# --workload: the overrides of the demo's answers (of up to max_tokens). demo: as the random model ends them (roughly
+# geometric lengths); long_tail: lengths drawn log-normally, a few ~10x the median, decoded exactly
+# (rl_megatron/bench/long_tail.py; an agent loop's response budget is rollout.multi_turn.max_response_length).
+WORKLOADS = {"demo": lambda max_tokens: (),
+             "long_tail": lambda max_tokens: ("rollout.agent_loop=rl_megatron.bench.long_tail:LongTailLoop",
+                                              "rollout.ignore_eos=true",
+                                              f"rollout.multi_turn.max_response_length={max_tokens}")}
 RUN_TIMEOUT_S = 1200
 
 
-def trainer_command(experiment: str, staleness: int, steps: int, max_tokens: int, log_dir: str) -> list[str]:
+def trainer_command(experiment: str, staleness: int, steps: int, max_tokens: int, log_dir: str,
+                    workload: str = "demo") -> list[str]:
     return [sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
             "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
             f"trainer.rollout_staleness={staleness}", f"rollout.max_tokens={max_tokens}",
             f"trainer.total_steps={steps}", "trainer.target_reward=null", "trainer.save_every=-1",
-            "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}"]
+            "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}",
+            *WORKLOADS[workload](max_tokens)]
 
 
-def train(experiment: str, staleness: int, steps: int, max_tokens: int) -> tuple[list[dict], float]:
+def train(experiment: str, staleness: int, steps: int, max_tokens: int, workload: str = "demo"
+          ) -> tuple[list[dict], float]:
     """One run of the trainer in a temporary log directory: its metrics.jsonl rows, and its wall time."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix=f"rl_megatron_bench_async_{experiment}_") as log_dir:
         start = time.perf_counter()
-        done = subprocess.run(trainer_command(experiment, staleness, steps, max_tokens, log_dir), cwd=REPO, env=env,
+        done = subprocess.run(trainer_command(experiment, staleness, steps, max_tokens, log_dir, workload), cwd=REPO,
+                              env=env,
                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
@@ -81,7 +94,7 @@ def train(experiment: str, staleness: int, steps: int, max_tokens: int) -> tuple
     return rows, seconds
 
 
-def figures(rows: list[dict], asynchronous: bool) -> dict:
+def figures(rows: list[dict], asynchronous: bool, samples_per_step: int) -> dict:
     """The mode's means over its steady steps (every step but the first and the last)."""
     steady = rows[1:-1]
     if not steady:
@@ -107,7 +120,19 @@ def figures(rows: list[dict], asynchronous: bool) -> dict:
             "update_actor_s": mean([r["timing_s/update_actor"] for r in steady]),
             "sync_weights_s": mean([r["timing_s/sync_weights"] for r in steady]),
             "response_length_mean": mean([r["response_length/mean"] for r in steady]),
-            "response_length_max": max(r["response_length/max"] for r in steady)}
+            "response_length_max": max(r["response_length/max"] for r in steady),
+            "samples_per_s": samples_per_step / step,
+            "trained_tokens_per_s": mean([r["response_length/mean"] * samples_per_step / r["timing_s/step"]
+                                          for r in steady]),
+            "engine_idle_share": wait_for_train / step,
+            "staleness_max": max(r.get("async/staleness/max", 0) for r in steady)}
+
+
+def samples_per_step() -> int:
+    """The demo's prompts a step times the samples of each (configs/demo_cpu.yaml)."""
+    with open(os.path.join(REPO, "configs", "demo_cpu.yaml")) as f:
+        demo = yaml.safe_load(f)
+    return demo["data"]["train_batch_size"] * demo["rollout"]["n"]
 
 
 def run(args) -> dict:
@@ -115,10 +140,10 @@ def run(args) -> dict:
     max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
     if steps < 3:
         raise SystemExit("bench async: --steps must be at least 3 (the first and the last steps are left out)")
-    modes, run_s = {}, {}
+    modes, run_s, samples = {}, {}, samples_per_step()
     for mode, staleness in MODES.items():
-        rows, run_s[mode] = train(mode, staleness, steps, max_tokens)
-        modes[mode] = figures(rows, asynchronous=staleness > 0) | {"run_s": run_s[mode]}
+        rows, run_s[mode] = train(mode, staleness, steps, max_tokens, args.workload)
+        modes[mode] = figures(rows, asynchronous=staleness > 0, samples_per_step=samples) | {"run_s": run_s[mode]}
     sync, one_off = modes["synchronous"], modes["one_step_off"]
     ideal = max(sync["gen_s"], sync["train_s"])
     return {"bench": "async", "value": 1 / one_off["step_s"], "unit": "steps/s",
@@ -126,4 +151,4 @@ def run(args) -> dict:
             "limit_name": "synchronous steps/s", "limit": 1 / sync["step_s"],
             "sync_step_s": sync["step_s"], "async_step_s": one_off["step_s"],
             "ideal_async_step_s": ideal, "ideal_ratio": sync["step_s"] / ideal,
-            "steps": steps, "max_tokens": max_tokens, "modes": modes}
+            "steps": steps, "max_tokens": max_tokens, "workload": args.workload, "modes": modes}
