@@ -27,20 +27,23 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     env = worker_env(threads, local_cluster=cfg.ray.address is None, deterministic=cfg.trainer.deterministic,
                      engine_env=engine_class(cfg.rollout.engine).process_env)
     logs = logs_dir(cfg.trainer.run_dir)
-    groups: dict[Role, WorkerGroup] = {}
-    for pool in pools:
-        roles = pool.roles
-        started = time.perf_counter()
+    launched: list[tuple[tuple[Role, ...], WorkerGroup]] = []
+    for pool in pools:  # every pool's workers launched first, so that their start-ups overlap
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
-        name = roles_name(roles)  # what a dead worker's report calls its group
-        if roles == (Role.ROLLOUT,):
-            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, logs, env=env, name=name)
+        name = roles_name(pool.roles)  # what a dead worker's report calls its group
+        if pool.roles == (Role.ROLLOUT,):
+            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, logs, env=env, name=name,
+                                start=False)
         else:
-            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, roles, pool.layout, threads, logs, env=env,
-                                name=name)
-        groups.update(dict.fromkeys(roles, stack.enter_context(group)))
-        logger.info("start-up: %s workers ready in %.1f s (process, Megatron, rollout engine)", name,
-                    time.perf_counter() - started)
+            group = WorkerGroup(HybridWorker, devices, cfg, hf_config, pool.roles, pool.layout, threads, logs,
+                                env=env, name=name, start=False)
+        launched.append((pool.roles, stack.enter_context(group)))
+    groups: dict[Role, WorkerGroup] = {}
+    started = time.perf_counter()
+    for roles, group in launched:
+        groups.update(dict.fromkeys(roles, group.wait_started()))
+        logger.info("start-up: %s workers ready %.1f s after all were launched (process, Megatron, rollout "
+                    "engine)", group.name, time.perf_counter() - started)
     if groups[Role.ROLLOUT] is not groups[Role.ACTOR]:
         connect_engines(groups[Role.ACTOR], groups[Role.ROLLOUT])
     return groups

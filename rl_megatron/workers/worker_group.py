@@ -144,27 +144,36 @@ class WorkerGroup:
     it starts and holds for a group it leads, `distributed.rendezvous_address`), `init(addr, port)`, `mesh()` (its
     place on each dispatch axis) and `close()`. `placement` says which node each rank runs on (also logged at INFO,
     with the list as the record's `placement` attribute). `name` (e.g. the roles it hosts) names the group when one
-    of its workers dies (`WorkerDied`)."""
+    of its workers dies (`WorkerDied`). With `start=False` the workers are launched and `wait_started` waits for
+    them: several groups launched before any is waited for start side by side (a run's pools)."""
 
-    def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None, name: str = ""):
+    def __init__(self, worker_cls: type, pool: ResourcePool, *args, env: dict | None = None, name: str = "",
+                 start: bool = True):
         remote_cls = ray.remote(worker_cls)
-        self.pool, self.name = pool, name or worker_cls.__name__
+        self.worker_cls, self.pool, self.name = worker_cls, pool, name or worker_cls.__name__
         self.oom_kills_before = oom_kills()  # the kernel's count on this node, to tell an OOM kill later
-        self.placement: list[WorkerPlacement] = []  # known once the workers report it (below)
+        self.placement: list[WorkerPlacement] = []  # known once the workers report it (`wait_started`)
         runtime_env = {"env_vars": env or {}}
         self.workers = [remote_cls.options(**pool.options(rank), runtime_env=runtime_env)
                         .remote(rank, pool.world_size, *args) for rank in range(pool.world_size)]
-        self.placement = [WorkerPlacement(rank, pool.node_of(rank), *where) for rank, where in
+        if start:
+            self.wait_started()
+
+    def wait_started(self) -> "WorkerGroup":
+        """Wait until every worker is built (where it runs is logged), then join them in their process group and
+        learn their places on the dispatch axes; the group's dispatched methods exist from then on."""
+        self.placement = [WorkerPlacement(rank, self.pool.node_of(rank), *where) for rank, where in
                           enumerate(self.get([w.__ray_call__.remote(where_am_i) for w in self.workers]))]
-        logger.info("%s placement: %s", worker_cls.__name__, describe_placement(self.placement),
+        logger.info("%s placement: %s", self.worker_cls.__name__, describe_placement(self.placement),
                     extra={"placement": self.placement})
         addr, port = self.rank0_address()  # rank 0 hosts the process group's store
         self.get([w.init.remote(addr, port) for w in self.workers])
         self.meshes = self.get([w.mesh.remote() for w in self.workers])
-        for name in dir(worker_cls):
-            method = getattr(worker_cls, name)
+        for name in dir(self.worker_cls):
+            method = getattr(self.worker_cls, name)
             if hasattr(method, "dispatch_axis"):
                 setattr(self, name, functools.partial(self._call, name, method.dispatch_axis))
+        return self
 
     def rank0_address(self) -> tuple[str, int]:
         """Where rank 0's store listens (where a process group led by rank 0 meets)."""
