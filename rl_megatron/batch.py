@@ -148,7 +148,8 @@ def _engine_routing(samples: list[Sample], length: int) -> Tensor | None:
     routing = torch.full((len(samples), length, *shapes.pop()), UNROUTED, dtype=torch.int16)
     for row, s in enumerate(samples):
         if s.routed_experts is not None:
-            routing[row, :s.routed_experts.shape[0]] = torch.from_numpy(s.routed_experts[:length])
+            # A copy: the engines' arrays may be read-only (torch.from_numpy would warn on the console)
+            routing[row, :s.routed_experts.shape[0]] = torch.tensor(s.routed_experts[:length])
     return routing
 
 

@@ -7,6 +7,8 @@ import signal
 
 from helpers.runs import assert_same_metrics, latest_checkpoint, read_rows_if_any, start_until, train, train_command
 
+from rl_megatron.models.tiny import TOOLS, write_tiny_model
+
 AGENT_METRICS = {"agent/calls_per_episode", "agent/prefix_breaks", "agent/samples_per_episode",
                  "agent/untrained_tokens", "agent/episode_s", "agent/episode_s_max", "agent/episodes_failed"}
 
@@ -88,3 +90,18 @@ def test_gateway_episodes_train_lora_adapters_served_by_the_engines_under_dynami
     # The engines generated through the adapters the trainer holds (they are updated every step): the trainer's
     # recomputed log-probs of the episodes' tokens are the engines' (the lora demo's bound for served adapters).
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-5
+
+
+def test_gateway_episodes_carry_the_engines_routing_for_router_replay_r3(tmp_path):
+    """An MoE policy (a tiny Qwen3-MoE with the tool demo's tokenizer and chat template) through the gateway with
+    actor.router_replay=R3: every token of every call keeps the experts the engine routed it through, and the
+    trainer's passes replay them."""
+    model = str(tmp_path / "tiny-qwen3-moe-tools")
+    write_tiny_model(model, vocabulary=TOOLS, moe=True)
+    _, rows, _ = train(tmp_path, f"model.path={model}", "actor.tensor_model_parallel_size=1",
+                       "actor.expert_model_parallel_size=2", "actor.micro_batch_size=64", "actor.router_replay=R3",
+                       "trainer.total_steps=3", "trainer.target_reward=null", config="demo_cpu_agent")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["agent/episodes_failed"] == 0 and r["agent/calls_per_episode"] > 1 for r in rows)
+    # The engines' routing reached the trainer with the tokens (as in-process: tests/e2e/test_moe_train.py).
+    assert all(r["moe/routing_agreement"] >= 0.99 and r["mismatch/max_abs_logprob_diff"] < 1e-5 for r in rows)
