@@ -10,15 +10,45 @@ import os
 
 def keep_cpu_weights_in_place() -> None:
     """vLLM's CPU backend repacks linear weights into oneDNN / AMX kernel formats after loading and leaves the
-    parameters empty, so they could only be updated through a full reload. Plain `F.linear` over the parameters
-    costs ~5% of decode speed on CPU and lets every sync write the weights in place. (GPU kernels read the
+    parameters empty, so they could only be updated through a full reload. Instead the parameters keep their
+    storage, so that every sync writes them in place, and the kernels read packed copies made from them again after
+    any write (`_pack_cpu_linear_from_parameters`). The small GEMMs vLLM gives its SGL kernels (e.g. MoE routers)
+    run as plain `F.linear`: that packing would turn a bias the syncs write into float32. (GPU kernels read the
     parameters as they are.)"""
-    import vllm._custom_ops as ops
     from vllm.model_executor.layers import utils
 
-    ops._supports_onednn = False
     utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    _pack_cpu_linear_from_parameters()
     _pack_cpu_experts_from_parameters()
+
+
+def _pack_cpu_linear_from_parameters() -> None:
+    """Each linear layer's oneDNN handler (vLLM's fastest CPU GEMM) is packed from its weight parameter, which stays
+    as loaded, and packed again at its first use after the parameter changed (torch counts in-place writes in
+    `_version`): a weight sync costs one repacking of each layer, at the next generation."""
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils, "packs_linear_from_parameters", False):  # patched once per process
+        return
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_keeping_parameters(layer, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+        if layer.weight.ndim != 2 or not hasattr(layer, "cpu_linear"):  # not a linear layer: nothing packed
+            return
+        packed = [layer.weight._version, layer.cpu_linear]
+
+        def linear(x, weight, bias):
+            if layer.weight._version != packed[0]:
+                dispatch(layer, remove_weight=False)
+                packed[:] = [layer.weight._version, layer.cpu_linear]
+                layer.cpu_linear = linear
+            return packed[1](x, weight, bias)
+
+        layer.cpu_linear = linear
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_parameters
+    utils.packs_linear_from_parameters = True
 
 
 def _pack_cpu_experts_from_parameters() -> None:
