@@ -83,8 +83,7 @@ def train(experiment: str, staleness: int, steps: int, max_tokens: int, workload
     with tempfile.TemporaryDirectory(prefix=f"rl_megatron_bench_async_{experiment}_") as log_dir:
         start = time.perf_counter()
         done = subprocess.run(trainer_command(experiment, staleness, steps, max_tokens, log_dir, workload), cwd=REPO,
-                              env=env,
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             raise RuntimeError(f"the {experiment} run (trainer.rollout_staleness={staleness}) failed with exit code "

@@ -183,13 +183,17 @@ def drop_stale(samples: list[Sample], trainer_version: int, bound: int) -> dict[
             **token_staleness(samples, trainer_version, bound)}
 
 
+def versions_of_tokens(sample: Sample) -> list[int]:
+    """The policy version of each response token: its own with partial rollouts, else the sample's."""
+    return sample.token_versions or [sample.policy_version] * len(sample.response_ids)
+
+
 def token_staleness(samples: list[Sample], trainer_version: int, bound: int) -> dict[str, float]:
     """The shares of the batch's trained tokens sampled 0 .. `bound` versions behind the trainer (each lag logged,
     0 where none; none of them when no token is trained)."""
     counts = [0] * (bound + 1)
     for sample in samples:
-        versions = sample.token_versions or [sample.policy_version] * len(sample.response_ids)
-        for version, kept in zip(versions, sample.loss_mask):
+        for version, kept in zip(versions_of_tokens(sample), sample.loss_mask):
             if kept:
                 counts[trainer_version - version] += 1
     total = sum(counts)
@@ -203,7 +207,7 @@ def current_version_mismatch(samples: list[Sample], batch: TrainBatch, version: 
     has no such token."""
     current = torch.zeros_like(batch.response_mask)
     for row, sample in enumerate(samples):
-        versions = sample.token_versions or [sample.policy_version] * len(sample.response_ids)
+        versions = versions_of_tokens(sample)
         start = len(sample.prompt_ids) - 1
         current[row, start:start + len(versions)] = torch.tensor(
             [float(v == version and kept) for v, kept in zip(versions, sample.loss_mask)])
