@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable, Coroutine
 
 import numpy as np
 
@@ -35,25 +36,33 @@ class AgentRunner:
         batch is trained with (where a fixed sync point waits for it). A trajectory whose loop raises or returns a
         bad sample is logged with its index and kept as an empty, ABORTED sample carrying the error (it joins no
         loss)."""
+        scheduler = self.scheduler(awaited_version)
+        trajectories = [self.trajectory(scheduler, prompts[index // n], seeds[index // n], index % n, temperature,
+                                        f"{tag}/{index}", index % self.engines) for index in range(len(prompts) * n)]
+        results = asyncio.run(scheduler.run(trajectories))
+        return [self.checked(index, result, prompts[index // n]) for index, result in enumerate(results)]
+
+    def scheduler(self, awaited_version: int | None = None) -> TurnScheduler:
+        """A turn scheduler over the engines (with partial rollouts, awaiting `awaited_version` at a fixed sync
+        point, if any)."""
         pausing = None if self.pausing is None else self.pausing.awaiting(awaited_version)
-        scheduler = TurnScheduler(self.serve, self.engines, self.turn_synchronous, pausing)
+        return TurnScheduler(self.serve, self.engines, self.turn_synchronous, pausing)
 
-        def trajectory(index: int):
-            prompt, turns = prompts[index // n], itertools.count()
+    def trajectory(self, scheduler: TurnScheduler, prompt: Prompt, prompt_seed: int, sample: int, temperature: float,
+                   request_tag: str, engine: int) -> Callable[[], Coroutine]:
+        """Sample `sample` of `prompt` through the loop on `engine`, as a coroutine to build: its turns are requests
+        `<request_tag>/<turn>`, each drawing from a seed of (prompt_seed, sample, turn)."""
+        turns = itertools.count()
 
-            async def generate(token_ids: list[int], max_tokens: int | None = None) -> Completion:
-                turn = next(turns)
-                request = TurnRequest(f"{tag}/{index}/{turn}", list(token_ids), turn_seed(seeds[index // n],
-                                      index % n, turn), max_tokens or self.loop.context.rollout.max_tokens,
-                                      temperature)
-                return await scheduler.generate(index % self.engines, request)
+        async def generate(token_ids: list[int], max_tokens: int | None = None) -> Completion:
+            turn = next(turns)
+            request = TurnRequest(f"{request_tag}/{turn}", list(token_ids), turn_seed(prompt_seed, sample, turn),
+                                  max_tokens or self.loop.context.rollout.max_tokens, temperature)
+            return await scheduler.generate(engine, request)
 
-            return lambda: self.loop.run(prompt, generate)
+        return lambda: self.loop.run(prompt, generate)
 
-        results = asyncio.run(scheduler.run([trajectory(i) for i in range(len(prompts) * n)]))
-        return [self._checked(index, result, prompts[index // n]) for index, result in enumerate(results)]
-
-    def _checked(self, index: int, result, prompt: Prompt) -> Sample:
+    def checked(self, index: int, result, prompt: Prompt) -> Sample:
         problem = self._problem(result)
         if problem is None:
             return result

@@ -26,11 +26,11 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
 - agent (a user's agent through the OpenAI-compatible gateway): episodes/s of the example `openai` agent
   (examples/agents/lookup_openai.py) against the in-process tool loop on the same lookup rows, seeds and engine, the
   gateway's added latency per call, and the share of episodes with identical tokens (rl_megatron/bench/agent.py).
-- async (one-step-off asynchronous RL): steps/s of the trainer at trainer.rollout_staleness=1 against the synchronous
-  run on the same separate vLLM engine, both real runs of the CPU demo (`--steps`, `--max-tokens`; `--workload
-  long_tail`: answer lengths drawn log-normally, a few ~10x the median), with each mode's generation and training
-  times, wait shares, overlap, samples and trained tokens per second and the staleness reached, and the ideal step
-  max(gen, train) (rl_megatron/bench/async_rl.py).
+- async (asynchronous RL): steps/s of the trainer one-step-off against the synchronous run, and streaming's against
+  one-step-off's, on the same separate vLLM engine, all real runs of the CPU demo (`--steps`, `--max-tokens`,
+  `--staleness`; `--workload long_tail`: answer lengths drawn log-normally, a few ~10x the median), with each mode's
+  generation and training times, wait shares, overlap, engine idle share, samples and trained tokens per second and
+  the staleness reached, and the ideal step max(gen, train) (rl_megatron/bench/async_rl.py).
 """
 from __future__ import annotations
 
@@ -123,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "sample); async: rollout.max_tokens, the longest response (default 64); agent: "
                              "rollout.max_tokens, the tokens of a model turn (default 32)")
     parser.add_argument("--steps", type=int, help="async: training steps of each run (default 8)")
+    parser.add_argument("--staleness", type=int, default=1,
+                        help="async: trainer.rollout_staleness of the one-step-off and streaming runs (default 1)")
     parser.add_argument("--workload", choices=("demo", "long_tail"), default="demo",
                         help="async: the demo's answers as its random model ends them, or long_tail: lengths drawn "
                              "log-normally, a few ~10x the median (rl_megatron/bench/long_tail.py)")
@@ -283,9 +285,11 @@ def report(result: dict, as_json: bool) -> None:
                   f"{figures['wait_for_train_share']:.2f} of the step  overlap {figures['overlap']:.2f}  responses "
                   f"mean {figures['response_length_mean']:.1f} max {figures['response_length_max']:.0f} tokens  "
                   f"{figures['samples_per_s']:.0f} samples/s, {figures['trained_tokens_per_s']:.0f} trained "
-                  f"tokens/s, staleness max {figures['staleness_max']:.0f}")
+                  f"tokens/s, engines idle {figures['engine_idle_share']:.2f}, staleness max "
+                  f"{figures['staleness_max']:.0f}")
         print(f"  ideal one-step-off step max(gen, train) of the synchronous run: {result['ideal_async_step_s']:.3f} s "
-              f"({result['ideal_ratio']:.2f}x), measured {result['async_step_s']:.3f} s ({result['ratio']:.2f}x)")
+              f"({result['ideal_ratio']:.2f}x), measured {result['async_step_s']:.3f} s ({result['ratio']:.2f}x); "
+              f"streaming {result['streaming_vs_one_step_off']:.2f}x one-step-off's samples/s")
 
 
 def run(args, model_dir: str) -> dict:

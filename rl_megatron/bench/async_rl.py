@@ -1,8 +1,10 @@
-"""`python -m rl_megatron.bench async --json`: one-step-off asynchronous RL (`trainer.rollout_staleness=1`: a
+"""`python -m rl_megatron.bench async --json`: one-step-off asynchronous RL (`trainer.async_mode=one_step_off`: a
 generation thread generates batch k + 1 on the vLLM engines while the trainer trains on batch k) against
-synchronous RL (staleness 0: generate, then train) on the same engines, as real training runs.
+synchronous RL (generate, then train), and streaming (`trainer.async_mode=streaming`: prompt groups admitted as the
+engines free up, each batch the first groups done) against one-step-off, on the same engines, as real training runs
+(both asynchronous modes at trainer.rollout_staleness = `--staleness`, default 1).
 
-The workload: the trainer itself (`python -m rl_megatron.train`), run twice as a subprocess with the same config,
+The workload: the trainer itself (`python -m rl_megatron.train`), run three times as a subprocess with the same config,
 each in a temporary log directory: the CPU demo (configs/demo_cpu.yaml: GRPO on a tiny random-initialised Qwen2,
 32 prompts x 8 samples a step) at one trainer process (TP=1) and one vLLM engine in a process of its own
 (`rollout.placement=separate`, which one-step-off needs), `--steps` steps (default 8), responses of up to
@@ -10,9 +12,9 @@ each in a temporary log directory: the CPU demo (configs/demo_cpu.yaml: GRPO on 
 long-tailed (roughly geometric, cut at --max-tokens): `response_length_mean`/`response_length_max` per mode show the
 tail. The figures come from each run's metrics.jsonl (`timing_s/*`), over the steady steps: step 1 (the engine's
 warm-up, and in one-step-off a batch with nothing before it to hide behind) and the last step (one-step-off generates
-nothing beside it: on shared cores it trains uncontended, faster than any steady step) are left out of both modes.
+nothing beside it: on shared cores it trains uncontended, faster than any steady step) are left out of every mode.
 
-Per mode (`modes.synchronous`, `modes.one_step_off`), means over those steps:
+Per mode (`modes.synchronous`, `modes.one_step_off`, `modes.streaming`), means over those steps:
 - `step_s`: `timing_s/step`, the trainer's step (taking the batch, the forward passes, the update, the weight sync);
 - `gen_s`: `timing_s/gen`, generating the step's batch: in the step when synchronous; one-step-off, in the
   generation thread, mostly during the step before;
@@ -25,12 +27,16 @@ Per mode (`modes.synchronous`, `modes.one_step_off`), means over those steps:
   train / step (derived: the engines idle through the whole training);
 - `overlap`: the share of the generation hidden behind training, (gen - wait_for_rollout) / gen clamped to [0, 1]
   (0 when synchronous: nothing is hidden);
-- `response_length_mean` (mean of the steps' means) and `response_length_max` (their max).
+- `response_length_mean` (mean of the steps' means) and `response_length_max` (their max);
+- `samples_per_s`, `trained_tokens_per_s`, `staleness_max` (`async/staleness/max`) and `engine_idle_share`: the
+  engines' idle share of the step as above, streaming's measured by its scheduler (`async/engine_idle_share`: time
+  with nothing to decode). Streaming's `gen_s` is a batch's span, from its first group admitted to its last done.
 
 `ideal_async_step_s` = max(gen, train) of the synchronous run: the step of a perfect one-step-off pipeline, where
 the longer of the two hides the other completely; `async_step_s` beside it is the one measured, and `ideal_ratio` the
 speed-up the ideal pipeline would have. The figure (`value`) is the one-step-off run's steps/s; `ratio` = synchronous
-step / one-step-off step, the speed-up (the `limit`: the synchronous run's steps/s).
+step / one-step-off step, the speed-up (the `limit`: the synchronous run's steps/s); `streaming_vs_one_step_off`
+= one-step-off step / streaming step, streaming's samples/s against one-step-off's.
 
 On 2 CPU cores both sides compete for the same cores: the engine process and the trainer process each have one
 core, but the controller (with its generation thread), the reward scorers and Ray's own processes share them, and
@@ -51,10 +57,13 @@ import time
 
 import yaml
 
+from rl_megatron.config.choices import ONE_STEP_OFF, STREAMING, SYNC
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_STEPS = 8
 DEFAULT_MAX_TOKENS = 64
-MODES = {"synchronous": 0, "one_step_off": 1}
+# the runs, by their names in the output: trainer.async_mode (each asynchronous one at --staleness, default 1)
+MODES = {"synchronous": SYNC, "one_step_off": ONE_STEP_OFF, "streaming": STREAMING}
 # --workload: the overrides of the demo's answers (of up to max_tokens). demo: as the random model ends them (roughly
 # geometric lengths); long_tail: lengths drawn log-normally, a few ~10x the median, decoded exactly
 # (rl_megatron/bench/long_tail.py; an agent loop's response budget is rollout.multi_turn.max_response_length).
@@ -65,35 +74,36 @@ WORKLOADS = {"demo": lambda max_tokens: (),
 RUN_TIMEOUT_S = 1200
 
 
-def trainer_command(experiment: str, staleness: int, steps: int, max_tokens: int, log_dir: str,
-                    workload: str = "demo") -> list[str]:
+def trainer_command(experiment: str, mode: str, steps: int, max_tokens: int, log_dir: str,
+                    workload: str = "demo", staleness: int = 1) -> list[str]:
     return [sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
             "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
-            f"trainer.rollout_staleness={staleness}", f"rollout.max_tokens={max_tokens}",
+            f"trainer.async_mode={mode}", f"trainer.rollout_staleness={staleness if mode != SYNC else 0}",
+            f"rollout.max_tokens={max_tokens}",
             f"trainer.total_steps={steps}", "trainer.target_reward=null", "trainer.save_every=-1",
             "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}",
             *WORKLOADS[workload](max_tokens)]
 
 
-def train(experiment: str, staleness: int, steps: int, max_tokens: int, workload: str = "demo"
+def train(experiment: str, mode: str, steps: int, max_tokens: int, workload: str = "demo", staleness: int = 1
           ) -> tuple[list[dict], float]:
     """One run of the trainer in a temporary log directory: its metrics.jsonl rows, and its wall time."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix=f"rl_megatron_bench_async_{experiment}_") as log_dir:
         start = time.perf_counter()
-        done = subprocess.run(trainer_command(experiment, staleness, steps, max_tokens, log_dir, workload), cwd=REPO,
+        done = subprocess.run(trainer_command(experiment, mode, steps, max_tokens, log_dir, workload, staleness), cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
-            raise RuntimeError(f"the {experiment} run (trainer.rollout_staleness={staleness}) failed with exit code "
+            raise RuntimeError(f"the {experiment} run (trainer.async_mode={mode}) failed with exit code "
                                f"{done.returncode}:\n{done.stderr[-3000:]}")
         with open(os.path.join(log_dir, experiment, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     return rows, seconds
 
 
-def figures(rows: list[dict], asynchronous: bool, samples_per_step: int) -> dict:
+def figures(rows: list[dict], mode: str, samples_per_step: int) -> dict:
     """The mode's means over its steady steps (every step but the first and the last)."""
     steady = rows[1:-1]
     if not steady:
@@ -104,7 +114,7 @@ def figures(rows: list[dict], asynchronous: bool, samples_per_step: int) -> dict
 
     step = mean([r["timing_s/step"] for r in steady])
     gen = mean([r["timing_s/gen"] for r in steady])
-    if asynchronous:
+    if mode != SYNC:
         wait_for_rollout = mean([r["timing_s/wait_for_rollout"] for r in steady])
         wait_for_train = mean([r["timing_s/wait_for_train"] for r in steady])
         train_s = step - wait_for_rollout
@@ -123,7 +133,8 @@ def figures(rows: list[dict], asynchronous: bool, samples_per_step: int) -> dict
             "samples_per_s": samples_per_step / step,
             "trained_tokens_per_s": mean([r["response_length/mean"] * samples_per_step / r["timing_s/step"]
                                           for r in steady]),
-            "engine_idle_share": wait_for_train / step,
+            "engine_idle_share": (mean([r["async/engine_idle_share"] for r in steady]) if mode == STREAMING
+                                  else wait_for_train / step),
             "staleness_max": max(r.get("async/staleness/max", 0) for r in steady)}
 
 
@@ -137,17 +148,21 @@ def samples_per_step() -> int:
 def run(args) -> dict:
     steps = args.steps or DEFAULT_STEPS
     max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    if args.staleness < 1:
+        raise SystemExit("bench async: --staleness must be at least 1 (the bound of the asynchronous runs)")
     if steps < 3:
         raise SystemExit("bench async: --steps must be at least 3 (the first and the last steps are left out)")
     modes, run_s, samples = {}, {}, samples_per_step()
-    for mode, staleness in MODES.items():
-        rows, run_s[mode] = train(mode, staleness, steps, max_tokens, args.workload)
-        modes[mode] = figures(rows, asynchronous=staleness > 0, samples_per_step=samples) | {"run_s": run_s[mode]}
-    sync, one_off = modes["synchronous"], modes["one_step_off"]
+    for name, mode in MODES.items():
+        rows, run_s[name] = train(name, mode, steps, max_tokens, args.workload, args.staleness)
+        modes[name] = figures(rows, mode, samples) | {"run_s": run_s[name]}
+    sync, one_off, streaming = modes["synchronous"], modes["one_step_off"], modes["streaming"]
     ideal = max(sync["gen_s"], sync["train_s"])
     return {"bench": "async", "value": 1 / one_off["step_s"], "unit": "steps/s",
             "ratio": sync["step_s"] / one_off["step_s"],
             "limit_name": "synchronous steps/s", "limit": 1 / sync["step_s"],
             "sync_step_s": sync["step_s"], "async_step_s": one_off["step_s"],
             "ideal_async_step_s": ideal, "ideal_ratio": sync["step_s"] / ideal,
-            "steps": steps, "max_tokens": max_tokens, "workload": args.workload, "modes": modes}
+            "streaming_vs_one_step_off": one_off["step_s"] / streaming["step_s"],
+            "steps": steps, "max_tokens": max_tokens, "workload": args.workload, "staleness": args.staleness,
+            "modes": modes}

@@ -5,7 +5,8 @@
         critic/              the same for the value model, when there is one
         ref/                 the reference's weights, only when model.path cannot rebuild them (model.random_init)
         rng/                 each worker's RNG states (restored when the layout is unchanged)
-        rollouts_ahead.pt    the batches already generated for the next steps (trainer.rollout_staleness > 0)
+        rollouts_ahead.pt    the batches already generated for the next steps (trainer.rollout_staleness > 0), or a
+                             streaming run's queue and unfinished prompts (trainer.async_mode=streaming)
         trainer_state.json   step, data-loader position, KL coefficient, reward history
         config.yaml          the resolved config of the run that saved it
     latest_checkpointed_iteration.txt   the newest complete step (verl's and Megatron's name), written last

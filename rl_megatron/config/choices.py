@@ -18,6 +18,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "low_var_kl")
 # actor.loss_agg_mode, critic.loss_agg_mode: `rl_megatron.algorithms.losses.aggregate_loss`'s modes
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+# trainer.async_mode: where each step's samples come from (`rl_megatron.trainer.rollout_ahead`, `.streaming`)
+SYNC, ONE_STEP_OFF, STREAMING = "sync", "one_step_off", "streaming"
+ASYNC_MODES = (SYNC, ONE_STEP_OFF, STREAMING)
+
 # rollout.agent_loop's built-in single-turn value: each prompt answered in one batched generation (no agent loop)
 SINGLE_TURN = "single_turn"
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from rl_megatron.config.choices import CHANNELS, DEFAULT_LOGGERS, KL_ESTIMATORS, LOGGERS, LOSS_AGG_MODES, \
-    LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES, TOOL_FORMATS
+    ASYNC_MODES, LORA_TARGETS, MATCH_MODES, SINGLE_TURN, TASK_NAMES, TOOL_FORMATS
 from rl_megatron.config.fields import NOT_NEGATIVE, POSITIVE, above, at_least, checked, extension_name, schema_rules, \
     within
 
 Placement = Literal["colocated", "separate"]
+DEFAULT_ROLLOUT_FUNCTION = "rl_megatron.rollout.default:generate"
 OFF_AT_ZERO = "0 turns it off"
 
 
@@ -48,7 +49,8 @@ class TrainerConfig:
     keep_last: int = checked(2, NOT_NEGATIVE, OFF_AT_ZERO)  # keep the newest this many checkpoints, delete older ones (0 keeps all)
     resume: str = "auto"  # auto: continue from checkpoint_dir's latest good checkpoint if any; off; or a step folder path
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <log_dir>/<experiment_name>/checkpoints)
-    rollout_staleness: int = checked(0, NOT_NEGATIVE)  # policy versions the rollout may lag the trainer: 0 synchronous; 1 one-step-off (the engines generate batch k+1 while the trainer trains on batch k); N up to N versions (needs rollout.placement=separate)
+    rollout_staleness: int = checked(0, NOT_NEGATIVE)  # policy versions the rollout may lag the trainer: 0 synchronous; 1 one-step-off (the engines generate batch k+1 while the trainer trains on batch k); N up to N versions (needs rollout.placement=separate); with async_mode=streaming the bound on every trained token's version (1 when left at 0)
+    async_mode: Optional[Literal[ASYNC_MODES]] = None  # sync, one_step_off (whole batches generated ahead, up to rollout_staleness of them) or streaming (prompts admitted as the engines free up, groups trained as they finish, each token within rollout_staleness versions: docs/async.md); null: sync at rollout_staleness 0, one_step_off above
     profile_steps: list[int] = field(default_factory=list)  # steps recorded with torch.profiler, one Chrome trace per worker and phase (generate, log_prob, update, sync) under <run_dir>/profile/step_<step>/; each between 1 and total_steps
     profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks, within each worker group, that record trainer.profile_steps (a rank a group lacks records nothing there)
     imports: list[str] = field(default_factory=list)  # your modules (dotted names or .py paths) imported first in the controller, the workers and the scorer processes, e.g. for @rl_megatron.rewards.register
@@ -204,7 +206,7 @@ class AgentConfig:
 
 @dataclass
 class RolloutConfig:
-    function: str = "rl_megatron.rollout.default:generate"  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/default.py)
+    function: str = DEFAULT_ROLLOUT_FUNCTION  # "pkg.mod:fn" or "file.py:fn" turning prompts into samples: fn(engines, prompts, sampling) -> list[Sample] (see rl_megatron/rollout/default.py)
     agent_loop: str = SINGLE_TURN  # single_turn (each prompt answered in one generation), tool_agent (multi-turn with the tools of multi_turn.tool_config_path), or "pkg.mod:Class" (an rl_megatron.agents.AgentLoop)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # limits and tools of multi-turn agent loops
     agent: AgentConfig = field(default_factory=AgentConfig)  # your own agent harness, served through the OpenAI-compatible gateway

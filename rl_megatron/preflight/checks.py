@@ -21,7 +21,8 @@ from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
 from rl_megatron.config.pools import uses_reference, worker_pools
-from rl_megatron.config.schema import Config
+from rl_megatron.config.choices import STREAMING
+from rl_megatron.config.schema import DEFAULT_ROLLOUT_FUNCTION, Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
 from rl_megatron.roles import roles_name
@@ -130,14 +131,34 @@ def _check_initial_weights(cfg: Config, hf: dict) -> None:
         check_hf_weights(critic.model_path, hf, "critic.model_path", output_layer=False)  # its value head is new
 
 
+def _check_streaming(cfg: Config) -> None:
+    """Streaming admits prompts one by one into the engines' turn scheduler, continued across every weight update."""
+    rollout = cfg.rollout
+    if rollout.function != DEFAULT_ROLLOUT_FUNCTION:
+        raise ConfigError(f"trainer.async_mode=streaming admits prompts one at a time through rollout.agent_loop, but "
+                          f"rollout.function={rollout.function} generates whole batches: write your rollout as an "
+                          "agent loop (rl_megatron.agents.AgentLoop, docs/agentic-rl.md) or an agent function "
+                          "(rollout.agent.function), or set trainer.async_mode=one_step_off.")
+    if rollout.partial_rollout_sync_at_tokens is not None:
+        raise ConfigError(f"rollout.partial_rollout_sync_at_tokens={rollout.partial_rollout_sync_at_tokens} fixes "
+                          "where an update lands in a one-step-off batch; trainer.async_mode=streaming has no batches "
+                          "to fix it in: set it to null, or trainer.async_mode=one_step_off.")
+    if rollout.multi_turn.turn_synchronous:
+        raise ConfigError("rollout.multi_turn.turn_synchronous=true decodes every trajectory's turn as one round, but "
+                          "trainer.async_mode=streaming admits trajectories one by one: set one of them otherwise.")
+
+
 def _check_asynchronous(cfg: Config) -> None:
     """Generation overlapping training needs engines that do not share the trainer's devices."""
     staleness, rollout = cfg.trainer.rollout_staleness, cfg.rollout
     if staleness and rollout.placement == "colocated":
-        raise ConfigError(f"trainer.rollout_staleness={staleness} generates the next batch while the actor trains, but "
+        raise ConfigError(f"trainer.async_mode={cfg.trainer.async_mode} (trainer.rollout_staleness={staleness}) "
+                          "generates the next batch while the actor trains, but "
                           "rollout.placement=colocated puts the engines on the actor's devices, which they only get "
                           "between updates (the hybrid engine). Set rollout.placement=separate (with rollout.nnodes and "
                           "rollout.n_gpus_per_node for the engines' devices), or trainer.rollout_staleness=0.")
+    if cfg.trainer.async_mode == STREAMING:
+        _check_streaming(cfg)
     if rollout.partial_rollout and not staleness:
         raise ConfigError("rollout.partial_rollout=true continues samples across weight updates, which only arrive "
                           "mid-generation when the rollout runs ahead of the trainer: set trainer.rollout_staleness=1 "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 
 from rl_megatron.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, needs_critic
-from rl_megatron.config.choices import SINGLE_TURN
+from rl_megatron.config.choices import ONE_STEP_OFF, SINGLE_TURN, STREAMING, SYNC
 from rl_megatron.config.extensions import resolve_extension_keys
 from rl_megatron.config.fields import check_fields
 from rl_megatron.config.schema import RULES, Config
@@ -58,6 +58,7 @@ def resolve(cfg: Config) -> Config:
     # 0 (as well as unset) means the actor's: the critic trains on the actor's mini-batches unless told otherwise.
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
+    _resolve_async_mode(cfg)
     correction = cfg.algorithm.rollout_correction
     if cfg.algorithm.rollout_is_cap is not None:  # the shorthand for token-level truncation
         if correction.level is not None:
@@ -76,3 +77,19 @@ def resolve(cfg: Config) -> Config:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
     cfg.data = resolve_data_section(cfg.data)
     return cfg
+
+
+def _resolve_async_mode(cfg: Config) -> None:
+    """trainer.async_mode from trainer.rollout_staleness when unset; an asynchronous mode's staleness at least 1;
+    streaming continues requests across weight updates (rollout.partial_rollout)."""
+    trainer = cfg.trainer
+    if trainer.async_mode is None:
+        trainer.async_mode = ONE_STEP_OFF if trainer.rollout_staleness else SYNC
+    elif trainer.async_mode == SYNC and trainer.rollout_staleness:
+        raise ConfigError(f"trainer.async_mode=sync trains every batch on the weights that sampled it, but "
+                          f"trainer.rollout_staleness={trainer.rollout_staleness} lets the rollout lag: set "
+                          "trainer.rollout_staleness=0, or trainer.async_mode=one_step_off or streaming.")
+    elif trainer.async_mode != SYNC and not trainer.rollout_staleness:
+        trainer.rollout_staleness = 1
+    if trainer.async_mode == STREAMING:
+        cfg.rollout.partial_rollout = True

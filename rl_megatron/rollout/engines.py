@@ -50,7 +50,7 @@ class RolloutEngines:
         seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(padded))
         samples = self.group.generate(padded, seeds, n=sampling.n, temperature=sampling.temperature)
         samples = samples[:len(prompts) * sampling.n]
-        return self._stamped(samples)
+        return self.stamped(samples)
 
     def run_agent_loop(self, prompts: list[Prompt], sampling: Sampling) -> list[Sample]:
         """`sampling.n` trajectories per prompt through the agent loop, prompt-major."""
@@ -59,7 +59,7 @@ class RolloutEngines:
         samples = self.agent_runner.run(prompts, seeds, sampling.n, sampling.temperature,
                                         tag=f"{sampling.purpose}/{sampling.step}",
                                         awaited_version=sampling.trained_version)
-        return self._stamped(samples)
+        return self.stamped(samples)
 
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
         """Engine `engine`'s `RolloutEngine.serve` (on each of its shards; the first's result)."""
@@ -70,7 +70,7 @@ class RolloutEngines:
         """Engine `engine`'s `RolloutEngine.interrupt` (partial rollouts)."""
         return await self.group.call_shard("interrupt", "rollout", engine)
 
-    def _stamped(self, samples: list[Sample]) -> list[Sample]:
+    def stamped(self, samples: list[Sample]) -> list[Sample]:
         for sample in samples:
             if sample.token_versions is None:  # else its tokens' versions set it
                 sample.policy_version = self.weight_version

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -104,11 +105,24 @@ class TurnScheduler:
     async def run(self, trajectories: list[Callable[[], Coroutine]]) -> list[Any]:
         """Run the trajectory coroutines (each built by a call that may use `generate`) to their ends; their
         results in order. A trajectory's exception is its result (the caller decides what a failed sample is)."""
+        self.open()
+        self._live = len(trajectories)
+        try:
+            results = await asyncio.gather(*(self._trajectory(make) for make in trajectories))
+        finally:
+            await self.close()
+        if self._engine_error is not None:  # an engine's failure is the run's, not its trajectories'
+            raise self._engine_error
+        return results
+
+    def open(self) -> None:
+        """Start serving (one driver per engine, in the running event loop): `run` for a batch; a stream of
+        trajectories (`add`, `rl_megatron.trainer.streaming`) until `close`."""
         self._waiting: list[list[tuple[TurnRequest, asyncio.Future]]] = [[] for _ in range(self.engines)]
         self._futures: dict[str, asyncio.Future] = {}
         self._running = [0] * self.engines
         self._wake = [asyncio.Event() for _ in range(self.engines)]
-        self._live = len(trajectories)
+        self._live = 0
         self._round_done: list[tuple[asyncio.Future, Completion]] = []
         self._engine_error: BaseException | None = None
         self._requests: dict[str, TurnRequest] = {}  # partial rollouts: the unfinished requests, by id
@@ -118,21 +132,35 @@ class TurnScheduler:
         self._using = [False] * self.engines  # partial rollouts: whether the engine's driver holds a use of the gate
         self._caps: dict[str, int] = {}  # a request stopped at sync_at_tokens -> its tokens there
         self._held: list[list[tuple[str, Completion, int]]] = [[] for _ in range(self.engines)]  # stopped there
-        drivers = [asyncio.ensure_future(self._drive(engine)) for engine in range(self.engines)]
-        try:
-            results = await asyncio.gather(*(self._trajectory(make) for make in trajectories))
-        finally:
-            if self.pausing is not None and self.pausing.awaited_version is not None:
-                self.pausing.gate.release(self.pausing.awaited_version)
-            for driver in drivers:
-                driver.cancel()
-            await asyncio.gather(*drivers, return_exceptions=True)
-            if self.pausing is not None:  # a driver cancelled between its turns still held a use of the engines
-                for engine in range(self.engines):
-                    self._leave(engine)
-        if self._engine_error is not None:  # an engine's failure is the run's, not its trajectories'
+        self.interrupted = 0  # requests interrupted by weight updates
+        self.idle_s = [0.0] * self.engines  # each engine's time with nothing to decode, up to its latest wake
+        self._idle_since: list[float | None] = [None] * self.engines
+        self._drivers = [asyncio.ensure_future(self._drive(engine)) for engine in range(self.engines)]
+
+    def idle_seconds(self) -> float:
+        """The engines' time with nothing to decode so far, summed (the stretches still going included)."""
+        now = time.perf_counter()
+        return sum(self.idle_s) + sum(now - since for since in self._idle_since if since is not None)
+
+    async def add(self, make: Callable[[], Coroutine]) -> Any:
+        """One more trajectory of a stream (not turn-synchronous), run to its end: its result, or its exception;
+        an engine's failure raised."""
+        self._live += 1
+        result = await self._trajectory(make)
+        if self._engine_error is not None:
             raise self._engine_error
-        return results
+        return result
+
+    async def close(self) -> None:
+        """Stop the drivers; every use of the engines they held ends."""
+        if self.pausing is not None and self.pausing.awaited_version is not None:
+            self.pausing.gate.release(self.pausing.awaited_version)
+        for driver in self._drivers:
+            driver.cancel()
+        await asyncio.gather(*self._drivers, return_exceptions=True)
+        if self.pausing is not None:  # a driver cancelled between its turns still held a use of the engines
+            for engine in range(self.engines):
+                self._leave(engine)
 
     async def generate(self, engine: int, request: TurnRequest) -> Completion:
         """The completion of `request` on engine `engine` (its turn of a trajectory)."""
@@ -180,7 +208,10 @@ class TurnScheduler:
     async def _serve_forever(self, engine: int) -> None:
         while True:
             if not self._running[engine]:
+                self._idle_since[engine] = time.perf_counter()
                 await self._wake[engine].wait()
+                self.idle_s[engine] += time.perf_counter() - self._idle_since[engine]
+                self._idle_since[engine] = None
             self._wake[engine].clear()
             if self.pausing is not None:
                 await self._let_weight_updates_in(engine)
@@ -215,6 +246,7 @@ class TurnScheduler:
             version = self.pausing.version()
             for request_id, part in await self.pausing.interrupt(engine):
                 self._continue(engine, request_id, part, version)
+                self.interrupted += 1
             self._running[engine] = 0
             self._leave(engine)
         await self._enter(engine)

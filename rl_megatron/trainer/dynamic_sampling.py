@@ -67,8 +67,8 @@ class GroupFilter:
             new = generate(rounds)
             new_rewards = score(new)
             first_group = len(samples) // self.n
-            values = new_rewards.acc if self.metric == "acc" else new_rewards.scores
-            kept += [first_group + g for g, varies in enumerate(varied_groups(values, self.n)) if varies]
+            kept += [first_group + g for g, varies in enumerate(varied_groups(self.values(new_rewards), self.n))
+                     if varies]
             samples += new
             rewards.append(new_rewards)
         generated_groups = len(samples) // self.n
@@ -80,14 +80,8 @@ class GroupFilter:
         padding: list[int] = []
         if len(kept) < self.train_groups:  # the cap was reached
             if self.on_cap == "stop":
-                raise ConfigError(
-                    f"Dynamic sampling found {len(kept)} of the {self.train_groups} prompt groups a step trains on "
-                    f"(data.train_batch_size) whose samples' {self.metric} varies, in algorithm.filter_groups."
-                    f"max_num_gen_batches={self.max_rounds} rounds ({generated_groups} prompts): the data is too easy "
-                    "or too hard for the policy. Raise max_num_gen_batches (0: no limit), set "
-                    "algorithm.filter_groups.on_cap=train to train on what is kept, or change the data.")
-            # Up to whole mini-batches (one, when nothing was kept) with groups that were dropped.
-            wanted = max(self.mini_batch_groups, -(-len(kept) // self.mini_batch_groups) * self.mini_batch_groups)
+                raise self.cap_error(len(kept), generated_groups)
+            wanted = self.padded_size(len(kept))
             dropped = sorted(set(range(generated_groups)) - set(kept))
             padding = dropped[:wanted - len(kept)]
         metrics |= {"filter/reached_cap": float(len(kept) < self.train_groups), "filter/padded_groups": len(padding)}
@@ -97,3 +91,23 @@ class GroupFilter:
             for sample in samples[g * self.n:(g + 1) * self.n]:
                 sample.loss_mask = [0] * len(sample.response_ids)
         return Filled([samples[i] for i in indices], all_rewards.select(indices), metrics)
+
+    def values(self, rewards: Rewards) -> Tensor:
+        """What must vary within a kept group."""
+        return rewards.acc if self.metric == "acc" else rewards.scores
+
+    def varies(self, rewards: Rewards) -> bool:
+        """Whether one group (its `n` samples' rewards) is kept."""
+        return varied_groups(self.values(rewards), self.n)[0]
+
+    def padded_size(self, kept: int) -> int:
+        """The groups of a batch cut short by the cap, padded: up to whole mini-batches (one, when none was kept)."""
+        return max(self.mini_batch_groups, -(-kept // self.mini_batch_groups) * self.mini_batch_groups)
+
+    def cap_error(self, kept: int, generated_groups: int) -> ConfigError:
+        return ConfigError(
+            f"Dynamic sampling found {kept} of the {self.train_groups} prompt groups a step trains on "
+            f"(data.train_batch_size) whose samples' {self.metric} varies, in algorithm.filter_groups."
+            f"max_num_gen_batches={self.max_rounds} rounds ({generated_groups} prompts): the data is too easy "
+            "or too hard for the policy. Raise max_num_gen_batches (0: no limit), set "
+            "algorithm.filter_groups.on_cap=train to train on what is kept, or change the data.")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
+from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.errors import ConfigError
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.metrics import Timer
@@ -55,6 +56,24 @@ class Rollout:
     engines_waited_s: float = 0.0  # the engines' idle time before it started (waiting for the trainer)
 
 
+@contextmanager
+def synced(gate: EngineGate, timer: Timer, version: int, after: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Around the weight sync installing `version`: wait until the engines are free (counted as waiting for the
+    rollout), keep them; then `after()`."""
+    with gate.sync(version) as waited:
+        timer.seconds["wait_for_rollout"] = timer.seconds.get("wait_for_rollout", 0.0) + waited
+        yield
+    after()
+
+
+def batches_ahead(saved) -> list[Rollout]:
+    """The batches a checkpoint holds (`restore`'s argument), refused when a streaming run saved its queue there."""
+    if not isinstance(saved, list):
+        raise CheckpointError("The checkpoint holds the queue of a streaming run (trainer.async_mode=streaming); "
+                              "resume it in that mode.")
+    return saved
+
+
 class InStep:
     """Synchronous RL: each step generates its own batch, with the weights of the step's start."""
 
@@ -80,7 +99,7 @@ class InStep:
         return []
 
     def restore(self, rollouts: list[Rollout]) -> None:
-        self.restored = {rollout.step: rollout for rollout in rollouts}
+        self.restored = {rollout.step: rollout for rollout in batches_ahead(rollouts)}
 
     def close(self) -> None:
         pass
@@ -110,13 +129,8 @@ class Ahead:
             self._start(ahead)
         return rollout
 
-    @contextmanager
-    def syncing(self, timer: Timer, version: int) -> Iterator[None]:
-        """Around the weight sync installing `version`: wait until the engines are free (counted as waiting for the
-        rollout), keep them."""
-        with self.gate.sync(version) as waited:
-            timer.seconds["wait_for_rollout"] = timer.seconds.get("wait_for_rollout", 0.0) + waited
-            yield
+    def syncing(self, timer: Timer, version: int):
+        return synced(self.gate, timer, version)
 
     def on_engines(self, fn: Callable[[], dict]):
         """`fn` (e.g. a validation) in the generation thread, between batches; its result."""
@@ -127,7 +141,7 @@ class Ahead:
         return [self.started[step].result() for step in sorted(self.started)]
 
     def restore(self, rollouts: list[Rollout]) -> None:
-        for rollout in rollouts:
+        for rollout in batches_ahead(rollouts):
             done = Future()
             done.set_result(rollout)
             self.started[rollout.step] = done

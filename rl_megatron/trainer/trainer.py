@@ -5,7 +5,8 @@
             -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> the engines) -> log
 
 With trainer.rollout_staleness > 0 the first stage runs ahead in a generation thread (`rollout_ahead.py`): the
-engines generate the next batches while the trainer trains on this one.
+engines generate the next batches while the trainer trains on this one; or, trainer.async_mode=streaming, prompt groups
+stream through the engines and the step takes the oldest ready (`streaming.py`).
 
 Everything parallel hides behind the worker groups; everything numeric is a pure function (`rl_megatron.algorithms`);
 the data between the stages is typed (`rl_megatron.batch`).
@@ -28,6 +29,7 @@ from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
 from rl_megatron.config import Config, to_dict, to_yaml
+from rl_megatron.config.choices import STREAMING
 from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
@@ -50,6 +52,7 @@ from rl_megatron.trainer.rollout_ahead import (Ahead, InStep, Rollout, checked_s
 from rl_megatron.trainer.rollout_records import RolloutRecords
 from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
+from rl_megatron.trainer.streaming import StreamSettings, Streaming
 from rl_megatron.trainer.validation import GENERATION_COLUMNS, Validation, validate, validation_file, weights_source
 from rl_megatron.trainer.workers import build_workers, sync_weights
 from rl_megatron.workers.cluster import start_ray
@@ -179,9 +182,7 @@ class Trainer:
 
         if self.group_filter is None:
             return Rollout(step, generate_round(1))
-        filled = self.group_filter.fill(
-            generate_round, lambda samples: self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(),
-                                                         samples))
+        filled = self.group_filter.fill(generate_round, self.score_now)
         if filled.metrics["filter/reached_cap"]:
             self.tracker.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "
                                f"{self.cfg.data.train_batch_size} groups in "
@@ -198,6 +199,10 @@ class Trainer:
     def rewards(self, scored: Scored, samples: list[Sample]) -> Rewards:
         """The samples' rewards from their scores (shaped by the overlong penalty when on)."""
         return Rewards.of(scored, samples, self.cfg.reward, self.cfg.rollout.max_tokens)
+
+    def score_now(self, samples: list[Sample]) -> Rewards:
+        """The samples' rewards, scored while generating (dynamic sampling, streaming)."""
+        return self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(), samples)
 
     def staleness(self, rollout: Rollout) -> dict[str, float]:
         """Asynchronous RL: how many policy versions behind the trainer the batch is (samples past the bound are kept
@@ -371,9 +376,11 @@ class Trainer:
         self.profiles = StepProfiles(cfg.trainer.profile_steps, groups)
         generate = self.profiles.around("generate", self.generate)  # a profiled step's batch, whenever generated
         fixed_sync_point = cfg.rollout.partial_rollout and cfg.rollout.partial_rollout_sync_at_tokens is not None
-        self.rollouts = (Ahead(generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout,
-                               self.version_training if fixed_sync_point else None)
-                         if staleness else InStep(generate))
+        self.rollouts = (Streaming(self.engines, StreamSettings.of(cfg, self.start_step, self.version_training), gate,
+                                   self.loader, self.score_now, self.group_filter)
+                         if cfg.trainer.async_mode == STREAMING else
+                         Ahead(generate, staleness, cfg.trainer.total_steps, gate, cfg.rollout.partial_rollout,
+                               self.version_training if fixed_sync_point else None) if staleness else InStep(generate))
         stack.callback(self.rollouts.close)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
         # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume

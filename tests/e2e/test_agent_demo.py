@@ -92,6 +92,25 @@ def test_gateway_episodes_train_lora_adapters_served_by_the_engines_under_dynami
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 1e-5
 
 
+# Streaming (trainer.async_mode=streaming) through the same two paths at once: each episode admitted as the engines
+# free up, its calls continued across weight updates, its group filtered as soon as it is scored.
+STREAMING = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
+             "trainer.async_mode=streaming", "trainer.total_steps=5", "trainer.target_reward=null")
+
+
+def test_gateway_episodes_stream_with_lora_adapters_served_by_the_engines_under_dynamic_sampling(tmp_path):
+    _, rows, _ = train(tmp_path, *STREAMING, *LORA_SERVED, *DYNAMIC_SAMPLING, config="demo_cpu_agent")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["agent/episodes_failed"] == 0 and r["async/staleness/max"] <= 1 for r in rows)
+    assert all(r["filter/kept_groups"] == 32 and r["filter/prompts_used"] >= 32 and 0 < r["reward/mean"] < 1
+               for r in rows)
+    # Batch 1 and every call continued after an update were sampled by the trainer's current adapters: the engines
+    # served exactly those.
+    current = [r["async/current_version_max_abs_logprob_diff"] for r in rows
+               if "async/current_version_max_abs_logprob_diff" in r]
+    assert rows[0]["async/current_version_tokens"] == 1.0 and max(current) < 1e-5
+
+
 def test_gateway_episodes_carry_the_engines_routing_for_router_replay_r3(tmp_path):
     """An MoE policy (a tiny Qwen3-MoE with the tool demo's tokenizer and chat template) through the gateway with
     actor.router_replay=R3: every token of every call keeps the experts the engine routed it through, and the

@@ -553,6 +553,16 @@ def test_resharding_settings_are_checked(override, words):
     # asynchronous RL: engines of their own, partial rollouts only ahead of the trainer, continued one by one
     (["trainer.rollout_staleness=1"], ["trainer.rollout_staleness=1", "rollout.placement=separate"]),
     (["trainer.rollout_staleness=-1"], ["trainer.rollout_staleness=-1"]),
+    (["trainer.async_mode=streaming"], ["trainer.async_mode=streaming", "rollout.placement=separate"]),
+    (["trainer.async_mode=sync", "trainer.rollout_staleness=1"], ["trainer.async_mode=sync",
+                                                                  "trainer.rollout_staleness=1", "set"]),
+    (["trainer.async_mode=stream"], ["trainer.async_mode='stream'", "streaming"]),
+    (["trainer.async_mode=streaming", "rollout.placement=separate", "rollout.function=my_pkg.rollouts:generate"],
+     ["rollout.function=my_pkg.rollouts:generate", "agent loop", "trainer.async_mode=one_step_off"]),
+    (["trainer.async_mode=streaming", "rollout.placement=separate", "rollout.partial_rollout_sync_at_tokens=4"],
+     ["rollout.partial_rollout_sync_at_tokens=4", "null"]),
+    (["trainer.async_mode=streaming", "rollout.placement=separate", "rollout.multi_turn.turn_synchronous=true"],
+     ["rollout.multi_turn.turn_synchronous=true", "trainer.async_mode=streaming"]),
     (["rollout.partial_rollout=true"], ["rollout.partial_rollout=true", "trainer.rollout_staleness=1"]),
     (["trainer.rollout_staleness=1", "rollout.placement=separate", "rollout.partial_rollout=true",
       "rollout.multi_turn.turn_synchronous=true"], ["rollout.multi_turn.turn_synchronous=true",
@@ -712,3 +722,16 @@ def test_lora_engines_load_the_adapters_unless_vllm_cannot_serve_them():
         assert reason in lora_merge_reason(cfg) and engine_lora_rank(cfg) == 0
     plain = load_demo()
     assert lora_merge_reason(plain) is None and engine_lora_rank(plain) == 0  # no LoRA: nothing to serve
+
+
+def test_the_async_mode_follows_the_staleness_unless_set():
+    """Unset: sync at rollout_staleness 0, one_step_off above; streaming bounds every token at 1 version when the
+    staleness is left at 0, and continues requests across weight updates (partial rollouts)."""
+    assert load_demo().trainer.async_mode == "sync"
+    assert load_demo(*ASYNC).trainer.async_mode == "one_step_off"
+    streaming = load_demo(*ASYNC[1:], "trainer.async_mode=streaming")
+    assert (streaming.trainer.rollout_staleness, streaming.rollout.partial_rollout) == (1, True)
+    assert load_demo(*ASYNC[1:], "trainer.async_mode=streaming", "trainer.rollout_staleness=3").trainer \
+        .rollout_staleness == 3
+    one_step_off = load_demo(*ASYNC[1:], "trainer.async_mode=one_step_off")
+    assert (one_step_off.trainer.rollout_staleness, one_step_off.rollout.partial_rollout) == (1, False)
