@@ -63,7 +63,7 @@ class SingleTurnLoop(AgentLoop):
     async def run(self, prompt: Prompt, generate: TurnGenerator) -> Sample:
         completion = await generate(prompt.ids, self.response_limit(prompt))
         return Sample.answering(prompt, completion.response_ids, completion.log_probs, status=completion.status,
-                                token_versions=completion.versions)
+                                token_versions=completion.versions, routed_experts=completion.routed_experts)
 
     def response_limit(self, prompt: Prompt) -> int | None:
         """The most tokens this trajectory's answer may have (None: rollout.max_tokens)."""

@@ -2,7 +2,8 @@
 (rollout.placement=separate, the trainer at TP=1): one-step-off learns the task and never trains on a batch more
 than one version old, in a run killed with SIGKILL on the way and resumed exactly by the same command; partial
 rollouts keep each token's version and log-prob, so the tokens the newest weights sampled agree with the trainer as
-in synchronous RL, with the update landing at a fixed token of every answer."""
+in synchronous RL, with the update landing at a fixed token of every answer; streaming learns the task with every
+trained token within its bound, killed and resumed from the queue its checkpoint held."""
 import json
 import os
 import signal

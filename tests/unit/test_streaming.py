@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +31,9 @@ class ScriptedEngines:
     """Engines decoding one token per request every 2 ms, token t of a request (seed + t) % 97, each request's answer
     as long as its prompt's first id says: the worker group `RolloutEngines` drives (serve, interrupt)."""
 
-    def __init__(self, engines: int):
+    def __init__(self, engines: int, routing: bool = False):
+        self.routing = routing  # each completion with the experts of every position it fed: 1 in a request's first
+        # part, 2 in a continuation (R3's engine routing)
         self.meshes = [{"rollout": (0, engines)}]
         self.running = [dict() for _ in range(engines)]
         self.requests: list[TurnRequest] = []
@@ -56,13 +59,18 @@ class ScriptedEngines:
                 if answered or len(tokens) == request.max_tokens:
                     del running[request_id]
                     status = SampleStatus.OK if answered else SampleStatus.TRUNCATED
-                    finished.append((request_id, Completion(tokens, [-0.5] * len(tokens), status)))
+                    finished.append((request_id, self._completion(request, tokens, status)))
         return finished
+
+    def _completion(self, request: TurnRequest, tokens: list[int], status: SampleStatus) -> Completion:
+        routing = (np.full((len(request.token_ids) + len(tokens) - 1, 1, 1), 2 if "+" in request.request_id else 1)
+                   if self.routing else None)
+        return Completion(list(tokens), [-0.5] * len(tokens), status, routed_experts=routing)
 
     async def interrupt(self, engine: int):
         running = self.running[engine]
-        cut = [(rid, Completion(tokens, [-0.5] * len(tokens), SampleStatus.ABORTED))
-               for rid, (_, tokens) in running.items()]
+        cut = [(rid, self._completion(request, tokens, SampleStatus.ABORTED))
+               for rid, (request, tokens) in running.items()]
         running.clear()
         return cut
 
@@ -87,8 +95,8 @@ def score(samples) -> Rewards:
 
 
 def stream(lengths, batch_groups=2, n=2, bound=1, engines=1, max_tokens=64, group_filter=None, cap_groups=0,
-           trained_steps=0, truths=None):
-    scripted, gate = ScriptedEngines(engines), EngineGate()
+           trained_steps=0, truths=None, routing=False):
+    scripted, gate = ScriptedEngines(engines, routing), EngineGate()
     rollout_engines = RolloutEngines(scripted, run_seed=7, gate=gate)
     context = AgentContext(None, RolloutConfig(max_tokens=max_tokens), None, None)
     rollout_engines.agent_runner = AgentRunner(SingleTurnLoop(context), "single_turn", rollout_engines.serve,
@@ -160,7 +168,8 @@ def test_prompts_stream_in_up_to_the_bound_and_batches_take_the_oldest_groups_re
 
 
 def test_a_weight_sync_interrupts_the_requests_in_flight_which_continue_on_the_new_weights():
-    streaming, engines, _ = stream([400, 400], batch_groups=1, n=1, engines=1, max_tokens=600)
+    """... each token keeping the version that sampled it and (R3) the experts the engine routed it through."""
+    streaming, engines, _ = stream([400, 400], batch_groups=1, n=1, engines=1, max_tokens=600, routing=True)
     try:
         streaming._start()
         wait_for(lambda: any(
@@ -170,6 +179,10 @@ def test_a_weight_sync_interrupts_the_requests_in_flight_which_continue_on_the_n
         [sample] = rollout.samples
         assert len(sample.response_ids) == 400 and sample.token_versions[0] == 0 and sample.token_versions[-1] == 1
         assert sample.policy_version == 0 and rollout.metrics["async/interrupted_requests"] >= 1
+        first_part = sample.token_versions.count(0)
+        routing = sample.routed_experts[:, 0, 0].tolist()
+        assert len(routing) == PROMPT_TOKENS + 400 - 1
+        assert routing == [1] * (PROMPT_TOKENS + first_part - 1) + [2] * (400 - first_part)
     finally:
         streaming.close()
 
