@@ -28,7 +28,8 @@ Per mode (`modes.synchronous`, `modes.one_step_off`, `modes.streaming`), means o
 - `overlap`: the share of the generation hidden behind training, (gen - wait_for_rollout) / gen clamped to [0, 1]
   (0 when synchronous: nothing is hidden);
 - `response_length_mean` (mean of the steps' means) and `response_length_max` (their max);
-- `samples_per_s`, `trained_tokens_per_s`, `staleness_max` (`async/staleness/max`) and `engine_idle_share`: the
+- `samples_per_s`, `trained_tokens_per_s`, `staleness_max` (`async/staleness/max`), `dropped_samples` (past the
+  bound, kept out of training: `async/dropped`, summed) and `engine_idle_share`: the
   engines' idle share of the step as above, streaming's measured by its scheduler (`async/engine_idle_share`: time
   with nothing to decode). Streaming's `gen_s` is a batch's span, from its first group admitted to its last done.
 
@@ -135,7 +136,8 @@ def figures(rows: list[dict], mode: str, samples_per_step: int) -> dict:
                                           for r in steady]),
             "engine_idle_share": (mean([r["async/engine_idle_share"] for r in steady]) if mode == STREAMING
                                   else wait_for_train / step),
-            "staleness_max": max(r.get("async/staleness/max", 0) for r in steady)}
+            "staleness_max": max(r.get("async/staleness/max", 0) for r in steady),
+            "dropped_samples": sum(r.get("async/dropped", 0) for r in steady)}
 
 
 def samples_per_step() -> int:

@@ -204,7 +204,7 @@ def test_async_bench_runs_synchronous_one_step_off_and_streaming_steps():
     assert result["workload"] == "long_tail" and result["staleness"] == 1
     keys = {"step_s", "gen_s", "train_s", "wait_for_rollout_share", "wait_for_train_share", "overlap",
             "response_length_mean", "response_length_max", "steps", "measured_steps", "run_s", "samples_per_s",
-            "trained_tokens_per_s", "engine_idle_share", "staleness_max"}
+            "trained_tokens_per_s", "engine_idle_share", "staleness_max", "dropped_samples"}
     modes = result["modes"]
     assert set(modes) == {"synchronous", "one_step_off", "streaming"}
     for mode in modes.values():
