@@ -48,7 +48,7 @@ class StreamPrompt:
     tag: str
 
 
-@dataclass
+@dataclass(eq=False)
 class Group:
     """A prompt's rollout.n samples, scored: what the queue holds. `order`: when it was admitted (oldest first)."""
     order: int
@@ -147,11 +147,9 @@ class Streaming:
             while True:
                 if self.error is not None:
                     raise self.error
-                stale = [group for group in self.ready if group.oldest_version() < oldest_allowed]
-                if stale:
-                    self.ready = [group for group in self.ready if group not in stale]
-                    self.accepted -= len(stale)
-                    dropped += len(stale) * settings.n
+                fresh = [group for group in self.ready if group.oldest_version() >= oldest_allowed]
+                stale = len(self.ready) - len(fresh)
+                self.ready, self.accepted, dropped = fresh, self.accepted - stale, dropped + stale * settings.n
                 if len(self.ready) >= settings.batch_groups or self._cap_reached():
                     break
                 self._wake_admission()
