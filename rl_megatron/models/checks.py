@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rl_megatron.errors import ConfigError
+from rl_megatron.models import linear_attention
 from rl_megatron.models.family import FAMILIES, REQUIRED_FIELDS
 from rl_megatron.models.pipeline_stages import check_split
 
@@ -54,6 +55,12 @@ def check_heads(hf: dict, tp: Size, source: str = MODEL_SOURCE) -> None:
     if heads % size or groups % size:
         raise ConfigError(f"{name}={size} must divide the model's attention heads ({heads}) and key/value heads "
                           f"({groups}) ({source}). Choose a size that divides both.")
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is not None and family.gated_delta_net:
+        for key, count in linear_attention.tp_split_counts(hf).items():
+            if count % size:
+                raise ConfigError(f"{name}={size} must divide the model's linear-attention heads {key}={count} "
+                                  f"({source}). Choose a size that divides it too.")
 
 
 def check_sequence_length(hf: dict, length: Size, source: str = MODEL_SOURCE) -> None:

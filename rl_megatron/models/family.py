@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rl_megatron.errors import ConfigError
-from rl_megatron.models import families
+from rl_megatron.models import families, linear_attention
 from rl_megatron.models.rotary import check_rope
 from rl_megatron.models.mla import MLA_FIELDS, mla_entries, mla_fields
 from rl_megatron.models.moe import MoeSpec
@@ -47,6 +47,10 @@ class ModelFamily:
     sinks: bool = False  # a learned logit per attention head joins each softmax and takes no value (gpt-oss)
     linear_bias: bool = False  # every linear layer has a bias: attention output, router, experts (gpt-oss)
     clamped_swiglu: bool = False  # experts' GLU: clamp, x * sigmoid(swiglu_alpha x) * (up + 1) (gpt-oss)
+    zero_centred_norms: bool = False  # every RMSNorm but a gated one scales by 1 + weight (Qwen3-Next)
+    attention_output_gate: bool = False  # q_proj also holds a sigmoid gate per head on the attention output
+    gated_delta_net: bool = False  # the layers layer_types marks linear_attention are Gated DeltaNet layers
+    # (Qwen3-Next: models/linear_attention.py)
     moe_table: type[MoeTable] = MoeTable  # the weight table of the family's MoE models
     engine_check: Callable[[dict], None] | None = None  # ValueError where vLLM's model class computes otherwise
 
@@ -58,6 +62,7 @@ class ModelFamily:
         attention += ("sliding_window",) if self.sliding_window or self.layer_types else ("use_sliding_window",)
         attention += ("layer_types",) if self.layer_types else ()
         attention += ("swiglu_alpha", "swiglu_limit") if self.clamped_swiglu else ()
+        attention += linear_attention.FIELDS if self.gated_delta_net else ()
         moe = () if self.moe is None else self.moe.config_fields
         return tuple(dict.fromkeys((*COMMON_FIELDS, *attention, *moe)))
 
@@ -105,7 +110,18 @@ class ModelFamily:
         if self.mla:
             return mla_fields(hf)
         fields = dict(kv_channels=head_dim(hf), add_qkv_bias=self.qkv_bias(hf), qk_layernorm=self.qk_norm(hf))
-        return dict(fields, softmax_type="learnable") if self.sinks else fields
+        if self.sinks:
+            fields["softmax_type"] = "learnable"
+        if self.attention_output_gate:
+            fields["attention_output_gate"] = True
+        if self.gated_delta_net:
+            fields.update(linear_attention.megatron_fields(hf))
+        return fields
+
+    def norm_fields(self) -> dict:
+        """Megatron TransformerConfig fields of the RMSNorms (models/gated_delta_layers.py builds the zero-centred
+        ones)."""
+        return {"layernorm_zero_centered_gamma": True} if self.zero_centred_norms else {}
 
     def mlp_fields(self, hf: dict) -> dict:
         """Megatron TransformerConfig fields of the MLPs (experts included): biases, and the gated activation by
@@ -135,15 +151,18 @@ class ModelFamily:
         of the layers Transformer Engine builds, where they hold other parts than the local ones)."""
         qkv_bias, qk_norm = self.qkv_bias(hf) and not self.mla, self.qk_norm(hf)
         if self.moe is None:
-            table = DenseTable(hf, padded_vocab, qkv_bias, qk_norm)
+            table = DenseTable(hf, padded_vocab, qkv_bias, qk_norm, output_gate=self.attention_output_gate)
         else:
             shared = self.moe.shared
             table = self.moe_table(hf, padded_vocab, self.moe.names, self.experts(hf), hf[self.moe.width_key], qkv_bias,
                              qk_norm, sparse_layers=self.moe.sparse_layers(hf),
                              shared=(shared.module, shared.width(hf), shared.gate) if shared and shared.width(hf)
-                             else None, expert_bias=self.moe.expert_bias)
+                             else None, expert_bias=self.moe.expert_bias, output_gate=self.attention_output_gate)
         if self.mla:
             table.replace_attention(mla_entries(hf, transformer_engine))
+        if self.gated_delta_net:
+            table.add_linear_attention(linear_attention.table_entries(hf),
+                                       linear_attention.linear_attention_layers(hf))
         return table
 
     def check(self, hf: dict, source: str) -> None:
@@ -153,6 +172,8 @@ class ModelFamily:
             self.window(hf)
             self.window_layers(hf)
             self.attention_fields(hf)
+            if self.gated_delta_net:
+                linear_attention.check(hf)
             if self.engine_check is not None:
                 self.engine_check(hf)
         except ValueError as err:
@@ -184,6 +205,12 @@ class ModelFamily:
             fields["linear_bias"] = True
         if self.clamped_swiglu:
             fields["swiglu_limit"] = self.mlp_fields(hf)["activation_func_clamp_value"]
+        if self.zero_centred_norms:
+            fields["zero_centred_norms"] = True
+        if self.attention_output_gate:
+            fields["attention_output_gate"] = True
+        if self.gated_delta_net:
+            fields.update(linear_attention.checkpoint_fields(hf))
         if self.moe is not None:
             fields.update(expert_width=hf[self.moe.width_key], num_experts_per_tok=hf["num_experts_per_tok"])
             # Only where set, as the sliding window above.

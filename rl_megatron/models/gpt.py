@@ -17,6 +17,7 @@ from rl_megatron.platform import megatron_fixes
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.family import family_of, head_dim, table_for
+from rl_megatron.models.gated_delta_layers import hybrid_block
 from rl_megatron.models import mxfp4
 from rl_megatron.models.hf_weights import INDEX_FILE
 from rl_megatron.models.lora import is_adapter_parameter
@@ -116,6 +117,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         num_query_groups=hf.get("num_key_value_heads") or heads,
         **({} if family.mla else position_fields(hf)),  # MLA layers hold their own rotary embedding
         normalization="RMSNorm",
+        **family.norm_fields(),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         **mlp_fields(hf),
@@ -195,6 +197,12 @@ def layer_spec(config: TransformerConfig, vp_stage: int):
         attention = LatentDotProductAttention if config.multi_latent_attention else PackedDotProductAttention
         for spec in block.layer_specs:  # packed rows and sliding windows; untouched otherwise
             spec.submodules.self_attention.submodules.core_attention = attention
+    if config.experimental_attention_variant == "gated_delta_net" or config.layernorm_zero_centered_gamma:
+        if te:
+            raise ValueError("Hybrid models (Gated DeltaNet layers, zero-centred norms: Qwen3-Next) are built from "
+                             "Megatron's local layers only so far; Transformer Engine's layers are not wired for "
+                             "them: run them in an environment without transformer_engine.")
+        block = hybrid_block(block, config, vp_stage)
     return block
 
 

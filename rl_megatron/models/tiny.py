@@ -180,6 +180,13 @@ FAMILY_FIELDS = {
                     rms_norm_eps=1e-5, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                         "beta_slow": 1.0, "truncate": False}),
+    # Qwen3-Next: a Gated DeltaNet layer, then a full-attention one (and so on), each linear key head shared by two
+    # value heads narrower than it (a mix-up of the two widths shows); a quarter of each attention head rotates;
+    # Qwen2-MoE's gated shared expert, weights renormalised.
+    "qwen3_next": dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                       partial_rotary_factor=0.25, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=96, norm_topk_prob=True),
 }
 # Llama 3.1's rope scaling with a short original context, so that it acts within the demo's few positions.
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

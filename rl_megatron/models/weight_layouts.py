@@ -117,27 +117,37 @@ class PaddedVocab(Layout):
 @dataclass
 class FusedQKV(Layout):
     """Megatron's linear_qkv holds, per query group, [the group's q heads, its k head, its v head]; TP splits
-    whole groups. HF keeps q, k and v apart. Works for weights ([out, in]) and biases ([out])."""
+    whole groups. HF keeps q, k and v apart. Works for weights ([out, in]) and biases ([out]). `gated`: HF's q
+    projection holds each head's query then its output gate (Qwen3-Next), which Megatron's linear_qkv (with
+    attention_output_gate) keeps per group as [the group's q heads, their gates, k head, v head]."""
 
     groups: int
     heads: int
     head_dim: int
+    gated: bool = False
 
     def local_shape(self, hf_shapes, size):
-        rows = (self.heads + 2 * self.groups) * self.head_dim // size
+        query_heads = self.heads * (2 if self.gated else 1)
+        rows = (query_heads + 2 * self.groups) * self.head_dim // size
         return (rows, *hf_shapes[0][1:])
 
     def regions(self, hf_names, hf_shapes, rank, size):
-        q_rows = self.heads // self.groups * self.head_dim
-        kv_rows = self.head_dim
+        per_group, d = self.heads // self.groups, self.head_dim
+        q_rows = per_group * d * (2 if self.gated else 1)  # the group's queries (and gates) in linear_qkv
         per_rank = self.groups // size
         out = []
         for j in range(per_rank):
-            group, base = rank * per_rank + j, j * (q_rows + 2 * kv_rows)
-            out += [along(hf_names[0], hf_shapes[0], 0, group * q_rows, (group + 1) * q_rows, base),
-                    along(hf_names[1], hf_shapes[1], 0, group * kv_rows, (group + 1) * kv_rows, base + q_rows),
-                    along(hf_names[2], hf_shapes[2], 0, group * kv_rows, (group + 1) * kv_rows,
-                          base + q_rows + kv_rows)]
+            group, base = rank * per_rank + j, j * (q_rows + 2 * d)
+            if self.gated:  # HF: head h's query at rows 2hd..2hd+d, its gate right after
+                for h in range(per_group):
+                    head = group * per_group + h
+                    out += [along(hf_names[0], hf_shapes[0], 0, 2 * head * d, 2 * head * d + d, base + h * d),
+                            along(hf_names[0], hf_shapes[0], 0, 2 * head * d + d, 2 * head * d + 2 * d,
+                                  base + (per_group + h) * d)]
+            else:
+                out.append(along(hf_names[0], hf_shapes[0], 0, group * q_rows, (group + 1) * q_rows, base))
+            out += [along(hf_names[1], hf_shapes[1], 0, group * d, (group + 1) * d, base + q_rows),
+                    along(hf_names[2], hf_shapes[2], 0, group * d, (group + 1) * d, base + q_rows + d)]
         return out
 
 
@@ -151,6 +161,54 @@ class FusedGateUp(Layout):
         n = hf_shapes[0][0] // size
         return [along(hf_names[0], hf_shapes[0], 0, rank * n, (rank + 1) * n, 0),
                 along(hf_names[1], hf_shapes[1], 0, rank * n, (rank + 1) * n, n)]
+
+
+@dataclass
+class SplitSections(Layout):
+    """One HF tensor made of `sections` (row counts along dim 0, one after another), each split over TP: a rank
+    holds its share of each, in order (Megatron's GatedDeltaNet conv1d: the [q | k | v] channels)."""
+
+    sections: tuple[int, ...]
+
+    def local_shape(self, hf_shapes, size):
+        return (hf_shapes[0][0] // size, *hf_shapes[0][1:])
+
+    def regions(self, hf_names, hf_shapes, rank, size):
+        out, start, at = [], 0, 0
+        for rows in self.sections:
+            share = rows // size
+            out.append(along(hf_names[0], hf_shapes[0], 0, start + rank * share, start + (rank + 1) * share, at))
+            start, at = start + rows, at + share
+        return out
+
+
+@dataclass
+class DeltaNetInProj(Layout):
+    """Megatron's GatedDeltaNet in_proj holds, on each TP rank, [q | k | v | z | b | a] of its key heads (and of the
+    value heads that share them, `values_per_key` to a key head); HF's Qwen3-Next keeps two projections grouped per
+    key head: in_proj_qkvz ([q, k, v, z] of each key head in turn) and in_proj_ba ([b, a] of each)."""
+
+    key_heads: int
+    key_dim: int
+    value_dim: int
+    values_per_key: int
+
+    def local_shape(self, hf_shapes, size):
+        return ((hf_shapes[0][0] + hf_shapes[1][0]) // size, *hf_shapes[0][1:])
+
+    def regions(self, hf_names, hf_shapes, rank, size):
+        per_rank, r = self.key_heads // size, self.values_per_key
+        widths = (self.key_dim, self.key_dim, r * self.value_dim, r * self.value_dim, r, r)  # q k v z b a per head
+        qkvz, ba = sum(widths[:4]), 2 * r  # each key head's block in the two HF tensors
+        # Each part's HF tensor, its offset within a key head's block, and that block's size.
+        sources = [(0, sum(widths[:i]), qkvz) for i in range(4)] + [(1, 0, ba), (1, r, ba)]
+        out, at = [], 0
+        for width, (tensor, offset, block) in zip(widths, sources):
+            for head in range(rank * per_rank, (rank + 1) * per_rank):
+                start = head * block + offset
+                out.append(along(hf_names[tensor], hf_shapes[tensor], 0, start, start + width, at))
+                at += width
+        return out
 
 
 class Stacked(Layout):

@@ -37,15 +37,18 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+
 
 class DenseTable:
     """Llama, Qwen2 and Qwen3: they share names, differing only in optional parameters (the q/k/v biases and the
-    per-head q/k norms), which the table holds when its family's model has them."""
+    per-head q/k norms), which the table holds when its family's model has them. `output_gate`: the q projection
+    also holds each head's output gate (Qwen3-Next's gated attention)."""
 
-    def __init__(self, hf_config: dict, padded_vocab: int, qkv_bias: bool = True, qk_layernorm: bool = True):
+    def __init__(self, hf_config: dict, padded_vocab: int, qkv_bias: bool = True, qk_layernorm: bool = True,
+                 output_gate: bool = False):
         hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
         groups = hf_config.get("num_key_value_heads") or heads
         head_dim = hf_config.get("head_dim") or hidden // heads
         ffn, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
         q, kv = heads * head_dim, groups * head_dim
-        qkv = FusedQKV(groups=groups, heads=heads, head_dim=head_dim)
+        qkv = FusedQKV(groups=groups, heads=heads, head_dim=head_dim, gated=output_gate)
+        q_rows = 2 * q if output_gate else q  # HF's q_proj rows
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
         self.num_layers, self.experts = hf_config["num_hidden_layers"], 0  # routed experts per layer: none
         attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
@@ -56,7 +59,7 @@ class DenseTable:
         self.layer = {
             "input_layernorm.weight": entry(["model.layers.{i}.input_layernorm.weight"], Replicated(), [(hidden,)]),
             "self_attention.linear_qkv.weight": entry([attn + p + "_proj.weight" for p in "qkv"], qkv,
-                                                      [(q, hidden), (kv, hidden), (kv, hidden)]),
+                                                      [(q_rows, hidden), (kv, hidden), (kv, hidden)]),
             "self_attention.linear_proj.weight": entry([attn + "o_proj.weight"], Split(dim=1), [(hidden, q)]),
             "pre_mlp_layernorm.weight": entry(["model.layers.{i}.post_attention_layernorm.weight"], Replicated(),
                                               [(hidden,)]),
@@ -66,7 +69,7 @@ class DenseTable:
         }
         if qkv_bias:
             self.layer["self_attention.linear_qkv.bias"] = entry([attn + p + "_proj.bias" for p in "qkv"], qkv,
-                                                                 [(q,), (kv,), (kv,)])
+                                                                 [(q_rows,), (kv,), (kv,)])
         if qk_layernorm:
             self.layer["self_attention.q_layernorm.weight"] = entry([attn + "q_norm.weight"], Replicated(),
                                                                     [(head_dim,)])
@@ -75,6 +78,7 @@ class DenseTable:
         # With tied embeddings the last pipeline stage keeps its own copy of the embedding as output layer.
         output_name = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         vocab_layout = PaddedVocab(padded_vocab)
+        self.linear_attention: tuple[dict[str, Entry], list[bool]] | None = None  # (entries, which layers)
         self.other = {
             "embedding.word_embeddings.weight": entry(["model.embed_tokens.weight"], vocab_layout, [(vocab, hidden)]),
             "decoder.final_layernorm.weight": entry(["model.norm.weight"], Replicated(), [(hidden,)]),
@@ -110,12 +114,22 @@ class DenseTable:
 
     def replace_attention(self, entries: dict[str, Entry]) -> None:
         """Another attention's entries in place of the q/k/v ones (multi-head latent attention)."""
-        self.layer = {**{name: entry for name, entry in self.layer.items()
-                         if not name.startswith("self_attention.")}, **entries}
+        self.layer = with_attention(self.layer, entries)
+
+    def add_linear_attention(self, entries: dict[str, Entry], layers: list[bool]) -> None:
+        """A hybrid model's linear-attention entries (Qwen3-Next's Gated DeltaNet), in place of the q/k/v ones on
+        the layers `layers` marks."""
+        self.linear_attention = (entries, layers)
 
     def layer_entries(self, layer: int) -> dict[str, Entry]:
-        """The entries of layer `layer`'s parameters (every layer alike here)."""
-        return self.layer
+        """The entries of layer `layer`'s parameters (every layer alike but a hybrid's linear-attention ones)."""
+        return self.with_own_attention(layer, self.layer)
+
+    def with_own_attention(self, layer: int, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """`entries` with layer `layer`'s attention: the linear attention's where the layer has it."""
+        if self.linear_attention is None or not self.linear_attention[1][layer]:
+            return entries
+        return with_attention(entries, self.linear_attention[0])
 
     def lookup(self, megatron_name: str, layer_offset: int, expert_offset: int = 0) -> Entry:
         """The HF names (layer and expert indices resolved to global ones: this chunk's first layer is
@@ -162,8 +176,9 @@ class MoeTable(DenseTable):
 
     def __init__(self, hf_config: dict, padded_vocab: int, names: ExpertNames, experts: int, expert_width: int,
                  qkv_bias: bool, qk_layernorm: bool, sparse_layers: list[bool] | None = None,
-                 shared: tuple[str, int, str | None] | None = None, expert_bias: bool = False):
-        super().__init__(hf_config, padded_vocab, qkv_bias, qk_layernorm)
+                 shared: tuple[str, int, str | None] | None = None, expert_bias: bool = False,
+                 output_gate: bool = False):
+        super().__init__(hf_config, padded_vocab, qkv_bias, qk_layernorm, output_gate)
         self.experts = experts
         self.sparse_layers = sparse_layers or [True] * self.num_layers
         hidden = hf_config["hidden_size"]
@@ -202,12 +217,17 @@ class MoeTable(DenseTable):
                 return not routing
             return routing or not name.startswith(MOE_MLP)
 
-        return {name: entry for name, entry in self.layer.items() if held(name)}
+        return self.with_own_attention(layer, {name: entry for name, entry in self.layer.items() if held(name)})
 
 
 # Megatron's MLP parameters of a dense layer, and the prefixes of a routing layer's.
 DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 MOE_MLP = ("mlp.router.", "mlp.experts.", "mlp.shared_experts.")
+
+
+def with_attention(entries: dict[str, Entry], attention: dict[str, Entry]) -> dict[str, Entry]:
+    """`entries` with `attention`'s entries in place of its own attention's."""
+    return {**{name: entry for name, entry in entries.items() if not name.startswith("self_attention.")}, **attention}
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
