@@ -28,7 +28,7 @@ def compare_with_vllm(engine: VLLMEngine, model_path: str, dtype: str, seed: int
     hf = read_hf_config(model_path)
     arguments = engine_arguments(model_path, engine.cfg, dtype, seed, hf_overrides=None, load_format="dummy",
                                  cuda=platform.has_cuda(), mla=family_of(hf).mla, group_timeout_s=None,
-                                 mxfp4_folder=is_mxfp4_config(hf))
+                                 mxfp4_folder=is_mxfp4_config(hf), linear_attention=family_of(hf).gated_delta_net)
     # Read off the project's engine, so that a sampling setting added there reaches the peer.
     sampling = engine._sampling(n=1, temperature=temperature)
     engine.close()  # on a GPU both engines would not fit

@@ -32,11 +32,14 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int, eos: int = 2) ->
 
 
 def greedy_with(state: dict, model_dir: str, prompt_ids: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy answers with the weights `state`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """transformers' greedy answers with the weights `state` (HF checkpoint names: loaded as from a folder, so that
+    transformers fuses per-expert tensors into its MoE layers' stacks as it does there)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    model.load_state_dict(state)
+    config = AutoConfig.from_pretrained(model_dir)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state,
+                                                                      dtype=torch.float32)
     return hf_greedy(model, prompt_ids, NEW_TOKENS)
 
 

@@ -196,7 +196,8 @@ QWEN2_5_YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_po
 # configs/models/tiny-<name>-digits: (model_type, fields beyond FAMILY_FIELDS)
 TINY_FAMILIES = {"llama3": ("llama", LLAMA3_ROPE), "mistral": ("mistral", {"sliding_window": 4}),
                  "qwen2-moe": ("qwen2_moe", {}), "deepseek-v2": ("deepseek_v2", {}),
-                 "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {}), "gpt-oss": ("gpt_oss", {})}
+                 "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {}), "gpt-oss": ("gpt_oss", {}),
+                 "qwen3-next": ("qwen3_next", {})}
 
 
 def family_config(model_type: str, tied: bool = False, layers: int = 2, **extra):

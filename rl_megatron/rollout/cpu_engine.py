@@ -1,11 +1,13 @@
-"""vLLM's CPU backend, adjusted for engines whose weights the trainer writes in place: the linear layers and the MoE
-experts keep their parameters (vLLM would repack them for its CPU kernels), and a sharded engine's shared-memory
-segments left by a killed run are removed before it starts."""
+"""vLLM's CPU backend, adjusted for engines whose weights the trainer writes in place: the linear layers, the MoE
+experts and the Gated DeltaNet convolutions keep their parameters (vLLM would repack them for its CPU kernels), and a
+sharded engine's shared-memory segments left by a killed run are removed before it starts."""
 from __future__ import annotations
 
 import contextlib
 import glob
 import os
+
+from rl_megatron.rollout.cpu_gated_delta import run_gated_delta_net_in_torch
 
 
 def keep_cpu_weights_in_place() -> None:
@@ -13,13 +15,15 @@ def keep_cpu_weights_in_place() -> None:
     parameters empty, so they could only be updated through a full reload. Instead the parameters keep their
     storage, so that every sync writes them in place, and the kernels read packed copies made from them again after
     any write (`_pack_cpu_linear_from_parameters`). The small GEMMs vLLM gives its SGL kernels (e.g. MoE routers)
-    run as plain `F.linear`: that packing would turn a bias the syncs write into float32. (GPU kernels read the
-    parameters as they are.)"""
+    run as plain `F.linear`: that packing would turn a bias the syncs write into float32. Gated DeltaNet layers
+    (Qwen3-Next) keep their convolution's weight as loaded too, and compute in torch (`cpu_gated_delta.py`). (GPU
+    kernels read the parameters as they are.)"""
     from vllm.model_executor.layers import utils
 
     utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
     _pack_cpu_linear_from_parameters()
     _pack_cpu_experts_from_parameters()
+    run_gated_delta_net_in_torch()
 
 
 def _pack_cpu_linear_from_parameters() -> None:
@@ -33,8 +37,11 @@ def _pack_cpu_linear_from_parameters() -> None:
     dispatch = utils.dispatch_cpu_unquantized_gemm
 
     def dispatch_keeping_parameters(layer, remove_weight: bool) -> None:
+        # Not a linear layer: experts (packed below), or a convolution vLLM would pack in place for its bf16 kernel.
+        if layer.weight.ndim != 2:
+            return
         dispatch(layer, remove_weight=False)
-        if layer.weight.ndim != 2 or not hasattr(layer, "cpu_linear"):  # not a linear layer: nothing packed
+        if not hasattr(layer, "cpu_linear"):  # nothing packed
             return
         packed = [layer.weight._version, layer.cpu_linear]
 

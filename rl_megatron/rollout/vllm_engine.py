@@ -98,13 +98,15 @@ ADAPTER_NAME, ADAPTER_ID = "policy", 1  # the one LoRA adapter an engine of a Lo
 
 def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int, hf_overrides: dict | None,
                      load_format: str, cuda: bool, mla: bool, group_timeout_s: int | None,
-                     routing: bool = False, lora_rank: int = 0, mxfp4_folder: bool = False) -> dict:
+                     routing: bool = False, lora_rank: int = 0, mxfp4_folder: bool = False,
+                     linear_attention: bool = False) -> dict:
     """vLLM's `LLM(...)` arguments (fields of its EngineArgs) for an engine of `model_path` on a CUDA device or not;
     `mla`: the model's attention is DeepSeek's MLA; `group_timeout_s`: its process groups' timeout (None: vLLM's);
     `routing`: return each token's experts (`rollout/routing_capture.py`: vLLM's own on CUDA, which wants prefix
     caching; captured here on CPU, which wants every position computed by its own request); `lora_rank`: serve one
     LoRA adapter of up to this rank (0: none); `mxfp4_folder`: model_path's config.json declares MXFP4 weights
-    (`models.mxfp4.is_mxfp4_config`: gpt-oss as released)."""
+    (`models.mxfp4.is_mxfp4_config`: gpt-oss as released); `linear_attention`: the model has Gated DeltaNet layers,
+    whose states vLLM caches by prefix only with chunked prefill, which CPU engines go without."""
     if mxfp4_folder:
         # vLLM would build MXFP4 expert layers from the folder's quantization_config, which the weight sync (the
         # trainer's bf16/fp32 tensors) cannot write: the engine is built unquantized, in `dtype`, as the trainer
@@ -142,7 +144,7 @@ def engine_arguments(model_path: str, cfg: RolloutConfig, dtype: str, seed: int,
         # work (outputs, freed KV blocks) when it returns, as the CPU suite checks: off until a GPU test covers it.
         async_scheduling=False,
         logprobs_mode="processed_logprobs",
-        enable_prefix_caching=cuda or not routing,
+        enable_prefix_caching=cuda or not (routing or linear_attention),
         enable_return_routed_experts=cuda and routing,
         # GPU: lets the engine free its memory while the trainer computes (see `sleep`); CPU vLLM has none.
         enable_sleep_mode=cuda,
@@ -214,7 +216,8 @@ class VLLMEngine:
                 self.llm = LLM(**engine_arguments(model_path, cfg, dtype, seed, hf_overrides, load_format,
                                                   cuda=platform.has_cuda(), mla=family_of(hf).mla,
                                                   group_timeout_s=group_timeout_s, routing=routing,
-                                                  lora_rank=lora_rank, mxfp4_folder=is_mxfp4_config(hf)))
+                                                  lora_rank=lora_rank, mxfp4_folder=is_mxfp4_config(hf),
+                                                  linear_attention=family_of(hf).gated_delta_net))
             except ValueError as err:
                 if lora_rank and "support LoRA" in str(err):
                     raise ValueError(f"{err} Set actor.lora.merge=true: the engines then receive the weights with "

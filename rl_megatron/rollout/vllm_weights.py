@@ -1,14 +1,14 @@
 """vLLM's side of a weight sync: the engine's parameters as HF regions (`vllm_targets`, the `sync_targets` of
 `VLLMEngine`), read off vLLM's own parallel layers (their TP rank, head counts, output sizes, vocabulary shard, expert
-map), with the HF names of fused layers taken from the model's `packed_modules_mapping` and its expert layers'
-checkpoint names: the engine itself says what it expects, so no second table can drift from it. And what vLLM
-derives from the weights, remade after a sync (`rederive_after_sync`).
+map, a Gated DeltaNet layer's head and channel counts), with the HF names of fused layers taken from the model's
+`packed_modules_mapping` and its expert layers' checkpoint names: the engine itself says what it expects, so no second
+table can drift from it. And what vLLM derives from the weights, remade after a sync (`rederive_after_sync`).
 """
 from __future__ import annotations
 
 import torch
 
-from rl_megatron.models.weight_layouts import Region, along, whole
+from rl_megatron.models.weight_layouts import Region, Split, SplitSections, along, whole
 from rl_megatron.resharding.plan import TensorSpec
 from rl_megatron.resharding.specs import Held
 
@@ -53,10 +53,12 @@ def _expert_regions(layer, leaf: str, param: torch.Tensor) -> list[Region]:
     return out
 
 
-def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str]) -> list[Region]:
+def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str], owner) -> list[Region]:
+    """The HF regions `param` (`module`'s parameter `leaf`; `owner`: the module that holds `module`) keeps."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                    QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     if isinstance(module, RoutedExperts):
@@ -65,6 +67,12 @@ def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str]) -> l
         n, rank = param.shape[0], module.qkv_proj.tp_rank
         return [along(names[0], (n * module.qkv_proj.tp_size,), 0, rank * n, (rank + 1) * n, 0)]
     tail = tuple(param.shape[1:])
+    if isinstance(module, QwenGatedDeltaNetAttention):  # A_log, dt_bias: one per value head, split with the heads
+        return Split(0).regions(names, [(param.shape[0] * module.tp_size,)], module.tp_rank, module.tp_size)
+    if isinstance(owner, QwenGatedDeltaNetAttention) and module is owner.conv1d:
+        # Its channels are [q | k | v], each section split over TP (vLLM's mamba_v2_sharded_weight_loader).
+        sections = SplitSections((owner.key_dim, owner.key_dim, owner.value_dim))
+        return sections.regions(names, [(owner.conv_dim, *tail)], owner.tp_rank, owner.tp_size)
     if isinstance(module, QKVParallelLinear):
         q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.v_head_size
         q_total = module.total_num_heads * module.head_size
@@ -135,6 +143,7 @@ def vllm_targets(model) -> Held:
         module_name, _, leaf = name.rpartition(".")
         # An engine serving LoRA wraps each linear layer that can take adapters: `<layer>.base_layer.weight`.
         hf_like = _hf_name(getattr(model, "hf_to_vllm_mapper", None), name.replace(".base_layer.", "."))
-        regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(hf_like, packed))
+        regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(hf_like, packed),
+                                model.get_submodule(module_name.rpartition(".")[0]))
         held[name] = (param.detach(), TensorSpec(name, tuple(param.shape), param.dtype, tuple(regions)))
     return held

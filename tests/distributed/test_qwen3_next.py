@@ -3,14 +3,15 @@ expert beside 4 routed ones) on gloo: Megatron's log-probs against transformers'
 with the samples packed into one row (the linear attention confined to each by cu_seqlens) and in right-padded rows
 alike, at TP=1, TP=2 (sequence parallel, as MoE layers need there) and PP=2; one update against transformers' and
 at TP=2 against one rank; its HF export bitwise the folder's tensors, and through a Megatron checkpoint saved at one
-layout and converted back at another."""
+layout and converted back at another; its weights synced into real vLLM engines (the Gated DeltaNet core computed in
+torch on CPU: rollout/cpu_gated_delta.py) bit for bit, which then generate as transformers does."""
 import dataclasses
 
 import pytest
 import torch
 
 from helpers.parity import config, family_model_dir, hf_model, hf_reference, hf_update_reference, make_batch
-from helpers.ranks import build_actor, saved_checkpoint, update_and_export
+from helpers.ranks import build_actor, check_engines_hold_the_trainer_weights, saved_checkpoint, update_and_export
 from helpers.worlds import run_distributed
 from rl_megatron.convert import main as convert
 
@@ -80,3 +81,11 @@ def test_checkpoint_round_trip_at_another_layout_is_bitwise(tmp_path):
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+# One engine per rank, and one engine over both ranks: its key heads (in_proj_qkvz, in_proj_ba), each section of the
+# convolution's channels, A_log and dt_bias split over the engine's TP ranks, as the gated attention's query heads.
+@pytest.mark.parametrize("tp,engine_tp", [(1, 1), (2, 2)])
+def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, tp, engine_tp):
+    model_dir = family_model_dir(tmp_path / "qwen3_next", "qwen3_next", tied=False)
+    check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, 1, engine_tp, "auto")

@@ -22,6 +22,8 @@ MOE_RECIPE = "moe/grpo_tiny_qwen3_moe_cpu"
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, MOE_RECIPE, marks=pytest.mark.slow),
     pytest.param("llama", LLAMA3_ROPE, "demo_cpu", marks=pytest.mark.slow),
     pytest.param("mistral", {"sliding_window": 4}, "demo_cpu", marks=pytest.mark.slow),
+    # Qwen3-Next at the demo's TP=2 (sequence parallel): its engines' Gated DeltaNet layers computed in torch.
+    pytest.param("qwen3_next", {}, "demo_cpu", marks=pytest.mark.slow),
 ])
 def test_grpo_steps_on_each_family(tmp_path, family, extra, recipe):
     model_dir = family_model_dir(tmp_path / family, family, tied=False, **extra)

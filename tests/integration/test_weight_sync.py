@@ -2,6 +2,7 @@
 and generate what `transformers` generates with those weights, before and after an update."""
 import pytest
 
+from helpers.parity import family_model_dir
 from helpers.weight_sync import check_sync_puts_trainer_weights_into_engines
 
 
@@ -15,3 +16,11 @@ def test_sync_puts_trainer_weights_into_engines(ray_session, tiny_model_dir, pla
     sharded over both workers. Separate: one engine in a third worker, sent the weights by broadcast."""
     check_sync_puts_trainer_weights_into_engines(tiny_model_dir, f"rollout.tensor_parallel_size={engine_tp}",
                                                  f"rollout.placement={placement}")
+
+
+def test_sync_puts_qwen3_next_weights_into_engines(ray_session, tmp_path):
+    """A hybrid model (Gated DeltaNet and gated full attention, MoE): the engines' linear-attention layers carry their
+    convolution and recurrent states from step to step in torch (rollout/cpu_gated_delta.py); their log-probs of the
+    sampled tokens are the trainer's, their greedy answers transformers', before and after an update."""
+    model_dir = family_model_dir(tmp_path / "qwen3_next", "qwen3_next", tied=False)
+    check_sync_puts_trainer_weights_into_engines(model_dir)

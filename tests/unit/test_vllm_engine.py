@@ -32,6 +32,16 @@ def test_engines_schedule_one_step_at_a_time_on_every_device(cuda, mla):
     assert args.get("attention_backend") == ("CPU_MLA" if mla and not cuda else None)
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_linear_attention_states_are_cached_by_prefix_only_where_prefill_is_chunked(cuda):
+    """vLLM caches Gated DeltaNet states by prefix only with chunked prefill (its start fails otherwise), which CPU
+    engines go without; CUDA engines keep both."""
+    args = engine_arguments(DENSE, RolloutConfig(max_model_len=64), "bfloat16", 0, None, "dummy", cuda=cuda,
+                            mla=False, group_timeout_s=None, linear_attention=True)
+    assert args["enable_prefix_caching"] is cuda
+    assert args.get("enable_chunked_prefill", True) is cuda
+
+
 def test_a_refused_prefix_cache_reset_stops_the_weight_update():
     with pytest.raises(RuntimeError, match="could not reset its prefix cache.*old weights would be reused"):
         drop_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: False))
