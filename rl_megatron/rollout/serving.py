@@ -137,9 +137,9 @@ class TurnScheduler:
         self._idle_since: list[float | None] = [None] * self.engines
         self._drivers = [asyncio.ensure_future(self._drive(engine)) for engine in range(self.engines)]
 
-    def idle_seconds(self) -> float:
-        """The engines' time with nothing to decode so far, summed (the stretches still going included)."""
-        now = time.perf_counter()
+    def idle_seconds(self, now: float) -> float:
+        """The engines' time with nothing to decode up to `now` (a perf_counter reading), summed: the stretches still
+        going counted to `now`."""
         return sum(self.idle_s) + sum(now - since for since in self._idle_since if since is not None)
 
     async def add(self, make: Callable[[], Coroutine]) -> Any:

@@ -327,9 +327,10 @@ class Streaming:
         """Since the last batch taken: the requests interrupted by weight updates, the engines' idle share (and their
         mean idle seconds), the samples dropped past the bound; the groups in flight and queued now."""
         now, engines = time.perf_counter(), self.engines.count
-        interrupted, idle_s = self.scheduler.interrupted, self.scheduler.idle_seconds()
+        interrupted, idle_s = self.scheduler.interrupted, self.scheduler.idle_seconds(now)
         since = now - self.last_take
-        idle_share = (idle_s - self.seen_idle_s) / (engines * since)
+        # Both readings end at `now` and start at the last batch's: the share is at most 1 but for float rounding.
+        idle_share = min(1.0, (idle_s - self.seen_idle_s) / (engines * since))
         metrics = {"async/interrupted_requests": interrupted - self.seen_interrupts,
                    "async/engine_idle_share": idle_share, "async/inflight_groups": len(self.in_flight),
                    "async/queue_groups": len(self.ready), "async/dropped": dropped}
