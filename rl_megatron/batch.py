@@ -237,6 +237,7 @@ class TrainBatch(RowTensors):
     old_log_probs: Tensor | None = None  # Megatron's, before this step's update
     entropy: Tensor | None = None  # the policy's, before this step's update (a metric)
     ref_log_probs: Tensor | None = None  # the reference policy's (KL)
+    teacher_log_probs: Tensor | None = None  # the teacher's (on-policy distillation)
     values: Tensor | None = None  # the critic's, before this step's update
     advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets

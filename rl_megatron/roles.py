@@ -11,6 +11,7 @@ class Role(str, enum.Enum):
     ROLLOUT = "rollout"  # a vLLM engine (or its TP shard) sampling from the policy
     REF = "ref"  # the frozen reference policy (KL)
     CRITIC = "critic"  # the value model (GAE)
+    TEACHER = "teacher"  # a frozen model of its own (teacher.model.path) whose log-probs the policy distills
 
     @property
     def devices_section(self) -> str:
@@ -25,6 +26,12 @@ class Role(str, enum.Enum):
     @property
     def trainable(self) -> bool:
         return self in (Role.ACTOR, Role.CRITIC)
+
+    @property
+    def own_model(self) -> bool:
+        """Its model is not the policy's (any family and size: the teacher's), so it shares neither the actor's
+        pipeline split nor its MoE routing."""
+        return self is Role.TEACHER
 
     @property
     def value_head(self) -> bool:

@@ -1,6 +1,6 @@
-"""RL algorithm math (advantages, losses, KL, rollout mismatch, reward shaping), free of any distributed or model
-code; the policy losses and advantage estimators are registered by name (`registry.py`), so that a user can add
-their own.
+"""RL algorithm math (advantages, losses, KL, rollout mismatch, reward shaping, on-policy distillation), free of any
+distributed or model code; the policy losses and advantage estimators are registered by name (`registry.py`), so that
+a user can add their own.
 
 Per-token tensors are [B, S] with a 0/1 response_mask; per-sequence tensors are [B].
 """
@@ -17,6 +17,7 @@ from rl_megatron.algorithms.advantages import (
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
+from rl_megatron.algorithms.distillation import distillation_advantages, reverse_kl
 from rl_megatron.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -49,6 +50,7 @@ __all__ = [
     "cispo_loss",
     "clip_cov_loss",
     "compute_advantages",
+    "distillation_advantages",
     "gae_advantages",
     "grpo_advantages",
     "gspo_loss",
@@ -68,6 +70,7 @@ __all__ = [
     "register_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "reverse_kl",
     "rloo_advantages",
     "rollout_correction_metrics",
     "rollout_correction_weights",

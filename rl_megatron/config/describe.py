@@ -90,8 +90,11 @@ def value_words(value: Any) -> str:
 
 def describe(cls: type, prefix: str) -> list[KeyDescription]:
     """Every key of the dataclass `cls` (its sections' keys too), `prefix` their section ("actor." for ActorConfig)."""
-    hints, comments = typing.get_type_hints(cls), field_comments(cls)
-    keys = []
+    hints, keys = typing.get_type_hints(cls), []
+    # A section's keys may come from a base dataclass (RefConfig's and TeacherConfig's from FrozenModelConfig), whose
+    # source holds their comments.
+    comments = {name: text for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)
+                for name, text in field_comments(base).items()}
     for f in dataclasses.fields(cls):
         key, annotation = prefix + f.name, hints[f.name]
         if dataclasses.is_dataclass(annotation):

@@ -13,6 +13,11 @@ def uses_reference(cfg: Config) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+def uses_teacher(cfg: Config) -> bool:
+    """Whether on-policy distillation needs the teacher's log-probs (teacher.model.path)."""
+    return cfg.teacher.model.path is not None
+
+
 def reference_in_actor(cfg: Config) -> bool:
     """With LoRA the reference policy is the actor with its adapters off (verl's ref_in_actor): no reference weights
     are held, loaded or offloaded anywhere."""
@@ -52,15 +57,16 @@ class WorkerPool:
 
 def worker_pools(cfg: Config) -> list[WorkerPool]:
     """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
-    reference and critic), then the separate ones: engines, reference, critic. Roles in a pool: actor, rollout,
-    ref, critic order."""
+    reference, critic and teacher), then the separate ones: engines, reference, critic, teacher. Roles in a pool:
+    actor, rollout, ref, critic, teacher order."""
     a, r = cfg.actor, cfg.rollout
     engines_apart = r.placement == "separate"
     actor_roles = [Role.ACTOR] if engines_apart else [Role.ACTOR, Role.ROLLOUT]
     engine_pool = WorkerPool(Role.ROLLOUT, (Role.ROLLOUT,), r.nnodes, r.n_gpus_per_node, {})
     separate = [engine_pool] if engines_apart else []
     reference = uses_reference(cfg) and not reference_in_actor(cfg)
-    for name, role, wanted in ((Role.REF, cfg.ref, reference), (Role.CRITIC, cfg.critic, cfg.critic.enable)):
+    for name, role, wanted in ((Role.REF, cfg.ref, reference), (Role.CRITIC, cfg.critic, cfg.critic.enable),
+                               (Role.TEACHER, cfg.teacher, uses_teacher(cfg))):
         wanted = wanted and not cfg.trainer.val_only  # validation generates and scores only
         if wanted and role.placement == "colocated":
             actor_roles.append(name)

@@ -148,7 +148,8 @@ class MoeConfig:
 
 
 @dataclass
-class RefConfig:
+class FrozenModelConfig:
+    """The keys of a role that only runs forward passes over a frozen model (the reference, the teacher)."""
     placement: Placement = "colocated"  # colocated: in the actor's workers; separate: its own workers (keys below)
     nnodes: int = checked(1, POSITIVE)  # separate placement: nodes of its pool
     n_gpus_per_node: int = checked(1, POSITIVE)  # separate placement: devices per node of its pool
@@ -157,6 +158,23 @@ class RefConfig:
     micro_batch_size: Optional[int] = checked(None, POSITIVE)  # samples per forward (default: actor.micro_batch_size)
     max_tokens_per_micro_batch: Optional[int] = checked(None, POSITIVE)  # token budget of a forward micro-batch (default: the actor's)
     param_offload: bool = True  # on GPU, keep the frozen weights in host memory between uses
+
+
+@dataclass
+class RefConfig(FrozenModelConfig):
+    """The reference policy of the KL terms: the initial policy."""
+
+
+@dataclass
+class TeacherModelConfig:
+    path: Optional[str] = None  # Hugging Face folder of the teacher (config.json, tokenizer, *.safetensors): any supported family and size, with the policy's tokenizer; null: no teacher (no distillation)
+
+
+@dataclass
+class TeacherConfig(FrozenModelConfig):
+    """The teacher of on-policy distillation (algorithm.distillation): a frozen model of its own whose log-probs of
+    the policy's sampled tokens enter the advantages (docs/algorithms.md)."""
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)  # the teacher's model folder
 
 
 @dataclass
@@ -264,6 +282,12 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class DistillationConfig:
+    coef: float = checked(1.0, above(0))  # weight of the distillation term: coef x (log p_teacher - log p_policy) per response token, log p_policy the old log-probs (Thinking Machines' on-policy distillation: a per-token reverse KL, undiscounted); needs teacher.model.path
+    mode: Literal["mixed", "alone"] = "mixed"  # mixed: the term added to the task's advantages (algorithm.adv_estimator's); alone: the term is the whole advantage (the rewards are still scored and logged, not trained on)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = extension_name("grpo")  # the registered advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or yours (@rl_megatron.algorithms.register_adv_estimator in a module of trainer.imports); an estimator's own keys are in the section named after it (algorithm.<name>.<key>)
     norm_adv_by_std: bool = True  # grpo: divide by the group's reward std (False gives Dr.GRPO)
@@ -273,6 +297,7 @@ class AlgorithmConfig:
     kl_penalty: Literal[KL_ESTIMATORS] = "k1"  # KL estimator of the in-reward penalty: k1, k2 (mse), k3 (low_var_kl) or abs
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # dynamic sampling (DAPO)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # on-policy distillation from the teacher (teacher.model.path)
     # off-policy correction of the policy loss by the trainer/rollout ratio (staleness, engine/trainer mismatch)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # shorthand for rollout_correction level=token, mode=truncate, threshold=this (truncated IS)
@@ -326,6 +351,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     resharding: ReshardingConfig = field(default_factory=ReshardingConfig)

@@ -1,5 +1,6 @@
 """The model a config names: model.path's config.json, with the moe section's overrides applied (each family's
-keys: `models.family`), and the token ids its generation stops at."""
+keys: `models.family`), each role's model (the critic's trunk, the teacher's), and the token ids its generation
+stops at."""
 from __future__ import annotations
 
 import json
@@ -8,26 +9,28 @@ import os
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError, one_line
 from rl_megatron.models.family import FAMILIES, moe_experts
+from rl_megatron.roles import Role
 
 
-def read_hf_config(model_path: str) -> dict:
+def read_hf_config(model_path: str, key: str = "model.path") -> dict:
+    """The folder's config.json; ConfigError naming `key` (the config key that names the folder) when it is not one."""
     if not os.path.isdir(model_path):
         raise ConfigError(
-            f"model.path='{model_path}' is not a folder (relative paths count from {os.getcwd()}). Point model.path "
+            f"{key}='{model_path}' is not a folder (relative paths count from {os.getcwd()}). Point {key} "
             "at a Hugging Face model folder (config.json, tokenizer files, *.safetensors).")
     config_file = os.path.join(model_path, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(
-            f"model.path='{model_path}' has no config.json. Point model.path at a Hugging Face model folder "
+            f"{key}='{model_path}' has no config.json. Point {key} at a Hugging Face model folder "
             "(config.json, tokenizer files, *.safetensors).")
     try:
         with open(config_file) as f:
             hf = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError) as err:  # json.JSONDecodeError is a ValueError
-        raise ConfigError(f"model.path='{model_path}': config.json is not readable JSON ({one_line(err)}). "
+        raise ConfigError(f"{key}='{model_path}': config.json is not readable JSON ({one_line(err)}). "
                           "Fix or replace the file.") from None
     if not isinstance(hf, dict):
-        raise ConfigError(f"model.path='{model_path}': config.json must hold a JSON object, "
+        raise ConfigError(f"{key}='{model_path}': config.json must hold a JSON object, "
                           f"not a {type(hf).__name__}.")
     return hf
 
@@ -64,6 +67,16 @@ def model_config(cfg: Config) -> dict:
     """model.path's config.json with the moe section's overrides: the model every process builds."""
     hf = read_hf_config(cfg.model.path)
     return {**hf, **moe_hf_overrides(cfg, hf)}
+
+
+def role_model_config(cfg: Config, role: Role, policy_hf: dict) -> dict:
+    """The config.json of the model `role` holds: the critic's trunk (critic.model_path), the teacher's own
+    (teacher.model.path), else the policy's (`policy_hf`: `model_config(cfg)`)."""
+    if role is Role.CRITIC:
+        return read_hf_config(cfg.critic.model_path, "critic.model_path")
+    if role is Role.TEACHER:
+        return read_hf_config(cfg.teacher.model.path, "teacher.model.path")
+    return policy_hf
 
 
 def end_of_sequence_ids(model_path: str, hf: dict) -> list[int]:

@@ -36,9 +36,10 @@ class StageLayers:
     @classmethod
     def of_role(cls, cfg: Config, role: Role) -> StageLayers:
         """The actor's keys for the roles in the actor's processes (the actor, and a colocated reference or critic,
-        which share its pipeline); a separately placed role splits its own pipeline evenly."""
+        which share its pipeline); a separately placed role, and a model of its own (the teacher's: other layers),
+        splits its own pipeline evenly."""
         section = cfg.actor if role is Role.ACTOR else getattr(cfg, str(role))
-        if role is not Role.ACTOR and section.placement == "separate":
+        if role is not Role.ACTOR and (section.placement == "separate" or role.own_model):
             return cls()
         return cls(cfg.actor.num_layers_in_first_pipeline_stage, cfg.actor.num_layers_in_last_pipeline_stage)
 

@@ -11,7 +11,8 @@ which loads it once (the trainer gets the tokenizer the check loaded) and checks
   - it has a padding token (`rl_megatron.batch.pad_token_id`: pad, else end-of-sequence), and its end-of-sequence
     and padding ids lie inside its vocabulary.
 
-Whether the data's prompts encode to tokens is the data package's check (`rl_megatron.data.section`).
+A teacher (on-policy distillation) must share the policy's tokenizer: `check_shared_tokenizer` compares their
+vocabularies. Whether the data's prompts encode to tokens is the data package's check (`rl_megatron.data.section`).
 """
 from __future__ import annotations
 
@@ -29,18 +30,18 @@ NOT_VOCABULARY = ("tokenizer_file", "tokenizer_config_file")
 COPY_FIX = ("Copy the tokenizer files (tokenizer.json, tokenizer_config.json, and vocab.json / merges.txt / "
             "tokenizer.model where the model has them) from the model's original folder into it.")
 
-# The last tokenizer loaded: (absolute folder path, its files' names, sizes and mtimes), tokenizer.
-_last_loaded: tuple[tuple, object] | None = None
+# The tokenizers loaded, by absolute folder path: (its files' names, sizes and mtimes, the tokenizer). The policy's
+# and a teacher's (whose vocabulary is compared with the policy's) are each loaded once.
+_loaded: dict[str, tuple[tuple, object]] = {}
 
 
-def load_tokenizer(model_path: str):
+def load_tokenizer(model_path: str, key: str = "model.path"):
     """`model_path`'s tokenizer (AutoTokenizer.from_pretrained), unchecked. Loaded once per process: while the
-    folder's files are unchanged, the next call returns the same object. ConfigError naming model.path if it does
-    not load."""
-    global _last_loaded
-    signature = (os.path.abspath(model_path), _files_signature(model_path))
-    if _last_loaded is not None and _last_loaded[0] == signature:
-        return _last_loaded[1]
+    folder's files are unchanged, the next call returns the same object. ConfigError naming `key` (the config key
+    naming the folder) if it does not load."""
+    folder, signature = os.path.abspath(model_path), _files_signature(model_path)
+    if folder in _loaded and _loaded[folder][0] == signature:
+        return _loaded[folder][1]
     # Imported here, not at the top: importing transformers takes seconds, and a config error found before the
     # model folder is checked is reported without them (as rl_megatron.train imports the trainer only after).
     from transformers import AutoTokenizer
@@ -51,9 +52,9 @@ def load_tokenizer(model_path: str):
         tokenizer_class = _class_of_folder(model_path)
         if tokenizer_class is not None:
             _check_files(tokenizer_class, model_path)  # a missing file (e.g. merges.txt beside vocab.json) named
-        raise ConfigError(f"model.path='{model_path}': its tokenizer does not load ({type(err).__name__}: "
+        raise ConfigError(f"{key}='{model_path}': its tokenizer does not load ({type(err).__name__}: "
                           f"{one_line(err)}). {COPY_FIX}") from None
-    _last_loaded = (signature, tokenizer)
+    _loaded[folder] = (signature, tokenizer)
     return tokenizer
 
 
@@ -106,6 +107,26 @@ def checked_tokenizer(model_path: str, hf: dict):
                               f"outside its vocabulary of {size} tokens ({source}). Fix the token in "
                               f"tokenizer_config.json, or use the tokenizer saved with this model.")
     return tokenizer
+
+
+def check_shared_tokenizer(policy_tokenizer, teacher_path: str, key: str = "teacher.model.path") -> None:
+    """A teacher scores the token ids the policy samples, so both must read them alike: the teacher's tokenizer
+    (`teacher_path`, named by `key`) must have the policy's vocabulary, every token with the same id. ConfigError
+    naming `key`, the first token that differs and the fix otherwise."""
+    teacher_tokenizer = load_tokenizer(teacher_path, key)
+    policy, teacher = policy_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if policy == teacher:
+        return
+    by_id = [{token_id: token for token, token_id in vocabulary.items()} for vocabulary in (policy, teacher)]
+    differing = sorted(token_id for token_id in by_id[0].keys() | by_id[1].keys()
+                       if by_id[0].get(token_id) != by_id[1].get(token_id))
+    first = differing[0]
+    raise ConfigError(
+        f"{key}='{teacher_path}': the teacher's tokenizer is not the policy's (model.path): {len(teacher)} tokens "
+        f"against {len(policy)}, and id {first} is {by_id[1].get(first)!r} to the teacher but "
+        f"{by_id[0].get(first)!r} to the policy ({len(differing)} ids differ). On-policy distillation scores the "
+        "policy's sampled token ids under the teacher, so both must share one tokenizer: use a teacher saved with the "
+        "policy's tokenizer (e.g. a larger model of the same family), or set teacher.model.path=null.")
 
 
 def _check_files(tokenizer_class, model_path: str) -> str:

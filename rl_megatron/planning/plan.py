@@ -33,7 +33,7 @@ from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
-from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config
+from rl_megatron.models.hf_config import carries_routing, model_config, role_model_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.planning import memory
 from rl_megatron.planning.lora_memory import lora_parameters
@@ -253,7 +253,7 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
             if name is Role.ROLLOUT:
                 pool.roles.append(_engine_role(cfg, pool, total, gib, on_gpu, plan))
             else:
-                role_hf = read_hf_config(cfg.critic.model_path) if name is Role.CRITIC else hf
+                role_hf = role_model_config(cfg, name, hf)
                 pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
 
     for pool in pools:

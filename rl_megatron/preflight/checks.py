@@ -9,30 +9,32 @@ loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatr
 `sink_attention.py`), the model against the rollout engine (`RolloutEngine.check_model`), and last the
 model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first prompt encoded), the agent loop with its
 tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
-the files' headers). A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves them, the data
-files and the checkpoint folders to the launch.
+the files' headers); a teacher's (teacher.model.path) config.json against its layout, its tokenizer against the
+policy's and its weights likewise. A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves
+them, the data files and the checkpoint folders to the launch.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
 from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
-from rl_megatron.config.pools import uses_reference, worker_pools
+from rl_megatron.config.pools import uses_reference, uses_teacher, worker_pools
 from rl_megatron.config.choices import STREAMING
 from rl_megatron.config.schema import DEFAULT_ROLLOUT_FUNCTION, Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
-from rl_megatron.roles import roles_name
-from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
+from rl_megatron.roles import Role, roles_name
+from rl_megatron.models.hf_config import end_of_sequence_ids, model_config, role_model_config
 from rl_megatron.models.hf_weights import check_hf_weights
-from rl_megatron.models.tokenizer import checked_tokenizer
+from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokenizer
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
-    check_moe_knobs, check_role_layouts
+    check_moe_knobs, check_role_layouts, check_teacher_against_layout
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rollout.engine import engine_class
@@ -60,6 +62,9 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     check_moe_knobs(cfg)
     hf = model_config(cfg)
     check_model_against_layouts(cfg, hf)
+    teacher_hf = role_model_config(cfg, Role.TEACHER, hf) if uses_teacher(cfg) else None
+    if teacher_hf is not None:
+        check_teacher_against_layout(cfg, teacher_hf)
     check_activations(cfg, hf)
     engine_class(cfg.rollout.engine).check_model(hf, platform.has_cuda() if cuda is None else cuda)
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
@@ -72,6 +77,9 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     check_first_prompt_encodes(cfg.data, tokenizer, cfg.model.path)
     build_agent_loop(cfg.rollout, tokenizer, stop_ids, cfg.model.path)  # rollout.agent_loop's class, its tools, the chat template
     _check_initial_weights(cfg, hf)
+    if teacher_hf is not None:  # it scores the policy's token ids, with its own weights
+        check_shared_tokenizer(tokenizer, cfg.teacher.model.path)
+        check_hf_weights(cfg.teacher.model.path, teacher_hf, "teacher.model.path")
 
 
 def _check_trainer(cfg: Config, files: bool = True) -> None:
@@ -246,6 +254,31 @@ def _check_algorithm(cfg: Config) -> None:
     if c.placement == "separate" and not c.enable:
         raise ConfigError("critic.placement=separate asks for critic workers, but this run has no critic "
                           "(algorithm.adv_estimator is not gae); set critic.placement=colocated.")
+    _check_distillation(cfg)
+
+
+def _check_distillation(cfg: Config) -> None:
+    """The distillation keys need a teacher, and distillation alone trains on no task advantage (no critic, no
+    in-reward KL penalty)."""
+    distillation, teacher = cfg.algorithm.distillation, cfg.teacher
+    if not uses_teacher(cfg):
+        changed = [f"algorithm.distillation.{f.name}" for f in dataclasses.fields(distillation)
+                   if getattr(distillation, f.name) != f.default]
+        changed += ["teacher.placement"] if teacher.placement == "separate" else []
+        if changed:
+            raise ConfigError(f"{changed[0]} is set, but there is no teacher (teacher.model.path=null): set "
+                              "teacher.model.path to the teacher's Hugging Face folder (with the policy's tokenizer), "
+                              f"or remove {changed[0]}.")
+        return
+    if distillation.mode == "alone" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward=true takes the KL penalty off the rewards, which "
+                          "algorithm.distillation.mode=alone does not train on: use actor.use_kl_loss=true for a KL "
+                          "term, or algorithm.distillation.mode=mixed.")
+    if distillation.mode == "alone" and needs_critic(cfg.algorithm.adv_estimator):
+        raise ConfigError(f"algorithm.distillation.mode=alone trains on the distillation term only, but "
+                          f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic for the task's "
+                          "advantages, which would then train for nothing: use algorithm.adv_estimator=grpo (any "
+                          "critic-free one), or algorithm.distillation.mode=mixed.")
 
 
 def _check_reward(cfg: Config) -> None:

@@ -74,17 +74,18 @@ def load_plan_config(path: str | None, overrides: Sequence[str] = (), cuda: bool
     cfg = resolve(load(path, overrides))
     stand_ins: dict[str, str] = {}
     model = cfg.model.path
-    folder = _stand_in(model, "model.path")
-    if folder is not None:
-        stand_ins[model] = folder
-    if cfg.critic.enable and cfg.critic.model_path not in stand_ins:
-        critic = _stand_in(cfg.critic.model_path, "critic.model_path")
-        if critic is not None:
-            stand_ins[cfg.critic.model_path] = critic
-    if stand_ins:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=stand_ins.get(model, model)),
-                                  critic=dataclasses.replace(cfg.critic, model_path=stand_ins.get(
-                                      cfg.critic.model_path, cfg.critic.model_path)))
+    # Each model folder the plan reads: (its key, its section, the field naming it), where the run has the role.
+    folders = [("model.path", cfg.model, "path"), ("critic.model_path", cfg.critic, "model_path"),
+               ("teacher.model.path", cfg.teacher.model, "path")]
+    for key, section, name in folders:
+        given = getattr(section, name)
+        if given is None or given in stand_ins or (key == "critic.model_path" and not cfg.critic.enable):
+            continue
+        folder = _stand_in(given, key)
+        if folder is not None:
+            stand_ins[given] = folder
+    for key, section, name in folders:  # the resolved config is this dry run's own copy
+        setattr(section, name, stand_ins.get(getattr(section, name), getattr(section, name)))
     preflight(cfg, cuda=cuda, files=False)
     shown = model if model not in stand_ins else (
         f"{model} (not on this machine: planned with {shipped_name(stand_ins[model])}/config.json, shipped with "

@@ -121,11 +121,11 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
 
 
 def check_role_layouts(cfg: Config) -> None:
-    """The reference's and critic's layouts: colocated ones share the actor's processes (so its parallel layout);
-    separate ones get their own devices. The reference runs forward over the step's whole batch; the critic trains
-    on mini-batches."""
+    """The reference's, teacher's and critic's layouts: colocated ones share the actor's processes (so its parallel
+    layout); separate ones get their own devices. The reference and the teacher run forward over the step's whole
+    batch; the critic trains on mini-batches."""
     a, c = cfg.actor, cfg.critic
-    for name, role in (("ref", cfg.ref), ("critic", c)):
+    for name, role in (("ref", cfg.ref), ("teacher", cfg.teacher), ("critic", c)):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             mine, actors = getattr(role, key), getattr(a, key)
             if role.placement == "colocated" and mine != actors:
@@ -135,7 +135,9 @@ def check_role_layouts(cfg: Config) -> None:
     if cfg.data.train_batch_size % c.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
                           f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size}; make it a multiple.")
-    for name, role, prompts in (("ref", cfg.ref, cfg.data.train_batch_size), ("critic", c, c.ppo_mini_batch_size)):
+    for name, role, prompts in (("ref", cfg.ref, cfg.data.train_batch_size),
+                                ("teacher", cfg.teacher, cfg.data.train_batch_size),
+                                ("critic", c, c.ppo_mini_batch_size)):
         model_parallel = role.tensor_model_parallel_size * role.pipeline_model_parallel_size
         if role.placement == "colocated":
             # The actor's processes, hence its context-parallel groups too: CP ranks share a sample, not a DP slice.
@@ -180,6 +182,22 @@ def check_model_against_layouts(cfg: Config, hf: dict) -> None:
         if index == 0:  # the experts and adapters exist in the actor's layout only (separate roles run at EP 1)
             _check_moe_section(cfg, hf)
             check_lora(cfg, hf)
+
+
+def check_teacher_against_layout(cfg: Config, teacher_hf: dict) -> None:
+    """The teacher's model (teacher.model.path's config.json) against its layout: the actor's processes' when
+    colocated (its TP and PP, which are the actor's, the actor's virtual stages, the actor's EP for an MoE teacher),
+    else its own pool's; and the sequences it scores against its positions."""
+    t, a, r = cfg.teacher, cfg.actor, cfg.rollout
+    colocated = t.placement == "colocated"
+    vpp = a.virtual_pipeline_model_parallel_size if colocated else 1
+    ep = a.expert_model_parallel_size if colocated and moe_experts(teacher_hf) else 1
+    source = "teacher.model.path's config.json"
+    check_model_layout(teacher_hf, ("teacher.tensor_model_parallel_size", t.tensor_model_parallel_size),
+                       ("teacher.pipeline_model_parallel_size", t.pipeline_model_parallel_size),
+                       ("actor.expert_model_parallel_size", ep), ("actor.virtual_pipeline_model_parallel_size", vpp),
+                       source=source)
+    check_sequence_length(teacher_hf, ("rollout.max_model_len", r.max_model_len), source)
 
 
 def check_lora(cfg: Config, hf: dict) -> None:

@@ -20,7 +20,7 @@ from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.family import family_of
-from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.models.hf_config import role_model_config
 from rl_megatron.planning.memory import GIB, WEIGHT_BYTES, RolePasses, activation_bytes, gib_text
 from rl_megatron.planning.model_shape import ModelShape
 from rl_megatron.planning.phase_memory import compute_phase
@@ -77,15 +77,16 @@ def check_sink_attention(cfg: Config, hf: dict, cuda: bool, transformer_engine: 
     against what the memory plan leaves (module docstring); ConfigError naming the keys and the fixes."""
     if not cuda or transformer_engine:
         return
-    critic_hf = read_hf_config(cfg.critic.model_path) if cfg.critic.enable else hf
-    if not (family_of(hf).sinks or family_of(critic_hf).sinks):
+    pools = worker_pools(cfg)
+    models = {name: role_model_config(cfg, name, hf) for pool in pools for name in pool.roles if name.has_model}
+    if not any(family_of(role_hf).sinks for role_hf in models.values()):
         return
     plan = build_plan(cfg, on_gpu=True, refuse_over_memory=False)  # its own refusal comes when the run starts
     gpu = int(plan.gpu_memory_gib * GIB)
-    for spec, pool in zip(worker_pools(cfg), plan.pools):
+    for spec, pool in zip(pools, plan.pools):
         phase = compute_phase(pool.phases)
         for role in pool.roles:
-            role_hf = critic_hf if role.name is Role.CRITIC else hf
+            role_hf = models.get(role.name, hf)
             if role.activations is None or not family_of(role_hf).sinks:
                 continue
             # What the plan holds there with this role's activations as the pool's largest.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_megatron.algorithms import masked_mean, rollout_correction_metrics, rollout_mismatch_metrics
+from rl_megatron.algorithms import masked_mean, reverse_kl, rollout_correction_metrics, rollout_mismatch_metrics
 from rl_megatron.batch import Sample, SampleStatus, TrainBatch
 from rl_megatron.config.schema import AlgorithmConfig
 from rl_megatron.trainer.validation import Validation, validation_file
@@ -72,6 +72,8 @@ def step_metrics(samples: list[Sample], scores: torch.Tensor, batch: TrainBatch,
         **{f"timing_s/{phase}": s for phase, s in seconds.items()},
         "perf/tokens_per_s": tokens / seconds["step"],
     }
+    if batch.teacher_log_probs is not None:  # on-policy distillation: how far the policy is from the teacher
+        metrics["distill/reverse_kl"] = reverse_kl(batch.old_log_probs, batch.teacher_log_probs, mask)
     if correction.level is not None:  # the weights the update applied (computed again: cheap, and no transfer)
         metrics |= rollout_correction_metrics(batch.old_log_probs, batch.rollout_log_probs, mask, correction.level,
                                               correction.mode, correction.threshold)

@@ -12,6 +12,7 @@ forward computes something else.
 from __future__ import annotations
 
 from rl_megatron.batch import TrainBatch
+from rl_megatron.config.pools import uses_teacher
 from rl_megatron.config.schema import Config, RolloutCorrectionConfig
 from rl_megatron.models.hf_config import carries_routing
 from rl_megatron.workers.worker_group import WorkerGroup
@@ -23,7 +24,8 @@ def old_log_probs_from_update(cfg: Config, hf: dict) -> bool:
 
     - actor.ppo_epochs > 1, or actor.ppo_mini_batch_size below data.train_batch_size: the policy moves (an optimizer
       step) before the later epochs' and mini-batches' tokens are trained;
-    - algorithm.use_kl_in_reward: the KL penalty enters the rewards, before the advantages and the update;
+    - algorithm.use_kl_in_reward: the KL penalty enters the rewards, before the advantages and the update; so does
+      a teacher (teacher.model.path): the distillation term of the advantages reads the old log-probs;
     - an actor whose passes carry MoE routing (`carries_routing`: actor.router_replay, or the engines' routing): R2
       replays in the update the routing the separate pass records, and R3 and the engines' routing alone measure
       moe/routing_agreement in that pass;
@@ -35,7 +37,7 @@ def old_log_probs_from_update(cfg: Config, hf: dict) -> bool:
     `hf`: the model's config.json with the moe section's overrides (`models.hf_config.model_config`)."""
     actor = cfg.actor
     one_optimizer_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
-    return (one_optimizer_step and not cfg.algorithm.use_kl_in_reward
+    return (one_optimizer_step and not cfg.algorithm.use_kl_in_reward and not uses_teacher(cfg)
             and not carries_routing(cfg, hf, trainable=True) and not (actor.lora.rank and actor.lora.dropout)
             and not cfg.algorithm.rollout_correction.bypass_mode)
 

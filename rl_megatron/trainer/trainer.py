@@ -1,8 +1,9 @@
 """The training loop: one single controller driving the workers, step by step.
 
     prompts -> generate (rollout.function over the engines, rollout.engine's) -> score (reward scorers, in the
-            background) -> old log-probs [-> reference log-probs, values] (Megatron) -> advantages (GRPO, GAE, ...)
-            -> [critic update] -> PPO update (Megatron) -> sync weights (Megatron -> the engines) -> log
+            background) -> old log-probs [-> reference, teacher log-probs, values] (Megatron: `forward_passes.py`)
+            -> advantages (GRPO, GAE, ... [+ distillation]) -> [critic update] -> PPO update (Megatron) -> sync
+            weights (Megatron -> the engines) -> log
 
 With trainer.rollout_staleness > 0 the first stage runs ahead in a generation thread (`rollout_ahead.py`): the
 engines generate the next batches while the trainer trains on this one; or, trainer.async_mode=streaming, prompt groups
@@ -22,15 +23,15 @@ import torch
 from rl_megatron import platform
 from rl_megatron.platform.startup import startup_done
 from rl_megatron.agents import AgentRunner, build_agent_loop
-from rl_megatron.algorithms import (AdvantageInputs, apply_kl_penalty, compute_advantages, kl_controller,
-                                    outcome_token_rewards, rollout_correction_weights)
+from rl_megatron.algorithms import (AdvantageInputs, apply_kl_penalty, compute_advantages, distillation_advantages,
+                                    kl_controller, outcome_token_rewards, rollout_correction_weights)
 from rl_megatron.batch import Prompt, Sample, TrainBatch, pad_token_id
 from rl_megatron.checkpoint import CheckpointError, check_checkpoint
 from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, choose_resume, finish_save,
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
 from rl_megatron.config import Config, to_dict, to_yaml
 from rl_megatron.config.choices import STREAMING
-from rl_megatron.config.pools import uses_reference, worker_pools
+from rl_megatron.config.pools import worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
 from rl_megatron.models.tokenizer import checked_tokenizer
@@ -44,7 +45,8 @@ from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
 from rl_megatron.trainer.metrics import RunSummary, Timer, reached_target, step_metrics, window_mean
 from rl_megatron.trainer.dynamic_sampling import GroupFilter
-from rl_megatron.trainer.old_log_probs import old_log_probs_from_update, old_log_probs_pass, update_actor
+from rl_megatron.trainer.forward_passes import forward_passes
+from rl_megatron.trainer.old_log_probs import old_log_probs_from_update, update_actor
 from rl_megatron.trainer.perf import actor_mfu_metrics, memory_metrics
 from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import (Ahead, InStep, Rollout, checked_samples, current_version_mismatch,
@@ -153,7 +155,7 @@ class Trainer:
             # In the critic's warm-up no actor update gives the old log-probs.
             old_pass = not self.old_from_update or step <= self.cfg.critic.warmup_steps
             with self.profiles.phase(step, "log_prob"):
-                self.forward_passes(batch, old_pass)
+                forward_passes(self.groups, self.cfg, batch, timer, old_pass)
             with timer("reward"):  # what scoring adds to the step after the forward passes
                 rewards = (rollout.rewards.select(order) if rollout.rewards is not None
                            else self.rewards(scoring.result(), samples))
@@ -227,26 +229,10 @@ class Trainer:
         mini_batch = self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // dp
         return balanced_order([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp, mini_batch)
 
-    def forward_passes(self, batch: TrainBatch, old_pass: bool) -> None:
-        """The policy's log-probs and entropy (with `old_pass`; else the update gives them), the reference's
-        log-probs and the critic's values of the step's sequences, before any update; into `batch`."""
-        replay = self.cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
-        if old_pass:
-            with self.timer("old_log_prob"):
-                old_log_probs_pass(self.actor, batch, replay)
-        if uses_reference(self.cfg):
-            with self.timer("ref"):
-                ref_batch = batch.select("routed_experts") if replay == "R3" else batch.select()
-                # LoRA: the actor with its adapters off (config.pools.reference_in_actor)
-                reference = self.actor.reference_log_probs if self.ref is None else self.ref.ref_log_probs
-                batch.ref_log_probs = reference(ref_batch).log_probs
-        if self.critic is not None:
-            with self.timer("values"):
-                batch.values = self.critic.values(batch.select()).values
-
     def advantages(self, batch: TrainBatch, scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
-        """Token rewards (with the in-reward KL penalty when on), advantages and returns, rollout-correction
-        weights (the update's own where it gives the old log-probs); written into `batch`."""
+        """Token rewards (with the in-reward KL penalty when on), advantages (with the distillation term when a
+        teacher scored the batch) and returns, rollout-correction weights (the update's own where it gives the old
+        log-probs); written into `batch`."""
         alg, mask, metrics = self.cfg.algorithm, batch.response_mask, {}
         token_rewards = outcome_token_rewards(scores, mask)
         if alg.use_kl_in_reward:
@@ -254,9 +240,14 @@ class Trainer:
                                                  self.kl_ctrl.value, alg.kl_penalty)
             metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value}
             self.kl_ctrl.update(kl, n_steps=batch.rows())
-        batch.advantages, returns = compute_advantages(alg.adv_estimator, AdvantageInputs(
-            token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std), self.cfg.extension_keys)
+        distilling, returns = batch.teacher_log_probs is not None, None
+        if not (distilling and alg.distillation.mode == "alone"):  # the task's advantages
+            batch.advantages, returns = compute_advantages(alg.adv_estimator, AdvantageInputs(
+                token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+                norm_by_std=alg.norm_adv_by_std), self.cfg.extension_keys)
+        if distilling:  # the teacher's term, per token (`algorithms/distillation.py`)
+            batch.advantages = distillation_advantages(batch.advantages, batch.teacher_log_probs, batch.old_log_probs,
+                                                       mask, alg.distillation.coef)
         correction = alg.rollout_correction
         if correction.level is not None and batch.old_log_probs is not None:
             batch.importance_weights = rollout_correction_weights(batch.old_log_probs, batch.rollout_log_probs, mask,
@@ -357,8 +348,8 @@ class Trainer:
         cfg = self.cfg
         stack.enter_context(controller_log(logs_dir(self.run_dir)))
         groups = build_workers(cfg, self.hf_config, start_ray(cfg), stack)
-        self.actor, self.engine_group = groups[Role.ACTOR], groups[Role.ROLLOUT]
-        self.ref, self.critic = groups.get(Role.REF), groups.get(Role.CRITIC)
+        self.groups, self.actor, self.engine_group = groups, groups[Role.ACTOR], groups[Role.ROLLOUT]
+        self.critic = groups.get(Role.CRITIC)
         # The groups hosting Megatron models (what a checkpoint saves), each once.
         self.model_groups = list({id(g): g for role, g in groups.items() if role.has_model}.values())
         # Actor updates so far: one a step after the critic's warm-up.

@@ -6,9 +6,12 @@ Megatron layout (the pool's TP/PP/VPP/EP):
   With rollout.placement=separate the engines run in `RolloutWorker`s instead, and rank 0 broadcasts the weights;
 - "ref": the frozen reference policy (a copy of the initial actor when colocated with it; on GPU its weights wait
   in host memory between uses);
-- "critic": the value model.
+- "critic": the value model;
+- "teacher": the frozen teacher of on-policy distillation, a model of its own (teacher.model.path's config and
+  weights; on GPU its weights wait in host memory between uses).
 
-By default one pool hosts all three; `ref.placement` / `critic.placement` = separate gives a role its own pool.
+By default one pool hosts them all; `ref.placement` / `critic.placement` / `teacher.placement` = separate gives a role
+its own pool.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
 from rl_megatron.checkpoint.rng import restore_rng_state, save_rng_state
 from rl_megatron.checkpoint.run import checkpointed_roles
 from rl_megatron.config.schema import Config
+from rl_megatron.models.hf_config import role_model_config
 from rl_megatron.platform.device_stats import DeviceStats, peak_flops, read_device_stats, reset_gpu_peak_memory
 from rl_megatron.platform.startup import startup_done
 from rl_megatron.plugins import import_user_modules
@@ -73,21 +77,25 @@ class HybridWorker(EngineHost):
             self.models[Role.ACTOR] = MegatronActor(cfg, self.hf_config, optimizer_steps(
                 cfg, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs))
         if Role.REF in self.roles:  # the initial policy: copied when it is here, loaded from model.path otherwise
-            self.models[Role.REF] = MegatronActor(cfg, self.hf_config, trainable=False,
+            self.models[Role.REF] = MegatronActor(cfg, self.hf_config, role=Role.REF,
                                                   initial=self.models.get(Role.ACTOR))
+        if Role.TEACHER in self.roles:
+            self.models[Role.TEACHER] = MegatronActor(cfg, role_model_config(cfg, Role.TEACHER, self.hf_config),
+                                                      role=Role.TEACHER)
         if Role.CRITIC in self.roles:
             self.models[Role.CRITIC] = MegatronCritic(cfg, self.hf_config, optimizer_steps(
                 cfg, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs))
         # On GPU each phase gets the device memory the others' state would hold: the actor's (and a colocated
-        # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's weights
-        # between their uses. All of it is in host memory before the engine starts (see `PhaseMachine`).
+        # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's and
+        # teacher's weights between their uses. All of it is in host memory before the engine starts (see
+        # `PhaseMachine`).
         self.offloaders: dict[Role, Offloader] = {}
         if platform.has_cuda():
             if Role.ROLLOUT in self.roles and cfg.actor.offload:
                 self.offloaders.update({role: Offloader(model.model, model.optimizer) for role, model in
                                         self.models.items() if role.trainable})
-            if Role.REF in self.models and cfg.ref.param_offload:
-                self.offloaders[Role.REF] = Offloader(self.models[Role.REF].model)
+            self.offloaders.update({role: Offloader(model.model) for role, model in self.models.items()
+                                    if not role.trainable and getattr(cfg, role.value).param_offload})
         for offloader in self.offloaders.values():
             offloader.to_host()
         if Role.ROLLOUT in self.roles:
@@ -174,6 +182,10 @@ class HybridWorker(EngineHost):
     @dispatch(axis="dp", phase=forward(Role.REF))
     def ref_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         return self.models[Role.REF].log_probs(batch)
+
+    @dispatch(axis="dp", phase=forward(Role.TEACHER))
+    def teacher_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
+        return self.models[Role.TEACHER].log_probs(batch)
 
     @dispatch(axis="dp", phase=forward(Role.ACTOR))
     def reference_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:

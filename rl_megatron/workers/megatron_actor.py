@@ -1,7 +1,7 @@
 """The policy on one rank (`MegatronActor`): token log-probs of given sequences and PPO updates, with MoE routing
-replay and its metrics; frozen, the reference policy (a copy of the initial actor, or loaded from model.path). The
-shard, its passes and its training pieces: `MegatronModel` (megatron_model.py); the value model:
-megatron_critic.py.
+replay and its metrics; frozen, the reference policy (a copy of the initial actor, or loaded from model.path) or the
+teacher of on-policy distillation (a model of its own, from teacher.model.path). The shard, its passes and its
+training pieces: `MegatronModel` (megatron_model.py); the value model: megatron_critic.py.
 """
 from __future__ import annotations
 
@@ -32,17 +32,21 @@ from rl_megatron.workers.megatron_model import Batching, MegatronModel
 
 
 class MegatronActor(MegatronModel):
-    """The policy (trainable) or, with trainable=False, the frozen reference policy."""
+    """The policy (`role` actor), or frozen: the reference policy (ref), the teacher (teacher: `hf_config` is then
+    teacher.model.path's, where its weights come from)."""
 
-    def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0, *, trainable: bool = True,
+    def __init__(self, cfg: Config, hf_config: dict, optimizer_steps: int = 0, *, role: Role = Role.ACTOR,
                  initial: MegatronActor | None = None, distributed_optimizer: bool | None = None):
-        weights = None if cfg.model.random_init else cfg.model.path
-        section = cfg.actor if trainable else cfg.ref
+        trainable = role.trainable
+        if role is Role.TEACHER:  # a model of its own
+            weights, checkpoint = cfg.teacher.model.path, None
+        else:  # the policy's initial weights
+            weights, checkpoint = None if cfg.model.random_init else cfg.model.path, cfg.model.checkpoint
+        section = getattr(cfg, role.value)
         batching = Batching(section.micro_batch_size, section.max_tokens_per_micro_batch, cfg.actor.sequence_packing)
-        role = Role.ACTOR if trainable else Role.REF
         train_here = trainable and not cfg.trainer.val_only  # no optimizer state for a validation-only run
         super().__init__(cfg, hf_config, batching, optim=cfg.actor.optim if train_here else None,
-                         optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=cfg.model.checkpoint,
+                         optimizer_steps=optimizer_steps, weights_path=weights, checkpoint=checkpoint,
                          initial=initial, activations=ActivationSettings.of_role(cfg, role),
                          stages=StageLayers.of_role(cfg, role), distributed_optimizer=distributed_optimizer,
                          lora=cfg.actor.lora if trainable and cfg.actor.lora.rank else None)
@@ -50,10 +54,11 @@ class MegatronActor(MegatronModel):
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
-        # Routing replay (actor.router_replay; the reference replays under R3 only), and the policy's routing
-        # agreement with the engine's wherever the engines return it.
-        self.replay_mode = cfg.actor.router_replay if trainable or cfg.actor.router_replay == "R3" else "disabled"
-        if carries_routing(cfg, hf_config, trainable):
+        # Routing replay (actor.router_replay; the reference replays under R3 only; the teacher's experts are not the
+        # policy's), and the policy's routing agreement with the engine's wherever the engines return it.
+        replays = trainable or (cfg.actor.router_replay == "R3" and not role.own_model)
+        self.replay_mode = cfg.actor.router_replay if replays else "disabled"
+        if not role.own_model and carries_routing(cfg, hf_config, trainable):
             self.routing_replay = RoutingReplay(self.chunks)
         # LoRA: the engines receive the weights with the adapters merged, kept apart from the frozen base, where
         # they do not load the adapters themselves (`lora_merge_reason`).

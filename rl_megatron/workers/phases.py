@@ -4,8 +4,8 @@ A hybrid worker takes turns: the rollout engine generates, then Megatron compute
 role, then the new weights go into the engine. On GPU each turn wants the device memory the others hold, so:
 
 - a role's Megatron state ("params", "grads", "optimizer") waits in host memory while others use the device
-  (only for roles given an `Offloader`: the actor and critic with actor.offload, the reference with
-  ref.param_offload);
+  (only for roles given an `Offloader`: the actor and critic with actor.offload, the reference and the teacher with
+  ref.param_offload and teacher.param_offload);
 - the engine sleeps while Megatron computes, which frees its KV cache and its weights' device memory: at level 2,
   which *discards the weights* (every sync rewrites them), or at level 1, which keeps them in host memory (an engine
   serving LoRA adapters, whose frozen base no sync after the first resends: `PhaseMachine.sleep_level`).
@@ -135,13 +135,13 @@ class PhaseMachine:
 
     def leave(self, phase: Phase) -> list[Move]:
         """The moves after `phase`: a changed actor makes the engine's weights stale (a loaded one its base too);
-        the frozen reference goes back to host memory until its next use."""
+        a frozen model (the reference, the teacher) goes back to host memory until its next use."""
         if phase in (train(Role.ACTOR), load(Role.ACTOR)):
             self.policy_version += 1
         if phase == load(Role.ACTOR):
             self.engine_has_base = False  # the checkpoint's base (a random model's is saved with it)
-        if phase.role is Role.REF and Role.REF in self.offloaded:
-            return self._done([self._to_host(Role.REF, STATE)])
+        if phase.role in self.offloaded and not phase.role.trainable:
+            return self._done([self._to_host(phase.role, STATE)])
         return []
 
     def _sync_moves(self) -> list[Move]:

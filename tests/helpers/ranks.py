@@ -167,3 +167,16 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
         return completions, batch, chosen, micros, metrics, old.log_probs, plain.routing_replay.agreement_metrics()
     finally:
         engine.close()
+
+
+def policy_and_teacher_log_probs(cfg, batch):
+    """The actor and, in the same processes as a colocated teacher runs, the teacher (teacher.model.path: a model of
+    its own, loaded by its role): each one's log-probs of `batch`."""
+    from rl_megatron.models.hf_config import role_model_config
+    from rl_megatron.roles import Role
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    actor = build_actor(cfg)
+    teacher = MegatronActor(cfg, role_model_config(cfg, Role.TEACHER, actor.hf_config), role=Role.TEACHER)
+    assert not any(p.requires_grad for chunk in teacher.chunks for p in chunk.parameters())  # forward only
+    return actor.log_probs(batch), teacher.log_probs(batch)

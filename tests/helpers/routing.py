@@ -102,6 +102,7 @@ def r3_passes(cfg, batch, engine):
 
     from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.models.router_replay import Pass
+    from rl_megatron.roles import Role
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     from megatron.core import parallel_state
@@ -123,7 +124,7 @@ def r3_passes(cfg, batch, engine):
     with actor.routing_replay.running(Pass.RECORD):
         actor.infer(part.select(), partial(actor._token_outputs, with_entropy=False))
     own, chosen[:] = list(chosen), []
-    reference = whole(MegatronActor(cfg, read_hf_config(cfg.model.path), trainable=False).log_probs(routed))
+    reference = whole(MegatronActor(cfg, read_hf_config(cfg.model.path), role=Role.REF).log_probs(routed))
     own_rows = old.split(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
     metrics = actor.update(dataclasses.replace(routed, old_log_probs=own_rows.log_probs, advantages=part.advantages))
     every = [None] * dist.get_world_size()  # the loss statistics come from the last pipeline stage

@@ -22,8 +22,9 @@ What counts as a command, and how each is checked (in this process, no training 
   `[key=value ...]`, `key=value` and `...` are dropped; `$NAME` -> SHELL_VARIABLES[NAME] (a loop's variable).
 - Configs: paths relative to the repository root. `rl_megatron.preflight.load_config` (every key known, typed, in its
   range; derived values; the pre-flight checks of the model folder, data and the user's code) when the model folder
-  is in the repository. A `model.path` outside it (a user's `/models/...` folder, not on this machine) is checked by
-  `load` + `resolve` only: every key and value, not the folder's files. `my_pkg`, the guides' example of a user's
+  (and a teacher's, `teacher.model.path`) is in the repository. A `model.path` outside it (a user's `/models/...`
+  folder, not on this machine), or a teacher's folder that an earlier command of the guide makes, is checked by
+  `load` + `resolve` only: every key and value, not the folders' files. `my_pkg`, the guides' example of a user's
   package, is a stub package made here (`my_pkg.rewards`, `my_pkg.agent:rollout`).
 - Inline code spans in the prose that start like a command (`python -m rl_megatron.`, `.venv/bin/python -m
   rl_megatron.`, a launch script, `make `) name an existing module, script or make target, and each `--flag` in them is
@@ -279,11 +280,12 @@ def check_config(config: str, overrides: list[str]) -> None:
 
     assert os.path.isfile(config), f"--config {config}: no such file in the repository"
     try:
-        model_path = load(config, overrides).model.path
-        if os.path.isdir(model_path) and not os.path.isabs(model_path):
+        cfg = load(config, overrides)
+        folders = [cfg.model.path, *([cfg.teacher.model.path] if cfg.teacher.model.path else [])]
+        if all(os.path.isdir(folder) and not os.path.isabs(folder) for folder in folders):
             load_config(config, overrides)
-        else:  # a user's model folder, not on this machine: every key and value, not the folder's files
-            resolve(load(config, overrides))
+        else:  # a user's model folder (or a teacher that a command before makes), not on this machine: every key
+            resolve(cfg)  # and value, not the folders' files
     except ConfigError as err:
         pytest.fail(f"{config} {shlex.join(overrides)}: {err}")
 

@@ -9,7 +9,7 @@ import pytest
 from rl_megatron.roles import Role
 from rl_megatron.workers.phases import GENERATE, SYNC, Move, Phase, PhaseMachine, forward, load, save, train
 
-ACTOR, REF, CRITIC = Role.ACTOR, Role.REF, Role.CRITIC
+ACTOR, REF, CRITIC, TEACHER = Role.ACTOR, Role.REF, Role.CRITIC, Role.TEACHER
 SEND_WEIGHTS = Move("sync", parts=("weights",))  # the whole model
 SEND_BASE_AND_ADAPTERS = Move("sync", parts=("weights", "adapters"))  # a LoRA policy's frozen base, its adapters
 SEND_ADAPTERS = Move("sync", parts=("adapters",))
@@ -201,13 +201,28 @@ def test_any_sequence_of_phases_keeps_the_invariants(seed):
     where no sync writes, and that each role's state is where its phase needs it."""
     rng = random.Random(seed)
     adapters = rng.random() < 0.5  # LoRA served by the engine: no reference model
-    offloaded = tuple(role for role in (ACTOR, CRITIC, REF) if rng.random() < 0.7 and not (adapters and role is REF))
+    offloaded = tuple(role for role in (ACTOR, CRITIC, REF, TEACHER)
+                      if rng.random() < 0.7 and not (adapters and role is REF))
     sim = Simulated(PhaseMachine(offloaded=offloaded, engine=True, engine_sleeps=rng.random() < 0.8,
                                  adapters=adapters))
     phases = [GENERATE, SYNC] + [kind(role) for kind in (forward, save, train, load) for role in (ACTOR, CRITIC)]
     phases += [forward(REF), save(REF), train(REF), load(REF)] if REF in offloaded else []
+    phases += [forward(TEACHER)] if TEACHER in offloaded else []  # a teacher is neither trained nor saved
     for _ in range(60):
         sim.run(rng.choice(phases))
+
+
+def test_the_teachers_weights_visit_the_device_for_its_pass_only():
+    # teacher.param_offload, beside a LoRA policy whose engine serves the adapters: the teacher's weights come in for
+    # its pass and leave after it, as the reference's do, and touch neither the engine nor the actor's state.
+    sim = Simulated(PhaseMachine(offloaded=(ACTOR, TEACHER), engine=True, engine_sleeps=True, adapters=True))
+    sim.run(SYNC)
+    sim.run(GENERATE)
+    sim.run(forward(ACTOR))
+    assert sim.run(forward(TEACHER)) == [Move("to_device", TEACHER, ("params",)),
+                                         Move("to_host", TEACHER, ("params",))]
+    assert sim.run(train(ACTOR)) == [Move("to_device", ACTOR, ("grads", "optimizer"))]
+    assert SEND_ADAPTERS in sim.run(GENERATE)
 
 
 def test_a_separate_actor_sends_without_an_engine():

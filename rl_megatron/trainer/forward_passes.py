@@ -1,0 +1,36 @@
+"""A step's forward passes before its update, each over the whole batch and timed: the policy's old log-probs and
+entropy (where the update cannot give them: `old_log_probs.py`), the reference's log-probs (KL terms), the teacher's
+(on-policy distillation) and the critic's values. The same in every mode of the rollout (synchronous, a batch
+generated ahead, streamed groups): the trainer's passes see the samples once they are its batch."""
+from __future__ import annotations
+
+from rl_megatron.batch import TrainBatch
+from rl_megatron.config.pools import uses_reference
+from rl_megatron.config.schema import Config
+from rl_megatron.roles import Role
+from rl_megatron.trainer.metrics import Timer
+from rl_megatron.trainer.old_log_probs import old_log_probs_pass
+from rl_megatron.workers.worker_group import WorkerGroup
+
+
+def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBatch, timer: Timer,
+                   old_pass: bool) -> None:
+    """Into `batch`: the old log-probs and entropy (with `old_pass`), the reference's log-probs, the teacher's and
+    the critic's values, of the roles the run has (`groups`: a colocated role maps to the actor's group)."""
+    actor = groups[Role.ACTOR]
+    replay = cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
+    if old_pass:
+        with timer("old_log_prob"):
+            old_log_probs_pass(actor, batch, replay)
+    if uses_reference(cfg):
+        with timer("ref"):
+            ref_batch = batch.select("routed_experts") if replay == "R3" else batch.select()
+            # LoRA: the actor with its adapters off (config.pools.reference_in_actor)
+            reference = groups[Role.REF].ref_log_probs if Role.REF in groups else actor.reference_log_probs
+            batch.ref_log_probs = reference(ref_batch).log_probs
+    if Role.TEACHER in groups:  # a model of its own: never the policy's routing
+        with timer("teacher"):
+            batch.teacher_log_probs = groups[Role.TEACHER].teacher_log_probs(batch.select()).log_probs
+    if Role.CRITIC in groups:
+        with timer("values"):
+            batch.values = groups[Role.CRITIC].values(batch.select()).values
