@@ -97,6 +97,8 @@ class Sample:
     agent_stats: AgentStats | None = None  # an episode of a user's agent (rollout.agent.function)
     routed_experts: np.ndarray | None = field(default=None, compare=False)  # moe.engine_routing: the engine's
     # experts of each position it fed, [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
+    prompt_messages: list[dict] | None = None  # the prompt's chat messages, when it is a conversation (what a reward
+    # model's chat template renders the scored conversation from)
 
     def model_tokens(self) -> int:
         """The response tokens the policy generated (the loss mask's ones), not a tool's or the template's."""
@@ -116,10 +118,10 @@ class Sample:
 
     @classmethod
     def answering(cls, prompt: Prompt, response_ids: list[int], rollout_log_probs: list[float], **fields) -> Sample:
-        """A sample that answers `prompt` (its ids, data source, ground truth, and a copy of its extra info, which a
-        rollout function may edit per sample)."""
+        """A sample that answers `prompt` (its ids, data source, ground truth, chat messages, and a copy of its extra
+        info, which a rollout function may edit per sample)."""
         return cls(prompt.ids, response_ids, rollout_log_probs, prompt.data_source, prompt.ground_truth,
-                   dict(prompt.extra_info), **fields)
+                   dict(prompt.extra_info), prompt_messages=prompt.messages, **fields)
 
 
 def known_routing_then(known: np.ndarray | None, later: np.ndarray | None) -> np.ndarray | None:

@@ -12,6 +12,7 @@ class Role(str, enum.Enum):
     REF = "ref"  # the frozen reference policy (KL)
     CRITIC = "critic"  # the value model (GAE)
     TEACHER = "teacher"  # a frozen model of its own (teacher.model.path) whose log-probs the policy distills
+    REWARD_MODEL = "reward_model"  # a frozen sequence classifier of its own (reward_model.model.path) scoring samples
 
     @property
     def devices_section(self) -> str:
@@ -28,17 +29,27 @@ class Role(str, enum.Enum):
         return self in (Role.ACTOR, Role.CRITIC)
 
     @property
+    def frozen(self) -> bool:
+        """It holds a model it only runs forward passes over, whose section has <role>.param_offload."""
+        return self in FROZEN_ROLES
+
+    @property
     def own_model(self) -> bool:
         """Its model is not the policy's (any family and size: the teacher's), so it shares neither the actor's
         pipeline split nor its MoE routing."""
-        return self is Role.TEACHER
+        return self in (Role.TEACHER, Role.REWARD_MODEL)
 
     @property
     def value_head(self) -> bool:
-        return self is Role.CRITIC
+        """Its output layer is one scalar per position (the critic's values, the reward model's score head)."""
+        return self in (Role.CRITIC, Role.REWARD_MODEL)
 
     def __str__(self) -> str:
         return self.value
+
+
+# The roles of frozen models, in the order pools and plans list them.
+FROZEN_ROLES = (Role.REF, Role.TEACHER, Role.REWARD_MODEL)
 
 
 def roles_name(roles: tuple[Role, ...]) -> str:

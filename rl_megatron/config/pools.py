@@ -18,6 +18,11 @@ def uses_teacher(cfg: Config) -> bool:
     return cfg.teacher.model.path is not None
 
 
+def uses_reward_model(cfg: Config) -> bool:
+    """Whether a reward model scores the samples (reward_model.model.path)."""
+    return cfg.reward_model.model.path is not None
+
+
 def reference_in_actor(cfg: Config) -> bool:
     """With LoRA the reference policy is the actor with its adapters off (verl's ref_in_actor): no reference weights
     are held, loaded or offloaded anywhere."""
@@ -57,8 +62,8 @@ class WorkerPool:
 
 def worker_pools(cfg: Config) -> list[WorkerPool]:
     """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
-    reference, critic and teacher), then the separate ones: engines, reference, critic, teacher. Roles in a pool:
-    actor, rollout, ref, critic, teacher order."""
+    reference, critic, teacher and reward model), then the separate ones: engines, reference, critic, teacher, reward
+    model. Roles in a pool: actor, rollout, ref, critic, teacher, reward model order."""
     a, r = cfg.actor, cfg.rollout
     engines_apart = r.placement == "separate"
     actor_roles = [Role.ACTOR] if engines_apart else [Role.ACTOR, Role.ROLLOUT]
@@ -66,7 +71,8 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
     separate = [engine_pool] if engines_apart else []
     reference = uses_reference(cfg) and not reference_in_actor(cfg)
     for name, role, wanted in ((Role.REF, cfg.ref, reference), (Role.CRITIC, cfg.critic, cfg.critic.enable),
-                               (Role.TEACHER, cfg.teacher, uses_teacher(cfg))):
+                               (Role.TEACHER, cfg.teacher, uses_teacher(cfg)),
+                               (Role.REWARD_MODEL, cfg.reward_model, uses_reward_model(cfg))):
         wanted = wanted and not cfg.trainer.val_only  # validation generates and scores only
         if wanted and role.placement == "colocated":
             actor_roles.append(name)

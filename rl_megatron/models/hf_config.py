@@ -1,5 +1,5 @@
 """The model a config names: model.path's config.json, with the moe section's overrides applied (each family's
-keys: `models.family`), each role's model (the critic's trunk, the teacher's), and the token ids its generation
+keys: `models.family`), each role's model (the critic's trunk, the teacher's, the reward model's), and the token ids its generation
 stops at."""
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def model_config(cfg: Config) -> dict:
 
 
 def role_model_config(cfg: Config, role: Role, policy_hf: dict) -> dict:
-    """The config.json of the model `role` holds: the critic's trunk (critic.model_path), the teacher's own
-    (teacher.model.path), else the policy's (`policy_hf`: `model_config(cfg)`)."""
+    """The config.json of the model `role` holds: the critic's trunk (critic.model_path), a model of its own (the
+    teacher's, the reward model's: <role>.model.path), else the policy's (`policy_hf`: `model_config(cfg)`)."""
     if role is Role.CRITIC:
         return read_hf_config(cfg.critic.model_path, "critic.model_path")
-    if role is Role.TEACHER:
-        return read_hf_config(cfg.teacher.model.path, "teacher.model.path")
+    if role.own_model:
+        return read_hf_config(getattr(cfg, role.value).model.path, f"{role}.model.path")
     return policy_hf
 
 

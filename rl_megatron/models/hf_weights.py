@@ -92,11 +92,13 @@ def _tensor_header(name: str, entry, data_bytes: int, file_bytes: int) -> Tensor
     return TensorHeader(dtype, tuple(shape), begin, end)
 
 
-def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True) -> None:
+def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True,
+                     head: dict[str, tuple[int, ...]] | None = None) -> None:
     """Check the safetensors of `folder` (the value of config key `key`) from their headers: everything
     `models.gpt.load_hf_weights` will read for the model of config.json `hf` is there, whole and of the right shape.
     The tensors are the weight table's (`DenseTable.hf_tensors`), the one list the loader looks its parameters up
-    in; `output_layer=False` for a critic, whose value head replaces the output layer. ConfigError naming `key`,
+    in; `output_layer=False` for a critic or a reward model, whose scalar head replaces the output layer, and `head`
+    the tensors of a head loaded besides (a reward model's score: `models/score_head.py`). ConfigError naming `key`,
     the file and the fix on the first problem."""
     files, weight_map = _weight_files(folder, key)
     headers = {file: _read_header(folder, file, key) for file in files}
@@ -104,7 +106,7 @@ def check_hf_weights(folder: str, hf: dict, key: str, output_layer: bool = True)
         weight_map = {name: file for file in files for name in headers[file]}
     try:
         table = table_for(hf, hf["vocab_size"])
-        needed = table.stored_shapes(table.hf_tensors(output_layer))
+        needed = {**table.stored_shapes(table.hf_tensors(output_layer)), **(head or {})}
     except ValueError as err:  # a family rl_megatron does not support (the pre-flight's model check names it first)
         raise ConfigError(f"{key}='{folder}': {one_line(err)}") from None
     fix = (f"{key} must hold the weights of the model its config.json describes ({hf.get('model_type')}, "

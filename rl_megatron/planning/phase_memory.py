@@ -17,11 +17,12 @@ engine with parameter and optimizer offload). Each phase holds:
   weight sync  the actor's weights (its gradients and Adam state in host memory, the critic's state too), the engine's
                weights woken (its KV cache not yet), its CUDA graphs, resharding.bucket_mb of buckets, and the
                reference's weights with ref.param_offload=false.
-  teacher forward  (a colocated teacher with teacher.param_offload) the teacher's weights brought in for its pass
-               beside the actor's weights (the old log-probs' pass brought them before it), the teacher's
-               activations and the engine's CUDA graphs: a model of its own, larger than the policy as a rule, so
-               unlike the reference's pass it can be the peak.
-A frozen role's weights with <role>.param_offload=false (ref, teacher) stay on the device in every phase.
+  teacher forward, reward_model forward  (a colocated teacher or reward model with <role>.param_offload) its
+               weights brought in for its pass beside the actor's weights (the old log-probs' pass brought them before
+               it), its activations and the engine's CUDA graphs: a model of its own, larger than the policy as a
+               rule, so unlike the reference's pass it can be the peak.
+A frozen role's weights with <role>.param_offload=false (ref, teacher, reward_model) stay on the device in every
+phase.
 A pool's peak is its largest phase. Without actor.offload the state stays on the device beside the engine, and vLLM
 starts only with its share free beside it: the pool needs the sum of all it holds ("all at once"), as it does on CPU
 (nothing moves, the engine never sleeps) and in pools without an engine (separate placement).
@@ -31,7 +32,7 @@ from __future__ import annotations
 from rl_megatron.config.schema import Config
 from rl_megatron.planning.memory import GIB, gib_text
 from rl_megatron.planning.pool import Held, PhaseMemory, Pool, RolePlan, peak
-from rl_megatron.roles import Role
+from rl_megatron.roles import FROZEN_ROLES, Role
 
 # What stays of a sleeping engine: its CUDA graphs. vLLM measures them at start (it logs "Estimated CUDA graph memory:
 # X GiB") and the plan cannot compute them; vLLM's issues report from 0.2 GiB (a 1B model) to 1.4 GiB (a 1T-parameter
@@ -40,7 +41,6 @@ from rl_megatron.roles import Role
 SLEEPING_ENGINE_BYTES = int(1.5 * GIB)
 
 TRAINING, GENERATION, WEIGHT_SYNC, ALL_AT_ONCE = "training", "generation", "weight sync", "all at once"
-FROZEN = (Role.REF, Role.TEACHER)  # the roles of frozen weights, each kept in host memory by <role>.param_offload
 
 
 def hosts_engine_and_actor(pool: Pool) -> bool:
@@ -65,7 +65,7 @@ def pool_phases(pool: Pool, cfg: Config, on_gpu: bool) -> list[PhaseMemory]:
     kept = _resident(roles, cfg)
     resident = tuple(Held(str(name), roles[name].memory_bytes, f"weights, {name}.param_offload=false") for name in kept)
     # A model of its own comes in for its pass: a phase of its own (module docstring).
-    visiting = [roles[name] for name in FROZEN if name in roles and name.own_model and name not in kept]
+    visiting = [roles[name] for name in FROZEN_ROLES if name in roles and name.own_model and name not in kept]
     trained = tuple(Held(str(role.name), role.memory_bytes) for role in pool.roles if role.name.trainable)
     in_training = [role for role in pool.roles if role not in visiting]
     return [PhaseMemory(TRAINING, trained + resident + _activations(in_training) + (graphs,)),
@@ -82,7 +82,7 @@ def pool_phases(pool: Pool, cfg: Config, on_gpu: bool) -> list[PhaseMemory]:
 
 def _resident(roles: dict, cfg: Config) -> list[Role]:
     """The frozen roles of a pool whose weights stay on the device (<role>.param_offload=false)."""
-    return [name for name in FROZEN if name in roles and not getattr(cfg, str(name)).param_offload]
+    return [name for name in FROZEN_ROLES if name in roles and not getattr(cfg, str(name)).param_offload]
 
 
 def _activations(roles: list[RolePlan]) -> tuple[Held, ...]:
@@ -133,11 +133,11 @@ def over_memory(pool: Pool, cfg: Config, gib: float, source: str) -> str:
 def _phase_fixes(phase: PhaseMemory, pool: Pool, cfg: Config) -> list[str]:
     """The keys that lower `phase` of `pool`, with their values now."""
     held = {item.what for item in phase.held}
-    whose = {Role.REF: "the reference's", Role.TEACHER: "the teacher's"}
+    whose = {Role.REF: "the reference's", Role.TEACHER: "the teacher's", Role.REWARD_MODEL: "the reward model's"}
     ref_weights = [f"{name}.param_offload=false to true ({whose[name]} weights in host memory between its uses)"
-                   for name in FROZEN if phase.name != ALL_AT_ONCE and str(name) in held
+                   for name in FROZEN_ROLES if phase.name != ALL_AT_ONCE and str(name) in held
                    and not getattr(cfg, str(name)).param_offload]
-    visiting = next((name for name in FROZEN if phase.name == f"{name} forward"), None)
+    visiting = next((name for name in FROZEN_ROLES if phase.name == f"{name} forward"), None)
     if visiting is not None:  # a frozen model of its own brought in beside the actor's weights
         return _memory_fixes(visiting, cfg, separate=False) + [
             f"{visiting}.placement=colocated to separate (its own GPUs)"] + ref_weights

@@ -10,7 +10,8 @@ loggers' optional libraries (`rl_megatron.tracking`), the data files (`rl_megatr
 model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first prompt encoded), the agent loop with its
 tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
 the files' headers); a teacher's (teacher.model.path) config.json against its layout, its tokenizer against the
-policy's and its weights likewise. A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves
+policy's and its weights likewise; a reward model's (reward_model.model.path) config.json as a one-score classifier
+against its layout, its tokenizer, and its weights with the score head. A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves
 them, the data files and the checkpoint folders to the launch.
 """
 from __future__ import annotations
@@ -22,21 +23,23 @@ import os
 from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
-from rl_megatron.config.pools import uses_reference, uses_teacher, worker_pools
-from rl_megatron.config.choices import STREAMING
+from rl_megatron.config.pools import uses_reference, uses_reward_model, uses_teacher, worker_pools
+from rl_megatron.config.choices import SINGLE_TURN, STREAMING
 from rl_megatron.config.schema import DEFAULT_ROLLOUT_FUNCTION, Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config, role_model_config
 from rl_megatron.models.hf_weights import check_hf_weights
-from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokenizer
+from rl_megatron.models.score_head import check_classifier_config, score_head_shapes
+from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokenizer, load_tokenizer
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
-    check_moe_knobs, check_role_layouts, check_teacher_against_layout
+    check_moe_knobs, check_own_model_against_layout, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
+from rl_megatron.rewards.judge import FIELDS as JUDGE_FIELDS, encode_message, judge_message, template_fields
 from rl_megatron.rollout.engine import engine_class
 from rl_megatron.tracking import check_loggers_installed
 
@@ -64,7 +67,11 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     check_model_against_layouts(cfg, hf)
     teacher_hf = role_model_config(cfg, Role.TEACHER, hf) if uses_teacher(cfg) else None
     if teacher_hf is not None:
-        check_teacher_against_layout(cfg, teacher_hf)
+        check_own_model_against_layout(cfg, Role.TEACHER, teacher_hf)
+    reward_hf = role_model_config(cfg, Role.REWARD_MODEL, hf) if uses_reward_model(cfg) else None
+    if reward_hf is not None:
+        check_classifier_config(reward_hf, cfg.reward_model.model.path, "reward_model.model.path")
+        check_own_model_against_layout(cfg, Role.REWARD_MODEL, reward_hf)
     check_activations(cfg, hf)
     engine_class(cfg.rollout.engine).check_model(hf, platform.has_cuda() if cuda is None else cuda)
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
@@ -80,6 +87,12 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     if teacher_hf is not None:  # it scores the policy's token ids, with its own weights
         check_shared_tokenizer(tokenizer, cfg.teacher.model.path)
         check_hf_weights(cfg.teacher.model.path, teacher_hf, "teacher.model.path")
+    if cfg.judge.enable:
+        _check_judge_fits(cfg, tokenizer)
+    if reward_hf is not None:  # its own tokenizer renders what it scores; its score head replaces lm_head
+        load_tokenizer(cfg.reward_model.model.path, "reward_model.model.path")
+        check_hf_weights(cfg.reward_model.model.path, reward_hf, "reward_model.model.path", output_layer=False,
+                         head=score_head_shapes(reward_hf))
 
 
 def _check_trainer(cfg: Config, files: bool = True) -> None:
@@ -281,8 +294,67 @@ def _check_distillation(cfg: Config) -> None:
                           "critic-free one), or algorithm.distillation.mode=mixed.")
 
 
+def _check_reward_model(cfg: Config) -> None:
+    """The reward model's keys need its folder, and it scores in the step's forward passes: after generation, so not
+    where groups are scored while generating (dynamic sampling, streaming)."""
+    section = cfg.reward_model
+    if not uses_reward_model(cfg):
+        changed = [f"reward_model.{name}" for name, default in (("coef", 1.0), ("mode", "mixed"))
+                   if getattr(section, name) != default]
+        changed += ["reward_model.placement"] if section.placement == "separate" else []
+        if changed:
+            raise ConfigError(f"{changed[0]} is set, but there is no reward model (reward_model.model.path=null): set "
+                              "reward_model.model.path to a sequence classifier's Hugging Face folder, or remove "
+                              f"{changed[0]}.")
+        return
+    _check_scored_after_generation(cfg, "the reward model (reward_model.model.path) scores in the step's Megatron "
+                                        "passes, after generation", "reward_model.model.path=null")
+
+
+def _check_judge(cfg: Config) -> None:
+    """The judge's template names only the fields it is given, and it judges a whole batch after its rollout."""
+    judge = cfg.judge
+    if not judge.enable:
+        return
+    unknown = sorted(template_fields(judge.prompt_template) - set(JUDGE_FIELDS))
+    if unknown:
+        raise ConfigError(f"judge.prompt_template names {{{unknown[0]}}}, but a judge's message is filled with "
+                          f"{', '.join('{' + name + '}' for name in JUDGE_FIELDS)} only: use those, or write a literal "
+                          "brace as {{ or }}.")
+    _check_scored_after_generation(cfg, "the judge (judge.enable) judges a whole batch after its rollout",
+                                   "judge.enable=false")
+
+
+def _check_judge_fits(cfg: Config, tokenizer) -> None:
+    """The engines that judge take the judge's message (the template's own tokens, the longest prompt and response)
+    and its verdict: within rollout.max_model_len, or the longest samples could not be judged."""
+    r, judge = cfg.rollout, cfg.judge
+    template = len(encode_message(tokenizer, judge_message(judge.prompt_template, "", "", "")))
+    single_turn = r.agent_loop == SINGLE_TURN and r.agent.function is None
+    response = r.max_tokens if single_turn else r.multi_turn.max_response_length
+    needed = template + cfg.data.max_prompt_length + response + judge.max_tokens
+    if needed > r.max_model_len:
+        raise ConfigError(f"judge.enable=true sends the policy's engines messages of up to {needed} tokens with the "
+                          f"verdict (the template's {template}, data.max_prompt_length={cfg.data.max_prompt_length}, a "
+                          f"response of up to {response} and judge.max_tokens={judge.max_tokens}), past "
+                          f"rollout.max_model_len={r.max_model_len}: set rollout.max_model_len={needed} (or more), or "
+                          "shorten the template or judge.max_tokens.")
+
+
+def _check_scored_after_generation(cfg: Config, why: str, off: str) -> None:
+    """A model that scores a batch after its rollout cannot serve the modes that score each group as it generates
+    (dynamic sampling, streaming). ConfigError saying `why` and naming both ways out (`off` turns the model off)."""
+    scored_early = [key for key, on in (("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable),
+                                        (f"trainer.async_mode={STREAMING}", cfg.trainer.async_mode == STREAMING)) if on]
+    if scored_early:
+        raise ConfigError(f"{scored_early[0]} scores each prompt's group while it generates, but {why}: turn "
+                          f"{scored_early[0].split('=')[0]} off, or {off}.")
+
+
 def _check_reward(cfg: Config) -> None:
-    """The overlong buffer must leave room for responses it does not penalise."""
+    """The overlong buffer must leave room for responses it does not penalise; the reward model's keys."""
+    _check_reward_model(cfg)
+    _check_judge(cfg)
     buffer, max_tokens = cfg.reward.overlong_buffer, cfg.rollout.max_tokens
     if buffer.enable and buffer.len >= max_tokens:
         raise ConfigError(f"reward.overlong_buffer.len={buffer.len} must be below rollout.max_tokens={max_tokens}: "

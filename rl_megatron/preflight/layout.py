@@ -12,7 +12,7 @@ from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import uses_reference
 from rl_megatron.models.family import family_of, moe_experts
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
-from rl_megatron.roles import Role
+from rl_megatron.roles import FROZEN_ROLES, Role
 
 
 def check_actor_layout(cfg: Config) -> None:
@@ -121,11 +121,12 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
 
 
 def check_role_layouts(cfg: Config) -> None:
-    """The reference's, teacher's and critic's layouts: colocated ones share the actor's processes (so its parallel
-    layout); separate ones get their own devices. The reference and the teacher run forward over the step's whole
+    """The reference's, teacher's, reward model's and critic's layouts: colocated ones share the actor's processes (so
+    its parallel layout); separate ones get their own devices. The frozen models run forward over the step's whole
     batch; the critic trains on mini-batches."""
     a, c = cfg.actor, cfg.critic
-    for name, role in (("ref", cfg.ref), ("teacher", cfg.teacher), ("critic", c)):
+    frozen = [(str(name), getattr(cfg, name.value)) for name in FROZEN_ROLES]
+    for name, role in (*frozen, ("critic", c)):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             mine, actors = getattr(role, key), getattr(a, key)
             if role.placement == "colocated" and mine != actors:
@@ -135,8 +136,7 @@ def check_role_layouts(cfg: Config) -> None:
     if cfg.data.train_batch_size % c.ppo_mini_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is not a multiple of "
                           f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size}; make it a multiple.")
-    for name, role, prompts in (("ref", cfg.ref, cfg.data.train_batch_size),
-                                ("teacher", cfg.teacher, cfg.data.train_batch_size),
+    for name, role, prompts in (*((name, role, cfg.data.train_batch_size) for name, role in frozen),
                                 ("critic", c, c.ppo_mini_batch_size)):
         model_parallel = role.tensor_model_parallel_size * role.pipeline_model_parallel_size
         if role.placement == "colocated":
@@ -184,20 +184,20 @@ def check_model_against_layouts(cfg: Config, hf: dict) -> None:
             check_lora(cfg, hf)
 
 
-def check_teacher_against_layout(cfg: Config, teacher_hf: dict) -> None:
-    """The teacher's model (teacher.model.path's config.json) against its layout: the actor's processes' when
-    colocated (its TP and PP, which are the actor's, the actor's virtual stages, the actor's EP for an MoE teacher),
-    else its own pool's; and the sequences it scores against its positions."""
-    t, a, r = cfg.teacher, cfg.actor, cfg.rollout
-    colocated = t.placement == "colocated"
+def check_own_model_against_layout(cfg: Config, role: Role, role_hf: dict) -> None:
+    """A model of its own (the teacher's, the reward model's: <role>.model.path's config.json) against its layout:
+    the actor's processes' when colocated (its TP and PP, which are the actor's, the actor's virtual stages, the
+    actor's EP for an MoE model), else its own pool's; and the sequences it scores against its positions."""
+    section, a, r = getattr(cfg, role.value), cfg.actor, cfg.rollout
+    colocated = section.placement == "colocated"
     vpp = a.virtual_pipeline_model_parallel_size if colocated else 1
-    ep = a.expert_model_parallel_size if colocated and moe_experts(teacher_hf) else 1
-    source = "teacher.model.path's config.json"
-    check_model_layout(teacher_hf, ("teacher.tensor_model_parallel_size", t.tensor_model_parallel_size),
-                       ("teacher.pipeline_model_parallel_size", t.pipeline_model_parallel_size),
+    ep = a.expert_model_parallel_size if colocated and moe_experts(role_hf) else 1
+    source = f"{role}.model.path's config.json"
+    check_model_layout(role_hf, (f"{role}.tensor_model_parallel_size", section.tensor_model_parallel_size),
+                       (f"{role}.pipeline_model_parallel_size", section.pipeline_model_parallel_size),
                        ("actor.expert_model_parallel_size", ep), ("actor.virtual_pipeline_model_parallel_size", vpp),
                        source=source)
-    check_sequence_length(teacher_hf, ("rollout.max_model_len", r.max_model_len), source)
+    check_sequence_length(role_hf, ("rollout.max_model_len", r.max_model_len), source)
 
 
 def check_lora(cfg: Config, hf: dict) -> None:

@@ -20,7 +20,7 @@ EXTENSIBLE = (POLICY_LOSSES, ADV_ESTIMATORS)
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with its derived values: rollout.max_model_len (the longest prompt + response),
     rollout.gpu_memory_utilization (by placement), data.gen_batch_size, critic.enable (when the advantage estimator needs values), the
-    reference's, teacher's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
+    reference's, teacher's, reward model's and critic's unset sizes (the actor's; a colocated role runs in the actor's processes), the critic's
     model folder, the rollout correction's shorthand (algorithm.rollout_is_cap), the data section's file lists and built-in task (`rl_megatron.data.section`), and the registered extensions' own keys (checked, with their defaults). `cfg`'s values are checked against their rules in
     schema.py first (ConfigError naming the key), so that what is derived from them is sound."""
     check_fields(cfg, RULES)
@@ -43,7 +43,7 @@ def resolve(cfg: Config) -> Config:
         rollout.gpu_memory_utilization = 0.9 if rollout.placement == "separate" else 0.5
     if critic.enable is None:
         critic.enable = needs_critic(cfg.algorithm.adv_estimator)
-    for role in (cfg.ref, cfg.teacher, critic):
+    for role in (cfg.ref, cfg.teacher, cfg.reward_model, critic):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
                     "max_tokens_per_micro_batch"):
             if getattr(role, key) is None:

@@ -69,9 +69,9 @@ class RolloutEngine(Protocol):
         imported in it."""
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None,
-                 seeds: list[int] | None = None) -> list[Completion]:
+                 seeds: list[int] | None = None, max_tokens: int | None = None) -> list[Completion]:
         """`n` samples of each prompt (token ids), prompt-major (sample j of prompt i at i * n + j), at
-        `temperature` (None: rollout.temperature). With `seeds` (`request_seeds`), prompt i's samples depend on
+        `temperature` (None: rollout.temperature), of up to `max_tokens` (None: rollout.max_tokens). With `seeds` (`request_seeds`), prompt i's samples depend on
         seeds[i] and j alone: not on earlier calls, the batch, or which engine runs them."""
 
     def serve(self, requests: list[TurnRequest], max_steps: int | None = None) -> list[tuple[str, Completion]]:

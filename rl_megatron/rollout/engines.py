@@ -24,6 +24,7 @@ class Sampling:
     purpose: str  # "train", or "validation <batch>"
     step: int
     trained_version: int | None = None  # the policy version the batch is trained with (None: not trained)
+    max_tokens: int | None = None  # each answer's token budget (None: rollout.max_tokens)
 
 
 class RolloutEngines:
@@ -48,7 +49,8 @@ class RolloutEngines:
         """`sampling.n` samples per prompt, prompt-major (sample j of prompt i at i * n + j)."""
         padded = prompts + prompts[:1] * (-len(prompts) % self.count)  # every engine gets as many prompts
         seeds = request_seeds(self.run_seed, sampling.purpose, sampling.step, len(padded))
-        samples = self.group.generate(padded, seeds, n=sampling.n, temperature=sampling.temperature)
+        samples = self.group.generate(padded, seeds, n=sampling.n, temperature=sampling.temperature,
+                                      max_tokens=sampling.max_tokens)
         samples = samples[:len(prompts) * sampling.n]
         return self.stamped(samples)
 

@@ -235,7 +235,7 @@ class VLLMEngine:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float | None = None,
-                 seeds: list[int] | None = None) -> list[Completion]:
+                 seeds: list[int] | None = None, max_tokens: int | None = None) -> list[Completion]:
         """`n` samples for each prompt, prompt-major (sample j of prompt i is at i * n + j). With `seeds`, prompt
         i's samples are drawn from seeds[i] (vLLM seeds sample j with seeds[i] + j): they then depend on nothing
         else, not on earlier calls nor on which engine runs them, so a resumed run samples as the original did."""
@@ -243,7 +243,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         settings = self._sampling(n=n, temperature=self.cfg.temperature if temperature is None else temperature,
-                                  max_tokens=self.cfg.max_tokens)
+                                  max_tokens=self.cfg.max_tokens if max_tokens is None else max_tokens)
         per_prompt = (SamplingParams(**settings) if seeds is None
                       else [SamplingParams(**settings, seed=seed) for seed in seeds])
         with device_mode_off():

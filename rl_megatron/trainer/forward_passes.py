@@ -1,22 +1,25 @@
 """A step's forward passes before its update, each over the whole batch and timed: the policy's old log-probs and
 entropy (where the update cannot give them: `old_log_probs.py`), the reference's log-probs (KL terms), the teacher's
-(on-policy distillation) and the critic's values. The same in every mode of the rollout (synchronous, a batch
+(on-policy distillation), the critic's values and a reward model's scores (`reward_model.py`). The same in every mode of the rollout (synchronous, a batch
 generated ahead, streamed groups): the trainer's passes see the samples once they are its batch."""
 from __future__ import annotations
 
-from rl_megatron.batch import TrainBatch
+from rl_megatron.batch import Sample, TrainBatch
 from rl_megatron.config.pools import uses_reference
 from rl_megatron.config.schema import Config
 from rl_megatron.roles import Role
 from rl_megatron.trainer.metrics import Timer
 from rl_megatron.trainer.old_log_probs import old_log_probs_pass
+from rl_megatron.trainer.reward_model import RewardModelScorer
+from rl_megatron.trainer.rewards import ModelScores
 from rl_megatron.workers.worker_group import WorkerGroup
 
 
-def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBatch, timer: Timer,
-                   old_pass: bool) -> None:
+def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBatch, timer: Timer, old_pass: bool,
+                   samples: list[Sample], reward_model: RewardModelScorer | None) -> ModelScores | None:
     """Into `batch`: the old log-probs and entropy (with `old_pass`), the reference's log-probs, the teacher's and
-    the critic's values, of the roles the run has (`groups`: a colocated role maps to the actor's group)."""
+    the critic's values, of the roles the run has (`groups`: a colocated role maps to the actor's group). Returns the
+    reward model's scores of `samples` (`batch`'s rows) where one scores them."""
     actor = groups[Role.ACTOR]
     replay = cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
     if old_pass:
@@ -34,3 +37,7 @@ def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBat
     if Role.CRITIC in groups:
         with timer("values"):
             batch.values = groups[Role.CRITIC].values(batch.select()).values
+    if reward_model is None:
+        return None
+    with timer("reward_model"):  # its own rows: the conversations rendered for its tokenizer
+        return reward_model.scores(groups[Role.REWARD_MODEL], samples)

@@ -5,8 +5,8 @@ settings: chosen steps on chosen ranks (trainer.profile_ranks), one trace per wo
     phase      recorded by the groups of          what runs
     generate   the engines                        the rollout of the step's batch (with trainer.rollout_staleness
                                                   > 0 in the generation thread, while an earlier step trains)
-    log_prob   the actor, reference, teacher      old log-probs, reference and teacher log-probs, values
-               and critic
+    log_prob   the actor, reference, teacher,     old log-probs, reference and teacher log-probs, values, the
+               critic and reward model            reward model's scores
     update     the critic and actor               their PPO updates
     sync       the actor and engines              the policy's weights into the engines
 """
@@ -23,7 +23,7 @@ from rl_megatron.workers.worker_group import WorkerGroup
 
 PHASE_ROLES: dict[str, tuple[Role, ...]] = {
     "generate": (Role.ROLLOUT,),
-    "log_prob": (Role.ACTOR, Role.REF, Role.TEACHER, Role.CRITIC),
+    "log_prob": (Role.ACTOR, Role.REF, Role.TEACHER, Role.CRITIC, Role.REWARD_MODEL),
     "update": (Role.CRITIC, Role.ACTOR),
     "sync": (Role.ACTOR, Role.ROLLOUT),
 }

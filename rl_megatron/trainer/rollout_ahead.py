@@ -29,7 +29,7 @@ from rl_megatron.checkpoint import CheckpointError
 from rl_megatron.errors import ConfigError
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.metrics import Timer
-from rl_megatron.trainer.rewards import Rewards
+from rl_megatron.trainer.rewards import ModelScores, Rewards
 
 
 def checked_samples(samples: list[Sample], prompts: int, n: int, function: str) -> list[Sample]:
@@ -47,13 +47,14 @@ def checked_samples(samples: list[Sample], prompts: int, n: int, function: str) 
 @dataclass
 class Rollout:
     """One step's samples, and when the engines generated them (perf_counter seconds); with dynamic sampling also
-    their rewards (scored while generating, to filter) and the filter's metrics."""
+    their rewards (scored while generating, to filter) and the filter's metrics; with a judge, its scores."""
     step: int
     samples: list[Sample]
     rewards: Rewards | None = None  # None: scored in the step, while Megatron computes
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0  # generating
     engines_waited_s: float = 0.0  # the engines' idle time before it started (waiting for the trainer)
+    judged: ModelScores | None = None  # judge.enable: the judge's scores of the samples, in their order
 
 
 @contextmanager

@@ -21,7 +21,8 @@ from rl_megatron.trainer.validation import Generation, generations
 
 STEP_FILE = re.compile(r"(\d+)\.jsonl")
 # Keys a record holds only where they apply: reward shaping, a user's agent, partial rollouts, multi-turn loops, a
-# sample the rollout could not produce or that was too stale to train.
+# sample the rollout could not produce or that was too stale to train. A model that scored the samples (a reward model,
+# a judge) adds its score as <section>_score.
 OPTIONAL_KEYS = ("overlong_penalty", "agent_reward", "token_versions", "messages", "tool_stats", "agent_stats",
                  "error")
 
@@ -39,11 +40,13 @@ def sequence_advantages(batch: TrainBatch) -> list[float | None]:
 
 
 def sample_record(step: int, generation: Generation, sample: Sample, acc: float, penalty: float | None,
-                  advantage: float | None) -> dict:
-    """One sample's record: `generation`'s keys (a validation record's), then what it was trained with."""
+                  sources: dict[str, float], advantage: float | None) -> dict:
+    """One sample's record: `generation`'s keys (a validation record's), then what it was trained with (`sources`:
+    each scoring model's score, by its section)."""
     versions = sample.token_versions
     record = {"step": step, **vars(generation), "ground_truth": sample.ground_truth, "acc": acc,
-              "overlong_penalty": penalty, "agent_reward": sample.agent_reward, "advantage": advantage,
+              "overlong_penalty": penalty, **{f"{name}_score": score for name, score in sources.items()},
+              "agent_reward": sample.agent_reward, "advantage": advantage,
               "status": sample.status.value, "model_tokens": sample.model_tokens(),
               "policy_version": sample.policy_version,
               "token_versions": [min(versions), max(versions)] if versions else None, "turns": sample.turns,
@@ -88,7 +91,9 @@ class RolloutRecords:
             return
         decoded = generations(samples, [sample.reward for sample in samples], self.tokenizer)
         penalties = [None] * len(samples) if rewards.penalty is None else rewards.penalty.tolist()
-        records = [sample_record(step, *row) for row in zip(decoded, samples, rewards.acc.tolist(), penalties,
+        sources = [dict(zip(rewards.sources, row)) for row in zip(*(s.tolist() for s in rewards.sources.values()))
+                   ] if rewards.sources else [{}] * len(samples)
+        records = [sample_record(step, *row) for row in zip(decoded, samples, rewards.acc.tolist(), penalties, sources,
                                                             sequence_advantages(batch))]
         prompt_major = [records[row] for row in sorted(range(len(order)), key=order.__getitem__)]
         self.wait()

@@ -1,7 +1,8 @@
 """The training loop: one single controller driving the workers, step by step.
 
     prompts -> generate (rollout.function over the engines, rollout.engine's) -> score (reward scorers, in the
-            background) -> old log-probs [-> reference, teacher log-probs, values] (Megatron: `forward_passes.py`)
+            background) -> old log-probs [-> reference, teacher log-probs, values, reward model scores] (Megatron:
+            `forward_passes.py`)
             -> advantages (GRPO, GAE, ... [+ distillation]) -> [critic update] -> PPO update (Megatron) -> sync
             weights (Megatron -> the engines) -> log
 
@@ -31,7 +32,7 @@ from rl_megatron.checkpoint.run import (checkpoint_root, checkpointed_roles, cho
                                         load_rollouts_ahead, save_rollouts_ahead, start_save)
 from rl_megatron.config import Config, to_dict, to_yaml
 from rl_megatron.config.choices import STREAMING
-from rl_megatron.config.pools import worker_pools
+from rl_megatron.config.pools import uses_reward_model, worker_pools
 from rl_megatron.data.build import build_prompt_loader
 from rl_megatron.models.hf_config import end_of_sequence_ids, model_config
 from rl_megatron.models.tokenizer import checked_tokenizer
@@ -52,6 +53,8 @@ from rl_megatron.trainer.profiling import StepProfiles
 from rl_megatron.trainer.rollout_ahead import (Ahead, InStep, Rollout, checked_samples, current_version_mismatch,
                                                drop_stale)
 from rl_megatron.trainer.rollout_records import RolloutRecords
+from rl_megatron.trainer.judge import Judge
+from rl_megatron.trainer.reward_model import RewardModelScorer
 from rl_megatron.trainer.rewards import Rewards, check_scorers
 from rl_megatron.trainer.stopping import StopSignals
 from rl_megatron.trainer.streaming import StreamSettings, Streaming
@@ -77,6 +80,8 @@ class Trainer:
         self.hf_config = model_config(cfg)  # config.json with the moe section's overrides
         self.tokenizer = checked_tokenizer(cfg.model.path, self.hf_config)  # the one the pre-flight check loaded
         self.pad_id = pad_token_id(self.tokenizer)
+        self.reward_model = RewardModelScorer(cfg, self.tokenizer) if uses_reward_model(cfg) else None
+        self.judge = Judge(cfg, self.tokenizer) if cfg.judge.enable else None
         self.agent_loop = build_agent_loop(cfg.rollout, self.tokenizer,
                                            end_of_sequence_ids(cfg.model.path, self.hf_config), cfg.model.path)
         tools = self.agent_loop.context.tools.schemas() if self.agent_loop and self.agent_loop.context.tools else None
@@ -155,10 +160,12 @@ class Trainer:
             # In the critic's warm-up no actor update gives the old log-probs.
             old_pass = not self.old_from_update or step <= self.cfg.critic.warmup_steps
             with self.profiles.phase(step, "log_prob"):
-                forward_passes(self.groups, self.cfg, batch, timer, old_pass)
+                rated = forward_passes(self.groups, self.cfg, batch, timer, old_pass, samples, self.reward_model)
             with timer("reward"):  # what scoring adds to the step after the forward passes
                 rewards = (rollout.rewards.select(order) if rollout.rewards is not None
                            else self.rewards(scoring.result(), samples))
+                judged = None if rollout.judged is None else rollout.judged.select(order)
+                rewards = rewards.with_sources([source for source in (rated, judged) if source is not None])
             metrics |= rewards.metrics()
             for sample, score in zip(samples, rewards.scores.tolist()):
                 sample.reward = score
@@ -183,7 +190,8 @@ class Trainer:
                                                                    purpose, step, self.version_training(step)))
 
         if self.group_filter is None:
-            return Rollout(step, generate_round(1))
+            samples = generate_round(1)  # then the judge's verdicts, in the same thread (`judge.py`)
+            return Rollout(step, samples, judged=self.judge and self.judge.scores(self.engines, samples, step))
         filled = self.group_filter.fill(generate_round, self.score_now)
         if filled.metrics["filter/reached_cap"]:
             self.tracker.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "

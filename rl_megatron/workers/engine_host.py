@@ -58,9 +58,11 @@ class EngineHost:
         return self.engine_index, self.world_size // self.engine_tp, self.rank % self.engine_tp == 0
 
     @dispatch(axis="rollout", phase=GENERATE)
-    def generate(self, prompts: list[Prompt], seeds: list[int], *, n: int, temperature: float) -> list[Sample]:
+    def generate(self, prompts: list[Prompt], seeds: list[int], *, n: int, temperature: float,
+                 max_tokens: int | None = None) -> list[Sample]:
         """`n` samples per prompt, prompt-major; prompt i's are drawn from seeds[i] (see `RolloutEngine.generate`)."""
-        completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds)
+        completions = self.engine.generate([p.ids for p in prompts], n=n, temperature=temperature, seeds=seeds,
+                                           max_tokens=max_tokens)
         return [Sample.answering(prompts[i // n], c.response_ids, c.log_probs, status=c.status,
                                  routed_experts=c.routed_experts)
                 for i, c in enumerate(completions)]

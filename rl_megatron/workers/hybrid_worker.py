@@ -8,10 +8,11 @@ Megatron layout (the pool's TP/PP/VPP/EP):
   in host memory between uses);
 - "critic": the value model;
 - "teacher": the frozen teacher of on-policy distillation, a model of its own (teacher.model.path's config and
-  weights; on GPU its weights wait in host memory between uses).
+  weights; on GPU its weights wait in host memory between uses);
+- "reward_model": a frozen sequence classifier of its own scoring the samples (reward_model.model.path; likewise).
 
-By default one pool hosts them all; `ref.placement` / `critic.placement` / `teacher.placement` = separate gives a role
-its own pool.
+By default one pool hosts them all; `<role>.placement` = separate (ref, critic, teacher, reward_model) gives a role its
+own pool.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class HybridWorker(EngineHost):
         # Megatron is imported here, in the worker: the controller names this class for Ray and never imports it.
         from rl_megatron.resharding.adapters import AdapterSync
         from rl_megatron.workers.megatron_actor import MegatronActor
-        from rl_megatron.workers.megatron_critic import MegatronCritic
+        from rl_megatron.workers.megatron_critic import MegatronCritic, MegatronRewardModel
 
         cfg = self.cfg
         # Every worker measures at once (on CPU), before anything else runs in the group: what each gets while its
@@ -82,12 +83,15 @@ class HybridWorker(EngineHost):
         if Role.TEACHER in self.roles:
             self.models[Role.TEACHER] = MegatronActor(cfg, role_model_config(cfg, Role.TEACHER, self.hf_config),
                                                       role=Role.TEACHER)
+        if Role.REWARD_MODEL in self.roles:
+            self.models[Role.REWARD_MODEL] = MegatronRewardModel(
+                cfg, role_model_config(cfg, Role.REWARD_MODEL, self.hf_config))
         if Role.CRITIC in self.roles:
             self.models[Role.CRITIC] = MegatronCritic(cfg, self.hf_config, optimizer_steps(
                 cfg, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_epochs))
         # On GPU each phase gets the device memory the others' state would hold: the actor's (and a colocated
-        # critic's) Megatron state waits in host memory while the engine generates, the frozen reference's and
-        # teacher's weights between their uses. All of it is in host memory before the engine starts (see
+        # critic's) Megatron state waits in host memory while the engine generates, the frozen models' (reference,
+        # teacher, reward model) weights between their uses. All of it is in host memory before the engine starts (see
         # `PhaseMachine`).
         self.offloaders: dict[Role, Offloader] = {}
         if platform.has_cuda():
@@ -186,6 +190,10 @@ class HybridWorker(EngineHost):
     @dispatch(axis="dp", phase=forward(Role.TEACHER))
     def teacher_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         return self.models[Role.TEACHER].log_probs(batch)
+
+    @dispatch(axis="dp", phase=forward(Role.REWARD_MODEL))
+    def reward_model_scores(self, batch: TrainBatch) -> TokenOutputs | None:
+        return self.models[Role.REWARD_MODEL].scores(batch)
 
     @dispatch(axis="dp", phase=forward(Role.ACTOR))
     def reference_log_probs(self, batch: TrainBatch) -> TokenOutputs | None:

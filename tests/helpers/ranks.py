@@ -180,3 +180,15 @@ def policy_and_teacher_log_probs(cfg, batch):
     teacher = MegatronActor(cfg, role_model_config(cfg, Role.TEACHER, actor.hf_config), role=Role.TEACHER)
     assert not any(p.requires_grad for chunk in teacher.chunks for p in chunk.parameters())  # forward only
     return actor.log_probs(batch), teacher.log_probs(batch)
+
+
+def reward_model_scores(cfg, batch):
+    """A reward model (reward_model.model.path, a sequence classifier of its own) built as a colocated one is, in the
+    actor's layout: its head's output at every position of `batch`."""
+    from rl_megatron.models.hf_config import role_model_config
+    from rl_megatron.roles import Role
+    from rl_megatron.workers.megatron_critic import MegatronRewardModel
+
+    model = MegatronRewardModel(cfg, role_model_config(cfg, Role.REWARD_MODEL, read_hf_config(cfg.model.path)))
+    assert not any(p.requires_grad for chunk in model.chunks for p in chunk.parameters())  # forward only
+    return model.scores(batch)

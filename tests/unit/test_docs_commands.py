@@ -22,8 +22,9 @@ What counts as a command, and how each is checked (in this process, no training 
   `[key=value ...]`, `key=value` and `...` are dropped; `$NAME` -> SHELL_VARIABLES[NAME] (a loop's variable).
 - Configs: paths relative to the repository root. `rl_megatron.preflight.load_config` (every key known, typed, in its
   range; derived values; the pre-flight checks of the model folder, data and the user's code) when the model folder
-  (and a teacher's, `teacher.model.path`) is in the repository. A `model.path` outside it (a user's `/models/...`
-  folder, not on this machine), or a teacher's folder that an earlier command of the guide makes, is checked by
+  (and a teacher's or reward model's, `teacher.model.path`, `reward_model.model.path`) is in the repository. A
+  `model.path` outside it (a user's `/models/...` folder, not on this machine), or a teacher's or reward model's
+  folder that an earlier command of the guide makes, is checked by
   `load` + `resolve` only: every key and value, not the folders' files. `my_pkg`, the guides' example of a user's
   package, is a stub package made here (`my_pkg.rewards`, `my_pkg.agent:rollout`).
 - Inline code spans in the prose that start like a command (`python -m rl_megatron.`, `.venv/bin/python -m
@@ -196,6 +197,7 @@ CLIS = {"rl_megatron.train": ("rl_megatron.train", "parse_args"),
         "rl_megatron.data.prepare": ("rl_megatron.data.prepare", "parse_args"),
         "rl_megatron.bench": ("rl_megatron.bench.__main__", "parse_args"),
         "rl_megatron.models.tiny": ("rl_megatron.models.tiny", "build_parser"),
+        "rl_megatron.models.tiny_reward_model": ("rl_megatron.models.tiny_reward_model", "build_parser"),
         "rl_megatron.launch": ("rl_megatron.launch.__main__", "parse_args"),
         "rl_megatron.platform.stack": None}  # takes no arguments
 
@@ -281,10 +283,10 @@ def check_config(config: str, overrides: list[str]) -> None:
     assert os.path.isfile(config), f"--config {config}: no such file in the repository"
     try:
         cfg = load(config, overrides)
-        folders = [cfg.model.path, *([cfg.teacher.model.path] if cfg.teacher.model.path else [])]
+        folders = [cfg.model.path, *(path for path in (cfg.teacher.model.path, cfg.reward_model.model.path) if path)]
         if all(os.path.isdir(folder) and not os.path.isabs(folder) for folder in folders):
             load_config(config, overrides)
-        else:  # a user's model folder (or a teacher that a command before makes), not on this machine: every key
+        else:  # a user's model folder (or one that a command before makes), not on this machine: every key
             resolve(cfg)  # and value, not the folders' files
     except ConfigError as err:
         pytest.fail(f"{config} {shlex.join(overrides)}: {err}")

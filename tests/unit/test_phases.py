@@ -201,13 +201,14 @@ def test_any_sequence_of_phases_keeps_the_invariants(seed):
     where no sync writes, and that each role's state is where its phase needs it."""
     rng = random.Random(seed)
     adapters = rng.random() < 0.5  # LoRA served by the engine: no reference model
-    offloaded = tuple(role for role in (ACTOR, CRITIC, REF, TEACHER)
+    offloaded = tuple(role for role in (ACTOR, CRITIC, REF, TEACHER, Role.REWARD_MODEL)
                       if rng.random() < 0.7 and not (adapters and role is REF))
     sim = Simulated(PhaseMachine(offloaded=offloaded, engine=True, engine_sleeps=rng.random() < 0.8,
                                  adapters=adapters))
     phases = [GENERATE, SYNC] + [kind(role) for kind in (forward, save, train, load) for role in (ACTOR, CRITIC)]
     phases += [forward(REF), save(REF), train(REF), load(REF)] if REF in offloaded else []
-    phases += [forward(TEACHER)] if TEACHER in offloaded else []  # a teacher is neither trained nor saved
+    # A teacher and a reward model are neither trained nor saved.
+    phases += [forward(role) for role in (TEACHER, Role.REWARD_MODEL) if role in offloaded]
     for _ in range(60):
         sim.run(rng.choice(phases))
 

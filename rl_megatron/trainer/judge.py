@@ -1,0 +1,57 @@
+"""A generative judge (GenRM) scoring a batch's samples (judge.enable): the policy's own engines read each (prompt,
+response) in judge.prompt_template and write a verdict, greedy by default, right after the batch's rollout and in the
+same thread (so, ahead of the trainer with trainer.rollout_staleness > 0, between two rollouts, never beside one);
+the verdicts are parsed (`rl_megatron.rewards.judge`) into scores that enter the reward as judge.mode says.
+
+The policy judging its own answers is verl's and OpenRLHF's "self-rewarding" setting, with the usual caveat that a
+policy can drift towards answers its own judgements favour: judge.coef and mode=mixed keep a rule's signal beside it.
+
+A verdict that cannot be read takes judge.failure_score and counts in judge/parse_failures; a message too long for
+the engines (its tokens and judge.max_tokens past rollout.max_model_len) is not sent, takes the same score and counts
+in judge/too_long. Metrics: judge/score/* (of the scores trained on), judge/parse_failures, judge/too_long and
+timing_s/judge (its verdicts' time, within the rollout's).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rl_megatron.batch import Prompt, Sample
+from rl_megatron.config.schema import Config
+from rl_megatron.rewards.judge import encode_message, judge_message, parse_verdict
+from rl_megatron.rollout.engines import RolloutEngines, Sampling
+from rl_megatron.trainer.rewards import ModelScores
+
+PURPOSE = "judge"  # its own request seeds: a sampled verdict never shares the policy's rollout seeds
+
+
+class Judge:
+    """Renders the samples' judge messages with the policy's tokenizer and scores their verdicts."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.settings, self.tokenizer = cfg.judge, tokenizer
+        self.max_model_len = cfg.rollout.max_model_len
+
+    def message(self, sample: Sample) -> str:
+        """The judge's user message for `sample`: its question (a chat prompt's last user message, else the prompt's
+        text) and its response as text."""
+        user = [m["content"] for m in sample.prompt_messages or () if m.get("role") == "user"]
+        prompt = user[-1] if user else self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
+        response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        return judge_message(self.settings.prompt_template, prompt, response, sample.ground_truth)
+
+    def scores(self, engines: RolloutEngines, samples: list[Sample], step: int) -> ModelScores:
+        """The judge's score of each of `samples` (judge.failure_score where it gave none)."""
+        settings, started = self.settings, time.perf_counter()
+        encoded = [encode_message(self.tokenizer, self.message(sample)) for sample in samples]
+        fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
+        verdicts = engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
+            1, settings.temperature, PURPOSE, step, max_tokens=settings.max_tokens)) if fits else []
+        parsed = {i: parse_verdict(self.tokenizer.decode(verdict.response_ids, skip_special_tokens=True),
+                                   settings.parser, settings.json_field) for i, verdict in zip(fits, verdicts)}
+        scores = [settings.failure_score if parsed.get(i) is None else parsed[i] / settings.score_scale
+                  for i in range(len(samples))]
+        stats = {"judge/parse_failures": float(sum(value is None for value in parsed.values())),
+                 "judge/too_long": float(len(samples) - len(fits)), "timing_s/judge": time.perf_counter() - started}
+        return ModelScores("judge", torch.tensor(scores, dtype=torch.float32), settings, stats)

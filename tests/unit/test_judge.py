@@ -1,0 +1,84 @@
+"""A generative judge without workers: its message filled from a sample, the score read from verdicts of every
+parser (and refused where a verdict holds none), its section's checks before anything starts, and its scores mixed
+into the rewards."""
+import os
+
+import pytest
+import torch
+
+from helpers.runs import REPO
+from rl_megatron.batch import Sample
+from rl_megatron.config import ConfigError
+from rl_megatron.models.tokenizer import load_tokenizer
+from rl_megatron.preflight import load_config
+from rl_megatron.rewards.judge import encode_message, judge_message, parse_verdict, template_fields
+from rl_megatron.trainer.judge import Judge
+from rl_megatron.trainer.rewards import ModelScores, Rewards
+
+DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
+TOOLS_MODEL = os.path.join(REPO, "configs", "models", "tiny-qwen2-tools")  # a tokenizer with a chat template
+DIGITS_TEMPLATE = "judge.prompt_template='{prompt}{response}='"  # the digits vocabulary writes nothing else
+FITS = ("rollout.max_model_len=32", "judge.max_tokens=2")
+
+
+def config_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("verdict,parser,score", [
+    ("8", "number", 8.0), ("Score: 7.5 out of 10, final: -2", "number", -2.0), ("It is right.", "number", None),
+    ("so \\boxed{9} but \\boxed{ 10 }", "boxed", 10.0), ("\\boxed{ten}", "boxed", None), ("9", "boxed", None),
+    ('{"score": 3} then {"reason": "x", "score": 4.5}', "json", 4.5), ('{"score": true}', "json", None),
+    ('{"score": 7', "json", None), ('{"other": 1} {"score": "8"}', "json", None), ("1e999", "number", None),
+])
+def test_a_verdicts_score_by_each_parser(verdict, parser, score):
+    assert parse_verdict(verdict, parser) == score
+
+
+def test_the_message_fills_the_template_with_the_samples_text():
+    assert template_fields("Q: {prompt} A: {response} ({{note}}) gt={ground_truth}") == {
+        "prompt", "response", "ground_truth"}
+    assert judge_message("Q: {prompt} A: {response} {{x}} {ground_truth}", "3+4", "7", 7) == "Q: 3+4 A: 7 {x} 7"
+    cfg = load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS])
+    tokenizer = load_tokenizer(cfg.model.path)
+    judge = Judge(cfg, tokenizer)
+    sample = Sample(tokenizer.encode("3+4="), tokenizer.encode("7", add_special_tokens=False) + [2], [0.0, 0.0],
+                    "arithmetic", "7")
+    assert judge.message(sample) == "3+4=7="  # the prompt's text, the response without its end of sequence
+    # A chat prompt: its last user message is the question.
+    sample.prompt_messages = [{"role": "system", "content": "1+1="}, {"role": "user", "content": "2+2="}]
+    assert judge.message(sample) == "2+2=7="
+    # Plain text without a chat template; the user's turn through one, the assistant's opened.
+    assert encode_message(tokenizer, "3+4=7=") == tokenizer("3+4=7=")["input_ids"]
+    chat = load_tokenizer(TOOLS_MODEL)
+    assert encode_message(chat, "hi") == chat.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                  add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=True)["input_ids"]
+
+
+def test_judge_scores_enter_the_rewards_scaled_with_failures_counted():
+    cfg = load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS, "judge.coef=0.5", "judge.mode=alone"])
+    rule = Rewards(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), None, {"reward/errors": 0.0})
+    judged = ModelScores("judge", torch.tensor([0.8, 0.2]), cfg.judge, {"judge/parse_failures": 1.0})
+    rewards = rule.with_sources([judged])
+    assert torch.allclose(rewards.scores, torch.tensor([0.4, 0.1]))  # alone: 0.5 x the judge's, the rule's dropped
+    assert rewards.metrics()["judge/parse_failures"] == 1.0 and rewards.metrics()["judge/score/mean"] == 0.5
+    assert torch.equal(judged.select([1, 0]).scores, torch.tensor([0.2, 0.8]))
+    # A reward model and a judge, both mixed: each added at its weight.
+    both = load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS])
+    model = ModelScores("reward_model", torch.tensor([1.0, -1.0]), both.reward_model)
+    mixed = rule.with_sources([model, ModelScores("judge", torch.tensor([0.8, 0.2]), both.judge)])
+    assert torch.allclose(mixed.scores, torch.tensor([2.8, -0.8]))
+
+
+def test_the_judges_section_is_checked_before_anything_starts():
+    message = config_error("judge.enable=true", "judge.prompt_template='Rate {answer}'", *FITS)
+    assert "judge.prompt_template names {answer}" in message and "{prompt}, {response}, {ground_truth}" in message
+    # The demo's engines hold 9 tokens: a judge's message and verdict need more, and the message says how many.
+    message = config_error("judge.enable=true", DIGITS_TEMPLATE)
+    assert "rollout.max_model_len=9" in message and "set rollout.max_model_len=" in message
+    message = config_error("judge.enable=true", DIGITS_TEMPLATE, *FITS, "algorithm.filter_groups.enable=true")
+    assert "algorithm.filter_groups.enable=true" in message and "judge.enable=false" in message
+    assert "judge.score_scale" in config_error("judge.enable=true", "judge.score_scale=0")
