@@ -50,7 +50,8 @@ class ModelFamily:
     zero_centred_norms: bool = False  # every RMSNorm but a gated one scales by 1 + weight (Qwen3-Next)
     attention_output_gate: bool = False  # q_proj also holds a sigmoid gate per head on the attention output
     gated_delta_net: bool = False  # the layers layer_types marks linear_attention are Gated DeltaNet layers
-    # (Qwen3-Next: models/linear_attention.py)
+    # (Qwen3-Next, Qwen3.5: models/linear_attention.py), their input projection stored as in_proj_packing says
+    in_proj_packing: linear_attention.InProjPacking = linear_attention.QWEN3_NEXT_IN_PROJ
     moe_table: type[MoeTable] = MoeTable  # the weight table of the family's MoE models
     engine_check: Callable[[dict], None] | None = None  # ValueError where vLLM's model class computes otherwise
 
@@ -161,7 +162,7 @@ class ModelFamily:
         if self.mla:
             table.replace_attention(mla_entries(hf, transformer_engine))
         if self.gated_delta_net:
-            table.add_linear_attention(linear_attention.table_entries(hf),
+            table.add_linear_attention(linear_attention.table_entries(hf, self.in_proj_packing),
                                        linear_attention.linear_attention_layers(hf))
         return table
 

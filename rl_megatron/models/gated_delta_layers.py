@@ -55,8 +55,7 @@ class RMSNorm(torch.nn.Module):
         if config.sequence_parallel:
             # Each TP rank sees its own tokens (or, after the linear attention, its own heads): Megatron sums the
             # gradient over the TP group for weights so marked, as it marks apex's and TE's norms. (Without sequence
-            # parallelism at TP > 1 the gated norm's gradient would stay partial; the hybrids here are MoE models,
-            # which train at TP > 1 only with it.)
+            # parallelism at TP > 1 the gated norm's gradient would stay partial: `hybrid_block` refuses that.)
             self.weight.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +136,10 @@ def hybrid_block(block: TransformerBlockSubmodules, config, vp_stage: int) -> Tr
     says, on the others) and RMSNorms zero-centred where config.layernorm_zero_centered_gamma says (the gated norm
     inside the linear attention keeps its plain weight)."""
     bind_torch_kernels()
+    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError("actor.sequence_parallel=false at TP > 1 with a Gated DeltaNet model: each TP rank's gated "
+                         "norm sees only its heads, and Megatron sums its gradient over the ranks only with sequence "
+                         "parallelism. Remove actor.sequence_parallel (on at TP > 1 by default) or set it to true.")
     norm = ModuleSpec(module=RMSNorm, params={"zero_centred": config.layernorm_zero_centered_gamma})
     linear = get_linear_attention_pattern(config)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)

@@ -112,7 +112,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
     return (MLATransformerConfig if family.mla else TransformerConfig)(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
+        ffn_hidden_size=hf.get("intermediate_size"),  # none where every layer routes (Qwen3.5-MoE)
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         **({} if family.mla else position_fields(hf)),  # MLA layers hold their own rotary embedding

@@ -1,25 +1,42 @@
-"""The linear-attention layers of a hybrid model (Qwen3-Next's Gated DeltaNet) as its config.json describes them:
-which layers they are, their sizes, what Megatron's TransformerConfig takes from them, what must hold for Megatron
-to compute what transformers does, and their weight-table entries. The Megatron modules: models/gated_delta_layers.py;
-the kernels: models/gated_delta.py.
+"""The linear-attention layers of a hybrid model (Qwen3-Next's and Qwen3.5's Gated DeltaNet) as its config.json
+describes them: which layers they are, their sizes, what Megatron's TransformerConfig takes from them, what must hold
+for Megatron to compute what transformers does, and their weight-table entries. The Megatron modules:
+models/gated_delta_layers.py; the kernels: models/gated_delta.py.
 
 A Gated DeltaNet layer projects each token to queries and keys (key heads), values and an output gate z (value heads,
 `values_per_key` sharing each key head), and per value head a write strength b and a decay input a; a short causal
 convolution runs over [q | k | v], the delta rule over its output (decay g = -exp(A_log) * softplus(a + dt_bias),
 beta = sigmoid(b)), then a gated RMSNorm (its own weight times norm(out), times silu(z)) and the output projection.
+The two families compute alike and store the input projection differently (`InProjPacking`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_megatron.models.weight_layouts import DeltaNetInProj, Entry, Replicated, Split, SplitSections
+from rl_megatron.models.weight_layouts import DeltaNetInProj, Entry, HeadSlices, Replicated, Split, SplitSections
 
-# transformers' Qwen3NextConfig defaults, for a config.json that leaves a field out.
+# transformers' Qwen3NextConfig (and Qwen3_5TextConfig) defaults, for a config.json that leaves a field out.
 SIZE_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                  "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 FULL_ATTENTION_INTERVAL = 4  # without layer_types, every fourth layer attends fully (transformers' default)
 FIELDS = ("layer_types", "full_attention_interval", "hidden_act", *SIZE_DEFAULTS)
 LAYER_KINDS = ("linear_attention", "full_attention")
+IN_PROJ_PARTS = "qkvzba"  # Megatron's in_proj order
+
+
+@dataclass(frozen=True)
+class InProjPacking:
+    """How HF stores the input projection: its tensors (linear_attn.<name>.weight), each holding some of the parts
+    q k v z b a, either grouped per key head (all its parts for key head 0, then for key head 1, ...) or one part
+    after another, each whole (its heads in order). Value head j belongs to key head j // values_per_key either way."""
+
+    tensors: tuple[tuple[str, str], ...]  # (name, the parts it holds, in order)
+    grouped_per_key_head: bool
+
+
+QWEN3_NEXT_IN_PROJ = InProjPacking((("in_proj_qkvz", "qkvz"), ("in_proj_ba", "ba")), grouped_per_key_head=True)
+QWEN3_5_IN_PROJ = InProjPacking((("in_proj_qkv", "qkv"), ("in_proj_z", "z"), ("in_proj_b", "b"), ("in_proj_a", "a")),
+                                grouped_per_key_head=False)
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,11 @@ class DeltaNetShape:
     @property
     def v(self) -> int:
         return self.value_heads * self.value_dim
+
+    def per_key_head(self, part: str) -> int:
+        """The rows of in_proj `part` (one of IN_PROJ_PARTS) that one key head (and its value heads) has."""
+        return {"q": self.key_dim, "k": self.key_dim, "v": self.values_per_key * self.value_dim,
+                "z": self.values_per_key * self.value_dim, "b": self.values_per_key, "a": self.values_per_key}[part]
 
 
 def linear_attention_layers(hf: dict) -> list[bool]:
@@ -81,13 +103,14 @@ def check(hf: dict) -> None:
                          "and the MLPs all use it).")
     if hf.get("attention_bias"):
         raise ValueError("attention_bias=true (biases on q/k/v and on o_proj) is not supported for this family; "
-                         "Qwen3-Next's released models leave it false.")
-    # transformers' Qwen3NextConfig rotates a quarter of each head's dimensions when the field is absent, where
-    # every other family here reads an absent field as 1: the config must say it.
+                         "Qwen3-Next's and Qwen3.5's released models leave it false.")
+    # transformers' Qwen3NextConfig (and Qwen3.5's) rotates a quarter of each head's dimensions when the field is
+    # absent, where every other family here reads an absent field as 1: the config must say it.
     rope = hf.get("rope_parameters") or {}
     if "partial_rotary_factor" not in hf and "partial_rotary_factor" not in rope:
         raise ValueError("partial_rotary_factor is missing; transformers then rotates 0.25 of each head's "
-                         "dimensions: write it into config.json (Qwen3-Next's released configs say 0.25).")
+                         "dimensions: write it into config.json (the released Qwen3-Next and Qwen3.5 configs say "
+                         "0.25).")
 
 
 def tp_split_counts(hf: dict) -> dict[str, int]:
@@ -112,16 +135,30 @@ def checkpoint_fields(hf: dict) -> dict:
     return {"linear_attention_layers": linear_attention_layers(hf), **vars(DeltaNetShape.of(hf))}
 
 
-def table_entries(hf: dict) -> dict[str, Entry]:
-    """A Gated DeltaNet layer's weight-table entries: Megatron's GatedDeltaNet parameters <- Qwen3-Next's
-    linear_attn tensors."""
+def in_proj_entry(hf: dict, packing: InProjPacking) -> Entry:
+    """Megatron's in_proj <- HF's input projection tensors, stored as `packing` says."""
+    shape, hidden = DeltaNetShape.of(hf), hf["hidden_size"]
+    slices, shapes = {}, []
+    for tensor, (_, parts) in enumerate(packing.tensors):
+        block, offset = sum(shape.per_key_head(part) for part in parts), 0  # a key head's rows of this tensor
+        for part in parts:
+            width = shape.per_key_head(part)
+            # Grouped: within each key head's block; else after the whole parts before it, head after head.
+            slices[part] = (HeadSlices(tensor, offset, block, width) if packing.grouped_per_key_head
+                            else HeadSlices(tensor, offset * shape.key_heads, width, width))
+            offset += width
+        shapes.append((shape.key_heads * block, hidden))
+    names = tuple(f"model.layers.{{i}}.linear_attn.{name}.weight" for name, _ in packing.tensors)
+    return Entry(names, DeltaNetInProj(shape.key_heads, tuple(slices[part] for part in IN_PROJ_PARTS)), tuple(shapes))
+
+
+def table_entries(hf: dict, packing: InProjPacking) -> dict[str, Entry]:
+    """A Gated DeltaNet layer's weight-table entries: Megatron's GatedDeltaNet parameters <- the HF linear_attn
+    tensors (the input projection stored as `packing` says)."""
     shape, hidden = DeltaNetShape.of(hf), hf["hidden_size"]
     attn = "model.layers.{i}.linear_attn."
-    in_proj = DeltaNetInProj(shape.key_heads, shape.key_dim, shape.value_dim, shape.values_per_key)
     return {
-        "self_attention.in_proj.weight": Entry(
-            (attn + "in_proj_qkvz.weight", attn + "in_proj_ba.weight"), in_proj,
-            ((2 * shape.qk + 2 * shape.v, hidden), (2 * shape.value_heads, hidden))),
+        "self_attention.in_proj.weight": in_proj_entry(hf, packing),
         # The convolution's channels are [q | k | v], each split over TP.
         "self_attention.conv1d.weight": Entry((attn + "conv1d.weight",), SplitSections((shape.qk, shape.qk, shape.v)),
                                               ((2 * shape.qk + shape.v, 1, shape.conv_width),)),

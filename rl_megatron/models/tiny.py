@@ -154,6 +154,13 @@ MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, qk_no
            head_dim=64,  # what DeepSeek configs write: the rotary dimensions
            v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
            first_k_dense_replace=1, rms_norm_eps=1e-6)
+# The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): a Gated DeltaNet layer, then a full-attention one (and so on),
+# each linear key head shared by two value heads narrower than it (a mix-up of the two widths shows); a quarter of
+# each attention head rotates. HYBRID_EXPERTS: 4 routed experts beside a gated shared expert.
+HYBRID = dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+HYBRID_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=96)
 FAMILY_FIELDS = {
     # Qwen3-MoE: weights renormalised (as Qwen's released models), half-width experts. Mixtral always renormalises,
     # and its experts are as wide as intermediate_size. Qwen2-MoE: not renormalised (its default), a shared expert
@@ -180,14 +187,15 @@ FAMILY_FIELDS = {
                     rms_norm_eps=1e-5, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                         "beta_slow": 1.0, "truncate": False}),
-    # Qwen3-Next: a Gated DeltaNet layer, then a full-attention one (and so on), each linear key head shared by two
-    # value heads narrower than it (a mix-up of the two widths shows); a quarter of each attention head rotates;
-    # Qwen2-MoE's gated shared expert, weights renormalised.
-    "qwen3_next": dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                       linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                       partial_rotary_factor=0.25, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                       shared_expert_intermediate_size=96, norm_topk_prob=True),
+    # Qwen3-Next: HYBRID's layers; Qwen2-MoE's gated shared expert, weights renormalised.
+    "qwen3_next": dict(HYBRID, **HYBRID_EXPERTS, norm_topk_prob=True),
+    # Qwen3.5: HYBRID's layers over a dense MLP, or (MoE) over Qwen3-Next's experts on every layer.
+    "qwen3_5_text": HYBRID,
+    "qwen3_5_moe_text": dict(HYBRID, **HYBRID_EXPERTS),
 }
+# The base fields a family's config class has none of, left out of its config.json as transformers writes it
+# (Qwen3.5-MoE: every layer routes, so there is no dense MLP width).
+ABSENT_FIELDS = {"qwen3_5_moe_text": ("intermediate_size",)}
 # Llama 3.1's rope scaling with a short original context, so that it acts within the demo's few positions.
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 16}}
@@ -197,7 +205,8 @@ QWEN2_5_YARN = {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_po
 TINY_FAMILIES = {"llama3": ("llama", LLAMA3_ROPE), "mistral": ("mistral", {"sliding_window": 4}),
                  "qwen2-moe": ("qwen2_moe", {}), "deepseek-v2": ("deepseek_v2", {}),
                  "deepseek-v3": ("deepseek_v3", {}), "glm4-moe": ("glm4_moe", {}), "gpt-oss": ("gpt_oss", {}),
-                 "qwen3-next": ("qwen3_next", {})}
+                 "qwen3-next": ("qwen3_next", {}), "qwen3-5": ("qwen3_5_text", {}),
+                 "qwen3-5-moe": ("qwen3_5_moe_text", {})}
 
 
 def family_config(model_type: str, tied: bool = False, layers: int = 2, **extra):
@@ -206,7 +215,10 @@ def family_config(model_type: str, tied: bool = False, layers: int = 2, **extra)
                 num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
                 tie_word_embeddings=tied, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                 dtype="float32")
-    return AutoConfig.for_model(model_type, **{**base, **FAMILY_FIELDS.get(model_type, {}), **extra})
+    config = AutoConfig.for_model(model_type, **{**base, **FAMILY_FIELDS.get(model_type, {}), **extra})
+    for field in ABSENT_FIELDS.get(model_type, ()):
+        delattr(config, field)
+    return config
 
 
 def write_tiny_model(out_dir: str, with_weights: bool = False, seed: int = 0, vocabulary: Vocabulary = DIGITS,

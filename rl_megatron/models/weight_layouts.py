@@ -182,32 +182,37 @@ class SplitSections(Layout):
         return out
 
 
+@dataclass(frozen=True)
+class HeadSlices:
+    """Where HF keeps one part of a Gated DeltaNet input projection: key head h's slice is rows
+    `start + h * stride` .. `+ width` of the entry's HF tensor number `tensor`."""
+
+    tensor: int
+    start: int
+    stride: int
+    width: int
+
+
 @dataclass
 class DeltaNetInProj(Layout):
     """Megatron's GatedDeltaNet in_proj holds, on each TP rank, [q | k | v | z | b | a] of its key heads (and of the
-    value heads that share them, `values_per_key` to a key head); HF's Qwen3-Next keeps two projections grouped per
-    key head: in_proj_qkvz ([q, k, v, z] of each key head in turn) and in_proj_ba ([b, a] of each)."""
+    value heads that share them); `parts` says where HF keeps each of the six, in that order (Qwen3-Next groups them
+    per key head in two tensors, Qwen3.5 keeps each part whole in its own: models/linear_attention.py)."""
 
     key_heads: int
-    key_dim: int
-    value_dim: int
-    values_per_key: int
+    parts: tuple[HeadSlices, ...]
 
     def local_shape(self, hf_shapes, size):
-        return ((hf_shapes[0][0] + hf_shapes[1][0]) // size, *hf_shapes[0][1:])
+        return (sum(shape[0] for shape in hf_shapes) // size, *hf_shapes[0][1:])
 
     def regions(self, hf_names, hf_shapes, rank, size):
-        per_rank, r = self.key_heads // size, self.values_per_key
-        widths = (self.key_dim, self.key_dim, r * self.value_dim, r * self.value_dim, r, r)  # q k v z b a per head
-        qkvz, ba = sum(widths[:4]), 2 * r  # each key head's block in the two HF tensors
-        # Each part's HF tensor, its offset within a key head's block, and that block's size.
-        sources = [(0, sum(widths[:i]), qkvz) for i in range(4)] + [(1, 0, ba), (1, r, ba)]
+        per_rank = self.key_heads // size
         out, at = [], 0
-        for width, (tensor, offset, block) in zip(widths, sources):
+        for part in self.parts:
             for head in range(rank * per_rank, (rank + 1) * per_rank):
-                start = head * block + offset
-                out.append(along(hf_names[tensor], hf_shapes[tensor], 0, start, start + width, at))
-                at += width
+                start = part.start + head * part.stride
+                out.append(along(hf_names[part.tensor], hf_shapes[part.tensor], 0, start, start + part.width, at))
+                at += part.width
         return out
 
 

@@ -45,7 +45,8 @@ class DenseTable:
         hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
         groups = hf_config.get("num_key_value_heads") or heads
         head_dim = hf_config.get("head_dim") or hidden // heads
-        ffn, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
+        # None where every layer routes over experts (Qwen3.5-MoE's config.json has no intermediate_size)
+        ffn, vocab = hf_config.get("intermediate_size"), hf_config["vocab_size"]
         q, kv = heads * head_dim, groups * head_dim
         qkv = FusedQKV(groups=groups, heads=heads, head_dim=head_dim, gated=output_gate)
         q_rows = 2 * q if output_gate else q  # HF's q_proj rows
@@ -63,10 +64,13 @@ class DenseTable:
             "self_attention.linear_proj.weight": entry([attn + "o_proj.weight"], Split(dim=1), [(hidden, q)]),
             "pre_mlp_layernorm.weight": entry(["model.layers.{i}.post_attention_layernorm.weight"], Replicated(),
                                               [(hidden,)]),
-            "mlp.linear_fc1.weight": entry([mlp + "gate_proj.weight", mlp + "up_proj.weight"], FusedGateUp(),
-                                           [(ffn, hidden), (ffn, hidden)]),
-            "mlp.linear_fc2.weight": entry([mlp + "down_proj.weight"], Split(dim=1), [(hidden, ffn)]),
         }
+        if ffn is not None:
+            self.layer.update({
+                "mlp.linear_fc1.weight": entry([mlp + "gate_proj.weight", mlp + "up_proj.weight"], FusedGateUp(),
+                                               [(ffn, hidden), (ffn, hidden)]),
+                "mlp.linear_fc2.weight": entry([mlp + "down_proj.weight"], Split(dim=1), [(hidden, ffn)]),
+            })
         if qkv_bias:
             self.layer["self_attention.linear_qkv.bias"] = entry([attn + p + "_proj.bias" for p in "qkv"], qkv,
                                                                  [(q_rows,), (kv,), (kv,)])

@@ -1,9 +1,10 @@
 """A tiny Qwen3-Next (a Gated DeltaNet layer, then a gated full-attention layer; zero-centred norms; a gated shared
 expert beside 4 routed ones) on gloo: Megatron's log-probs against transformers' Qwen3NextForCausalLM in float32,
 with the samples packed into one row (the linear attention confined to each by cu_seqlens) and in right-padded rows
-alike, at TP=1, TP=2 (sequence parallel, as MoE layers need there) and PP=2; one update against transformers' and
-at TP=2 against one rank; its HF export bitwise the folder's tensors, and through a Megatron checkpoint saved at one
-layout and converted back at another; its weights synced into real vLLM engines (the Gated DeltaNet core computed in
+alike, at TP=1, TP=2 (sequence parallel, as MoE layers need there) and PP=2, and Qwen3.5's (Qwen3_5ForCausalLM,
+Qwen3_5MoeForCausalLM) at TP=1 and TP=2; one update against transformers' and at TP=2 against one rank; its HF
+export bitwise the folder's tensors (Qwen3.5's too), and through a Megatron checkpoint saved at one layout and
+converted back at another; its weights synced into real vLLM engines (the Gated DeltaNet core computed in
 torch on CPU: rollout/cpu_gated_delta.py) bit for bit, which then generate as transformers does."""
 import dataclasses
 
@@ -28,10 +29,13 @@ def packed_and_padded(cfgs, batch):
     return outputs, actor.hf_state_dict()
 
 
-# PP=2 over 4 layers: each stage a linear-attention layer, then a full-attention one.
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_log_probs_packed_and_padded_and_export_match_transformers(tmp_path, tp, pp):
-    model_dir = family_model_dir(tmp_path / "qwen3_next", "qwen3_next", tied=False, layers=2 * pp)
+# PP=2 over 4 layers: each stage a linear-attention layer, then a full-attention one. Qwen3.5 (dense and MoE: the
+# same hybrid, its linear attention's input projection stored in four tensors) at TP=1 and TP=2.
+@pytest.mark.parametrize("model_type,tp,pp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
+                                              *((qwen3_5, tp, 1) for qwen3_5 in ("qwen3_5_text", "qwen3_5_moe_text")
+                                                for tp in (1, 2))])
+def test_log_probs_packed_and_padded_and_export_match_transformers(tmp_path, model_type, tp, pp):
+    model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False, layers=2 * pp)
     # Four samples a micro-batch: a packed row holds four spans.
     cfgs = [config(model_dir, tp, pp, **{"actor.sequence_packing": packing, "actor.micro_batch_size": 4})
             for packing in (True, False)]

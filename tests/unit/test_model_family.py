@@ -18,7 +18,8 @@ MLA = {"num_key_value_heads": 4, "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_h
 # gpt-oss's configs always say YaRN (vLLM's gpt_oss class builds nothing else).
 EXTRA = {"gpt_oss": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 16}, "sliding_window": 4},
-         "qwen3_next": {"partial_rotary_factor": 0.25}}  # transformers' default, which config.json must state
+         # transformers' default for the Gated DeltaNet hybrids, which config.json must state
+         **{hybrid: {"partial_rotary_factor": 0.25} for hybrid in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")}}
 
 
 def model(model_type: str) -> dict:
@@ -29,7 +30,8 @@ def model(model_type: str) -> dict:
 
 def test_the_supported_families_are_registered_by_model_type():
     assert sorted(FAMILIES) == ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama", "mistral", "mixtral", "qwen2",
-                                "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next"]
+                                "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+                                "qwen3_next"]
     assert all(FAMILIES[name].model_type == name for name in FAMILIES)
 
 
@@ -70,7 +72,7 @@ def test_family_specific_settings():
 def test_an_unknown_model_type_lists_the_supported_ones():
     hf = {**DENSE, "model_type": "gpt_neox"}
     supported = ("deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
-                 "qwen3_moe, qwen3_next")
+                 "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next")
     with pytest.raises(ValueError, match=f"model_type='gpt_neox' is not a registered model family .*: {supported}"):
         family_of(hf)
     with pytest.raises(ValueError, match="gpt_neox"):
