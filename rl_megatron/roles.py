@@ -13,6 +13,7 @@ class Role(str, enum.Enum):
     CRITIC = "critic"  # the value model (GAE)
     TEACHER = "teacher"  # a frozen model of its own (teacher.model.path) whose log-probs the policy distills
     REWARD_MODEL = "reward_model"  # a frozen sequence classifier of its own (reward_model.model.path) scoring samples
+    JUDGE = "judge"  # a vLLM engine of its own model (judge.model.path) writing verdicts on the samples
 
     @property
     def devices_section(self) -> str:
@@ -22,7 +23,7 @@ class Role(str, enum.Enum):
     @property
     def has_model(self) -> bool:
         """It holds a Megatron model (and saves it in checkpoints)."""
-        return self is not Role.ROLLOUT
+        return self not in (Role.ROLLOUT, Role.JUDGE)
 
     @property
     def trainable(self) -> bool:

@@ -18,6 +18,11 @@ def uses_teacher(cfg: Config) -> bool:
     return cfg.teacher.model.path is not None
 
 
+def uses_judge_engines(cfg: Config) -> bool:
+    """Whether a judge of its own (judge.model.path) needs engines of its own, beside the policy's."""
+    return cfg.judge.enable and cfg.judge.model.path is not None
+
+
 def uses_reward_model(cfg: Config) -> bool:
     """Whether a reward model scores the samples (reward_model.model.path)."""
     return cfg.reward_model.model.path is not None
@@ -63,7 +68,7 @@ class WorkerPool:
 def worker_pools(cfg: Config) -> list[WorkerPool]:
     """The pools in node order: the actor's (with the engines unless rollout.placement=separate, and the colocated
     reference, critic, teacher and reward model), then the separate ones: engines, reference, critic, teacher, reward
-    model. Roles in a pool: actor, rollout, ref, critic, teacher, reward model order."""
+    model, a judge's engines. Roles in a pool: actor, rollout, ref, critic, teacher, reward model order."""
     a, r = cfg.actor, cfg.rollout
     engines_apart = r.placement == "separate"
     actor_roles = [Role.ACTOR] if engines_apart else [Role.ACTOR, Role.ROLLOUT]
@@ -79,6 +84,9 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
         elif wanted:
             layout = {"tp": role.tensor_model_parallel_size, "pp": role.pipeline_model_parallel_size}
             separate.append(WorkerPool(name, (name,), role.nnodes, role.n_gpus_per_node, layout))
+    if uses_judge_engines(cfg) and not cfg.trainer.val_only:
+        judge = cfg.judge
+        separate.append(WorkerPool(Role.JUDGE, (Role.JUDGE,), judge.nnodes, judge.n_gpus_per_node, {}))
     tp = a.tensor_model_parallel_size
     actor_layout = {"tp": tp, "pp": a.pipeline_model_parallel_size, "vpp": a.virtual_pipeline_model_parallel_size,
                     "cp": a.context_parallel_size, "ep": a.expert_model_parallel_size,

@@ -192,6 +192,11 @@ class RewardModelConfig(FrozenModelConfig):
     mode: Literal["mixed", "alone"] = "mixed"  # mixed: added to the rule-based score (reward.*); alone: the model's score is the reward (the rule's score and accuracy are still logged, not trained on)
 
 
+@dataclass
+class JudgeModelConfig:
+    path: Optional[str] = None  # Hugging Face folder of a judge of its own (any model vLLM serves, with its own tokenizer and chat template), served by vLLM engines of its own on judge.nnodes x n_gpus_per_node devices; null: the policy's own engines judge
+
+
 DEFAULT_JUDGE_TEMPLATE = ("Rate the response to the question from 0 (wrong) to 10 (fully correct). Question: {prompt} "
                           "Response: {response} Reply with the score alone.")
 
@@ -200,7 +205,13 @@ DEFAULT_JUDGE_TEMPLATE = ("Rate the response to the question from 0 (wrong) to 1
 class JudgeConfig:
     """A generative judge (GenRM): a model that reads each (prompt, response) and writes a verdict, whose parsed
     score, weighted, enters the reward (docs/tasks-and-rewards.md)."""
-    enable: bool = False  # score every training sample with the judge: the policy's own engines (a self-judge), right after each batch's rollout
+    enable: bool = False  # score every training sample with the judge, right after each batch's rollout
+    model: JudgeModelConfig = field(default_factory=JudgeModelConfig)  # the judge's own model; null path: the policy's engines judge (a self-judge)
+    nnodes: int = checked(1, POSITIVE)  # a judge of its own: nodes of its engines' pool
+    n_gpus_per_node: int = checked(1, POSITIVE)  # a judge of its own: devices per node of its engines' pool
+    tensor_parallel_size: int = checked(1, POSITIVE)  # a judge of its own: each engine's TP size (engines = its devices / this)
+    gpu_memory_utilization: float = checked(0.9, within(0, 1, low_open=True))  # a judge of its own: the share of each GPU its engine takes (weights and KV cache)
+    max_model_len: Optional[int] = checked(None, POSITIVE)  # a judge of its own: its engines' longest message + verdict (null: its config.json's max_position_embeddings)
     prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # the judge's user message, with {prompt}, {response} and {ground_truth} (the sample's, as text) filled in, rendered with the tokenizer's chat template (plain text without one)
     parser: Literal["number", "boxed", "json"] = "number"  # how a score is read from the verdict: number (the last number written), boxed (the last \boxed{...}), json (the last JSON object's json_field)
     json_field: str = "score"  # parser=json: the field holding the score

@@ -33,13 +33,14 @@ from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
-from rl_megatron.models.hf_config import carries_routing, model_config, role_model_config
+from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config, role_model_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.planning import memory
 from rl_megatron.planning.lora_memory import lora_parameters
 from rl_megatron.planning.memory import gib_text
 from rl_megatron.planning.phase_memory import SLEEPING_ENGINE_BYTES, over_memory, phase_line, pool_phases
 from rl_megatron.planning.pool import Pool, RolePlan
+from rl_megatron.rewards.judge import JUDGE_PATH_KEY, judge_engine_settings
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engine import lora_merge_reason
 
@@ -93,18 +94,18 @@ def _check_within_node(size: int, size_key: str, pool: Pool, what: str) -> str:
     return f"each {what} ({size} GPUs) inside one node"
 
 
-def _check_engine(size: int, pool: Pool) -> str:
-    """A vLLM engine's `size` consecutive ranks: inside one node (as a TP group), or over whole nodes."""
+def _check_engine(size: int, pool: Pool, key: str) -> str:
+    """A vLLM engine's `size` consecutive ranks (`key`): inside one node (as a TP group), or over whole nodes."""
     g = pool.gpus_per_node
     if size > g and size % g == 0:
         return (f"each vLLM engine ({size} GPUs) spans {size // g} whole nodes: its all-reduces cross the network "
                 "(for weights one node cannot hold)")
     if size > g:
-        raise ConfigError(f"rollout.tensor_parallel_size={size} does not fit the {pool.name} pool's "
+        raise ConfigError(f"{key}={size} does not fit the {pool.name} pool's "
                           f"{pool.gpus_key}={g} GPUs per node: an engine would share a node with the next one. Use a "
                           f"divisor of {g} (one node's NVLink), or a multiple of {g} (whole nodes, for weights one "
                           "node cannot hold).")
-    return _check_within_node(size, "rollout.tensor_parallel_size", pool, "vLLM engine")
+    return _check_within_node(size, key, pool, "vLLM engine")
 
 
 def _check_stages(pp: int, pp_key: str, pool: Pool) -> str:
@@ -250,8 +251,8 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     plan = ClusterPlan(pools, gib, gib_source, known, on_gpu, total, cfg.model.dtype)
     for spec, pool in zip(specs, pools):
         for name in spec.roles:
-            if name is Role.ROLLOUT:
-                pool.roles.append(_engine_role(cfg, pool, total, gib, on_gpu, plan))
+            if name in (Role.ROLLOUT, Role.JUDGE):
+                pool.roles.append(_engine_role(name, cfg, pool, total, gib, on_gpu, plan))
             else:
                 role_hf = role_model_config(cfg, name, hf)
                 pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
@@ -267,17 +268,23 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     return plan
 
 
-def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, plan: ClusterPlan) -> RolePlan:
-    """The vLLM engines in `pool`: their placement checked, their memory per GPU (a warning when the weights do
-    not fit the engine's share)."""
-    r = cfg.rollout
-    note = _check_engine(r.tensor_parallel_size, pool)
-    pool.placement_notes.append(f"rollout: {note}")
+def _engine_role(name: Role, cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool,
+                 plan: ClusterPlan) -> RolePlan:
+    """The vLLM engines in `pool`, the policy's (`name` rollout: `total` parameters) or a judge's own (judge: its
+    model's): their placement checked, their memory per GPU (a warning when the weights do not fit the engine's
+    share)."""
+    if name is Role.JUDGE:
+        judge_hf = read_hf_config(cfg.judge.model.path, JUDGE_PATH_KEY)
+        r, total = judge_engine_settings(cfg, judge_hf), memory.rank_parameters(judge_hf).total
+    else:
+        r = cfg.rollout
+    note = _check_engine(r.tensor_parallel_size, pool, f"{name}.tensor_parallel_size")
+    pool.placement_notes.append(f"{name}: {note}")
     engines = pool.world // r.tensor_parallel_size
     engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size
     if on_gpu:
         engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
-        memory_note = (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
+        memory_note = (f"{name}.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
                        f"{gib_text(engine_weights)} + KV cache")
     else:
         engine_bytes = engine_weights + r.kv_cache_bytes
@@ -285,11 +292,11 @@ def _engine_role(cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool, 
     if on_gpu and engine_weights >= engine_bytes:
         plan.warnings.append(
             f"the vLLM engine's weights ({gib_text(engine_weights)} per GPU) do not fit its "
-            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
-            "rollout.gpu_memory_utilization or rollout.tensor_parallel_size.")
+            f"{name}.gpu_memory_utilization={r.gpu_memory_utilization} share of {gib:g} GiB: raise "
+            f"{name}.gpu_memory_utilization or {name}.tensor_parallel_size.")
     if on_gpu and cfg.actor.offload and r.placement == "colocated":
         memory_note += f"; asleep, its CUDA graphs stay (up to {gib_text(SLEEPING_ENGINE_BYTES)} counted)"
-    return RolePlan(Role.ROLLOUT, "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note,
+    return RolePlan(name, "vLLM", f"TP={r.tensor_parallel_size}, {engines} engines", engine_bytes, memory_note,
                     engine_weights)
 
 

@@ -11,8 +11,10 @@ model folder's tokenizer (`rl_megatron.models.tokenizer`, with the first prompt 
 tools (`rl_megatron.agents`) and the safetensors weights the workers will load (`rl_megatron.models.hf_weights`, from
 the files' headers); a teacher's (teacher.model.path) config.json against its layout, its tokenizer against the
 policy's and its weights likewise; a reward model's (reward_model.model.path) config.json as a one-score classifier
-against its layout, its tokenizer, and its weights with the score head. A dry run's plan (`dry_run.py`) needs none of those files: `files=False` leaves
-them, the data files and the checkpoint folders to the launch.
+against its layout, its tokenizer, and its weights with the score head; a judge's (judge.*) template, and its messages
+against the judging engines' length (a judge of its own: its config.json, tokenizer and weights). A dry run's plan
+(`dry_run.py`) needs none of those files: `files=False` leaves them, the data files and the checkpoint folders to the
+launch.
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ import os
 from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
-from rl_megatron.config.pools import uses_reference, uses_reward_model, uses_teacher, worker_pools
+from rl_megatron.config.pools import uses_judge_engines, uses_reference, uses_reward_model, uses_teacher, worker_pools
 from rl_megatron.config.choices import SINGLE_TURN, STREAMING
 from rl_megatron.config.schema import DEFAULT_ROLLOUT_FUNCTION, Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
 from rl_megatron.errors import ConfigError
 from rl_megatron.roles import Role, roles_name
-from rl_megatron.models.hf_config import end_of_sequence_ids, model_config, role_model_config
+from rl_megatron.models.hf_config import end_of_sequence_ids, model_config, read_hf_config, role_model_config
+from rl_megatron.models.family import FAMILIES
 from rl_megatron.models.hf_weights import check_hf_weights
 from rl_megatron.models.score_head import check_classifier_config, score_head_shapes
 from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokenizer, load_tokenizer
@@ -39,7 +42,8 @@ from rl_megatron.preflight.layout import check_activations, check_actor_layout, 
     check_moe_knobs, check_own_model_against_layout, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
-from rl_megatron.rewards.judge import FIELDS as JUDGE_FIELDS, encode_message, judge_message, template_fields
+from rl_megatron.rewards.judge import (FIELDS as JUDGE_FIELDS, JUDGE_PATH_KEY, encode_message, judge_engine_settings,
+                                       judge_message, template_fields)
 from rl_megatron.rollout.engine import engine_class
 from rl_megatron.tracking import check_loggers_installed
 
@@ -69,11 +73,15 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     if teacher_hf is not None:
         check_own_model_against_layout(cfg, Role.TEACHER, teacher_hf)
     reward_hf = role_model_config(cfg, Role.REWARD_MODEL, hf) if uses_reward_model(cfg) else None
+    judge_hf = read_hf_config(cfg.judge.model.path, JUDGE_PATH_KEY) if uses_judge_engines(cfg) else None
     if reward_hf is not None:
         check_classifier_config(reward_hf, cfg.reward_model.model.path, "reward_model.model.path")
         check_own_model_against_layout(cfg, Role.REWARD_MODEL, reward_hf)
     check_activations(cfg, hf)
-    engine_class(cfg.rollout.engine).check_model(hf, platform.has_cuda() if cuda is None else cuda)
+    engines, cuda = engine_class(cfg.rollout.engine), platform.has_cuda() if cuda is None else cuda
+    engines.check_model(hf, cuda)
+    if judge_hf is not None:  # a judge of its own: its engines serve its model
+        engines.check_model(judge_hf, cuda, f"{JUDGE_PATH_KEY}'s config.json")
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
     check_sink_attention(cfg, hf, platform.has_cuda(), importlib.util.find_spec("transformer_engine") is not None)
     if not files:
@@ -88,7 +96,9 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
         check_shared_tokenizer(tokenizer, cfg.teacher.model.path)
         check_hf_weights(cfg.teacher.model.path, teacher_hf, "teacher.model.path")
     if cfg.judge.enable:
-        _check_judge_fits(cfg, tokenizer)
+        _check_judge_fits(cfg, tokenizer, judge_hf)
+    if judge_hf is not None and judge_hf.get("model_type") in FAMILIES:  # a family of ours: its weights, from headers
+        check_hf_weights(cfg.judge.model.path, judge_hf, JUDGE_PATH_KEY)
     if reward_hf is not None:  # its own tokenizer renders what it scores; its score head replaces lm_head
         load_tokenizer(cfg.reward_model.model.path, "reward_model.model.path")
         check_hf_weights(cfg.reward_model.model.path, reward_hf, "reward_model.model.path", output_layer=False,
@@ -312,10 +322,24 @@ def _check_reward_model(cfg: Config) -> None:
 
 
 def _check_judge(cfg: Config) -> None:
-    """The judge's template names only the fields it is given, and it judges a whole batch after its rollout."""
+    """The judge's keys need a judge (its engines' keys, one of its own), its template names only the fields it is
+    given, and it judges a whole batch after its rollout."""
     judge = cfg.judge
+    changed = [f"judge.{f.name}" for f in dataclasses.fields(judge) if f.name not in ("enable", "model")
+               and getattr(judge, f.name) != f.default]
+    engine_keys = ("judge.nnodes", "judge.n_gpus_per_node", "judge.tensor_parallel_size",
+                   "judge.gpu_memory_utilization", "judge.max_model_len")
+    if not judge.enable and (changed or judge.model.path is not None):
+        key = changed[0] if changed else JUDGE_PATH_KEY
+        raise ConfigError(f"{key} is set, but judge.enable=false: set judge.enable=true to judge the samples, or "
+                          f"remove {key}.")
     if not judge.enable:
         return
+    own_keys = [key for key in changed if key in engine_keys]
+    if own_keys and judge.model.path is None:
+        raise ConfigError(f"{own_keys[0]} sets up a judge's own engines, but judge.model.path=null makes the policy's "
+                          f"engines the judge: set judge.model.path to the judge's Hugging Face folder, or remove "
+                          f"{own_keys[0]}.")
     unknown = sorted(template_fields(judge.prompt_template) - set(JUDGE_FIELDS))
     if unknown:
         raise ConfigError(f"judge.prompt_template names {{{unknown[0]}}}, but a judge's message is filled with "
@@ -325,20 +349,26 @@ def _check_judge(cfg: Config) -> None:
                                    "judge.enable=false")
 
 
-def _check_judge_fits(cfg: Config, tokenizer) -> None:
-    """The engines that judge take the judge's message (the template's own tokens, the longest prompt and response)
-    and its verdict: within rollout.max_model_len, or the longest samples could not be judged."""
+def _check_judge_fits(cfg: Config, tokenizer, judge_hf: dict | None) -> None:
+    """The engines that judge (the policy's, or a judge's own: `judge_hf`, its config.json) take the judge's message
+    (the template's own tokens, the longest prompt and response) and its verdict: within their max_model_len, or the
+    longest samples could not be judged."""
     r, judge = cfg.rollout, cfg.judge
+    if judge_hf is None:
+        engines, length_key, length = "the policy's engines", "rollout.max_model_len", r.max_model_len
+    else:
+        tokenizer = load_tokenizer(judge.model.path, JUDGE_PATH_KEY)
+        length = judge_engine_settings(cfg, judge_hf).max_model_len
+        engines, length_key = "the judge's engines", "judge.max_model_len"
     template = len(encode_message(tokenizer, judge_message(judge.prompt_template, "", "", "")))
     single_turn = r.agent_loop == SINGLE_TURN and r.agent.function is None
     response = r.max_tokens if single_turn else r.multi_turn.max_response_length
     needed = template + cfg.data.max_prompt_length + response + judge.max_tokens
-    if needed > r.max_model_len:
-        raise ConfigError(f"judge.enable=true sends the policy's engines messages of up to {needed} tokens with the "
-                          f"verdict (the template's {template}, data.max_prompt_length={cfg.data.max_prompt_length}, a "
-                          f"response of up to {response} and judge.max_tokens={judge.max_tokens}), past "
-                          f"rollout.max_model_len={r.max_model_len}: set rollout.max_model_len={needed} (or more), or "
-                          "shorten the template or judge.max_tokens.")
+    if needed > length:
+        raise ConfigError(f"judge.enable=true sends {engines} messages of up to {needed} tokens with the verdict (the "
+                          f"template's {template}, data.max_prompt_length={cfg.data.max_prompt_length}, a response of "
+                          f"up to {response} and judge.max_tokens={judge.max_tokens}), past {length_key}={length}: set "
+                          f"{length_key}={needed} (or more), or shorten the template or judge.max_tokens.")
 
 
 def _check_scored_after_generation(cfg: Config, why: str, off: str) -> None:

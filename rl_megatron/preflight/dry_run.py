@@ -77,7 +77,8 @@ def load_plan_config(path: str | None, overrides: Sequence[str] = (), cuda: bool
     # Each model folder the plan reads: (its key, its section, the field naming it), where the run has the role.
     folders = [("model.path", cfg.model, "path"), ("critic.model_path", cfg.critic, "model_path"),
                ("teacher.model.path", cfg.teacher.model, "path"),
-               ("reward_model.model.path", cfg.reward_model.model, "path")]
+               ("reward_model.model.path", cfg.reward_model.model, "path"),
+               ("judge.model.path", cfg.judge.model, "path")]
     for key, section, name in folders:
         given = getattr(section, name)
         if given is None or given in stand_ins or (key == "critic.model_path" and not cfg.critic.enable):

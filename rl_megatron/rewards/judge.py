@@ -14,15 +14,31 @@ None where the verdict holds no such score: the trainer gives it judge.failure_s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import string
 
+from rl_megatron.config.schema import Config, RolloutConfig
 from rl_megatron.rewards.math import last_boxed_answer
 
 FIELDS = ("prompt", "response", "ground_truth")
+JUDGE_PATH_KEY = "judge.model.path"
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def judge_engine_settings(cfg: Config, judge_hf: dict) -> RolloutConfig:
+    """How a judge of its own (judge.model.path, config.json `judge_hf`) runs its engines: the policy's engine
+    settings (sampling filters, CPU KV cache, ...) at the judge's TP, memory share and lengths, never asleep between
+    phases (devices of its own), without partial rollouts or adapters. Its length: judge.max_model_len, else its
+    config.json's max_position_embeddings."""
+    judge = cfg.judge
+    return dataclasses.replace(cfg.rollout, placement="separate", nnodes=judge.nnodes,
+                               n_gpus_per_node=judge.n_gpus_per_node, tensor_parallel_size=judge.tensor_parallel_size,
+                               gpu_memory_utilization=judge.gpu_memory_utilization, max_tokens=judge.max_tokens,
+                               max_model_len=judge.max_model_len or judge_hf["max_position_embeddings"],
+                               partial_rollout=False)
 
 
 def template_fields(template: str) -> set[str]:

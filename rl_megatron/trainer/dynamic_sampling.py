@@ -56,6 +56,14 @@ class GroupFilter:
         return cls(cfg.rollout.n, cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, f.metric,
                    f.max_num_gen_batches, f.on_cap)
 
+    def cap_note(self, step: int, filled: Filled) -> str | None:
+        """What the run's log says of step `step` when `filled` reached the cap (None when it did not)."""
+        if not filled.metrics["filter/reached_cap"]:
+            return None
+        return (f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of {self.train_groups} "
+                f"groups in algorithm.filter_groups.max_num_gen_batches={self.max_rounds} rounds; training on them "
+                f"with {filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
+
     def fill(self, generate: Callable[[int], list[Sample]], score: Callable[[list[Sample]], Rewards]) -> Filled:
         """Generate (`generate(round)`, round 1, 2, ...) and score rounds until enough groups vary, or the cap."""
         samples: list[Sample] = []

@@ -1,7 +1,9 @@
-"""A generative judge (GenRM) scoring a batch's samples (judge.enable): the policy's own engines read each (prompt,
+"""A generative judge (GenRM) scoring a batch's samples (judge.enable): a judge of its own (judge.model.path, on
+vLLM engines of its own: `workers/rollout_worker.py::JudgeWorker`) or the policy's own engines read each (prompt,
 response) in judge.prompt_template and write a verdict, greedy by default, right after the batch's rollout and in the
 same thread (so, ahead of the trainer with trainer.rollout_staleness > 0, between two rollouts, never beside one);
-the verdicts are parsed (`rl_megatron.rewards.judge`) into scores that enter the reward as judge.mode says.
+the verdicts are parsed (`rl_megatron.rewards.judge`) into scores that enter the reward as judge.mode says. The
+samples are decoded with the policy's tokenizer; the messages rendered and the verdicts decoded with the judge's.
 
 The policy judging its own answers is verl's and OpenRLHF's "self-rewarding" setting, with the usual caveat that a
 policy can drift towards answers its own judgements favour: judge.coef and mode=mixed keep a rule's signal beside it.
@@ -19,34 +21,50 @@ import torch
 
 from rl_megatron.batch import Prompt, Sample
 from rl_megatron.config.schema import Config
-from rl_megatron.rewards.judge import encode_message, judge_message, parse_verdict
+from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.models.tokenizer import load_tokenizer
+from rl_megatron.rewards.judge import (JUDGE_PATH_KEY, encode_message, judge_engine_settings, judge_message,
+                                       parse_verdict)
+from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, Sampling
 from rl_megatron.trainer.rewards import ModelScores
+from rl_megatron.workers.worker_group import WorkerGroup
 
 PURPOSE = "judge"  # its own request seeds: a sampled verdict never shares the policy's rollout seeds
 
 
 class Judge:
-    """Renders the samples' judge messages with the policy's tokenizer and scores their verdicts."""
+    """Renders the samples' judge messages and scores their verdicts, on the engines `connect` gives it."""
 
-    def __init__(self, cfg: Config, tokenizer):
-        self.settings, self.tokenizer = cfg.judge, tokenizer
-        self.max_model_len = cfg.rollout.max_model_len
+    def __init__(self, cfg: Config, policy_tokenizer):
+        self.settings, self.policy_tokenizer, self.seed = cfg.judge, policy_tokenizer, cfg.trainer.seed
+        path = cfg.judge.model.path
+        if path is None:  # a self-judge: the policy's engines, which read the policy's tokens
+            self.tokenizer, self.max_model_len = policy_tokenizer, cfg.rollout.max_model_len
+        else:
+            self.tokenizer = load_tokenizer(path, JUDGE_PATH_KEY)
+            self.max_model_len = judge_engine_settings(cfg, read_hf_config(path, JUDGE_PATH_KEY)).max_model_len
+        self.engines: RolloutEngines | None = None
+
+    def connect(self, policy_engines: RolloutEngines, groups: dict[Role, WorkerGroup]) -> None:
+        """Judge on the judge's own engines where it has them (`groups`' judge group), else on the policy's."""
+        own = groups.get(Role.JUDGE)
+        self.engines = policy_engines if own is None else RolloutEngines(own, self.seed)
 
     def message(self, sample: Sample) -> str:
         """The judge's user message for `sample`: its question (a chat prompt's last user message, else the prompt's
         text) and its response as text."""
         user = [m["content"] for m in sample.prompt_messages or () if m.get("role") == "user"]
-        prompt = user[-1] if user else self.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
-        response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        prompt = user[-1] if user else self.policy_tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)
+        response = self.policy_tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return judge_message(self.settings.prompt_template, prompt, response, sample.ground_truth)
 
-    def scores(self, engines: RolloutEngines, samples: list[Sample], step: int) -> ModelScores:
+    def scores(self, samples: list[Sample], step: int) -> ModelScores:
         """The judge's score of each of `samples` (judge.failure_score where it gave none)."""
         settings, started = self.settings, time.perf_counter()
         encoded = [encode_message(self.tokenizer, self.message(sample)) for sample in samples]
         fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
-        verdicts = engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
+        verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
             1, settings.temperature, PURPOSE, step, max_tokens=settings.max_tokens)) if fits else []
         parsed = {i: parse_verdict(self.tokenizer.decode(verdict.response_ids, skip_special_tokens=True),
                                    settings.parser, settings.json_field) for i, verdict in zip(fits, verdicts)}

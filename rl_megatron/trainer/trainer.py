@@ -191,14 +191,10 @@ class Trainer:
 
         if self.group_filter is None:
             samples = generate_round(1)  # then the judge's verdicts, in the same thread (`judge.py`)
-            return Rollout(step, samples, judged=self.judge and self.judge.scores(self.engines, samples, step))
+            return Rollout(step, samples, judged=self.judge and self.judge.scores(samples, step))
         filled = self.group_filter.fill(generate_round, self.score_now)
-        if filled.metrics["filter/reached_cap"]:
-            self.tracker.write(f"step {step}: dynamic sampling kept {filled.metrics['filter/kept_groups']} of "
-                               f"{self.cfg.data.train_batch_size} groups in "
-                               f"algorithm.filter_groups.max_num_gen_batches={self.group_filter.max_rounds} rounds; "
-                               "training on them with "
-                               f"{filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
+        if self.group_filter.cap_note(step, filled):
+            self.tracker.write(self.group_filter.cap_note(step, filled))
         return Rollout(step, filled.samples, filled.rewards, filled.metrics)
 
     def version_training(self, step: int) -> int:
@@ -372,6 +368,8 @@ class Trainer:
             self.engines.agent_runner = AgentRunner(self.agent_loop, cfg.rollout.agent_loop, self.engines.serve,
                                                     self.engines.count, self.hf_config["vocab_size"],
                                                     cfg.rollout.multi_turn.turn_synchronous, self.engines.pausing())
+        if self.judge is not None:
+            self.judge.connect(self.engines, groups)
         self.profiles = StepProfiles(cfg.trainer.profile_steps, groups)
         generate = self.profiles.around("generate", self.generate)  # a profiled step's batch, whenever generated
         fixed_sync_point = cfg.rollout.partial_rollout and cfg.rollout.partial_rollout_sync_at_tokens is not None
@@ -382,9 +380,8 @@ class Trainer:
                                self.version_training if fixed_sync_point else None) if staleness else InStep(generate))
         stack.callback(self.rollouts.close)
         self.stop = stack.enter_context(StopSignals())  # after Ray's start: Ray installs a SIGTERM handler of its own
-        # A resumed run rewrites the steps after its checkpoint: their old records go. A run with nothing to resume
-        # (a first start, trainer.resume=off, or one killed before its first checkpoint) starts them afresh.
-        # A validation-only run adds to the run's records.
+        # A resumed run rewrites the steps after its checkpoint (their old records go); one with nothing to resume
+        # starts them afresh (a first start, resume=off, killed before a checkpoint); a validation-only run adds.
         purge_after = None if cfg.trainer.val_only else self.start_step if self.resume else -1
         self.tracker = stack.enter_context(Tracker(cfg, to_dict(cfg), purge_after=purge_after))
         self.records = stack.enter_context(RolloutRecords(cfg.trainer.rollout_data_dir, self.tokenizer, purge_after))

@@ -13,7 +13,7 @@ from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.engine import engine_class
 from rl_megatron.workers.debugging import debugger_env
 from rl_megatron.workers.hybrid_worker import HybridWorker
-from rl_megatron.workers.rollout_worker import RolloutWorker
+from rl_megatron.workers.rollout_worker import JudgeWorker, RolloutWorker
 from rl_megatron.workers.worker_group import ResourcePool, WorkerGroup
 from rl_megatron.workers.run_logs import logs_dir
 
@@ -31,9 +31,9 @@ def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> 
     for pool in pools:  # every pool's workers launched first, so that their start-ups overlap
         devices = ResourcePool(pool.nnodes, pool.gpus_per_node, config_keys=(pool.nodes_key, pool.gpus_key))
         name = roles_name(pool.roles)  # what a dead worker's report calls its group
-        if pool.roles == (Role.ROLLOUT,):
-            group = WorkerGroup(RolloutWorker, devices, cfg, hf_config, threads, logs, env=env, name=name,
-                                start=False)
+        engines = {(Role.ROLLOUT,): RolloutWorker, (Role.JUDGE,): JudgeWorker}.get(pool.roles)
+        if engines is not None:
+            group = WorkerGroup(engines, devices, cfg, hf_config, threads, logs, env=env, name=name, start=False)
         else:
             group = WorkerGroup(HybridWorker, devices, cfg, hf_config, pool.roles, pool.layout, threads, logs,
                                 env=env, name=name, start=False)

@@ -4,14 +4,15 @@ algorithm.distillation), a reward model (reward_model.model.path) and a generati
 In the suite, one lean run holds the three to every mode they must work with at once: a LoRA student
 (configs/demo_cpu_lora.yaml, whose KL loss's reference is the actor with its adapters off) trained one step off
 (trainer.rollout_staleness=1, engines on a worker of their own) from a teacher on a worker of its own
-(teacher.placement=separate), with the distillation term alone, a reward model in the actor's worker, and the
-policy's engines judging each batch after its rollout, in the generation thread (a self-judge). The teacher
+(teacher.placement=separate), with the distillation term alone, a reward model in the actor's worker, and a judge on
+a vLLM engine of its own judging each batch after its rollout, in the generation thread. The teacher
 is a model of its own built here: a 4-layer Llama (the Qwen2 student has 2 narrower layers) with the digits tokenizer
 and its output layer scaled up, so that its next-token distributions are peaked and far from the random student's.
 The student moves towards it: the reverse KL (distill/reverse_kl) falls step after step. The reward model is the
 digits demo's, trained here with transformers (rl_megatron/models/tiny_reward_model.py): its scores, served by
-Megatron in the run, agree with the rule on every sample of every step. The judge is the random student itself: its
-verdicts are noise, but each is read (or counted as unreadable) and enters the reward at its weight.
+Megatron in the run, agree with the rule on every sample of every step. The judge is the teacher's folder, loaded by
+its engine as any vLLM user loads it: its verdicts are noise, but each is read (or counted as unreadable) and enters
+the reward at its weight.
 
 The demo's learning from the reward model alone (no rule), to the target, is `slow` as the teacher's is.
 
@@ -39,11 +40,11 @@ from rl_megatron.trainer.metrics import REWARD_WINDOW
 # The LoRA demo one step off, its trainer on one device (tests/e2e/test_async.py's layout), the teacher on a third.
 LEAN = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "actor.micro_batch_size=128",
         "rollout.placement=separate", "trainer.rollout_staleness=1", "teacher.placement=separate",
-        "teacher.tensor_model_parallel_size=1", "ray.num_cpus=3", "algorithm.distillation.mode=alone",
+        "teacher.tensor_model_parallel_size=1", "ray.num_cpus=4", "algorithm.distillation.mode=alone",
         "trainer.total_steps=12", "trainer.target_reward=null", "trainer.save_every=-1")
 # The digits vocabulary writes only digits and "+-= ": a verdict is a number, or nothing the parser can read.
 JUDGE = ("judge.enable=true", "judge.prompt_template='{prompt}{response}='", "judge.max_tokens=2",
-         "judge.score_scale=1", "rollout.max_model_len=16")
+         "judge.score_scale=1")
 TEACHER = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 SHARPENED = 8.0  # the teacher's output layer, scaled: next-token entropy about 0.8 nats where the student's is ~2.9
 
@@ -64,6 +65,7 @@ def lean_run(tmp_path_factory):
     reward_model = digits_reward_model(tmp_path_factory.mktemp("reward_model"))
     run = tmp_path_factory.mktemp("lean")
     return (*train(run, *LEAN, *JUDGE, f"teacher.model.path={teacher}", f"reward_model.model.path={reward_model}",
+                   f"judge.model.path={teacher}",
                    f"trainer.rollout_data_dir={run / 'samples'}", config="demo_cpu_lora"), run / "samples")
 
 
@@ -93,12 +95,14 @@ def test_a_reward_model_in_the_actors_worker_scores_every_sample_as_the_rule_doe
     assert all(abs(r["score"] - r["acc"] - r["reward_model_score"] - r["judge_score"]) < 1e-5 for r in records)
 
 
-def test_the_policys_engines_judge_each_batch_after_its_rollout(lean_run):
-    _, rows, _, samples_dir = lean_run
+def test_a_judge_on_an_engine_of_its_own_judges_each_batch_after_its_rollout(lean_run):
+    _, rows, run_dir, samples_dir = lean_run
     assert all(row["timing_s/judge"] > 0 and "judge/score/mean" in row for row in rows)
+    assert os.path.isfile(os.path.join(run_dir, "logs", "worker_judge_0.log"))
     records = [json.loads(line) for step in range(1, 13) for line in open(os.path.join(samples_dir, f"{step}.jsonl"))]
-    # A verdict of up to 2 tokens: a number of up to two digits, or unreadable (judge.failure_score 0, counted).
-    assert {r["judge_score"] for r in records} <= {float(n) for n in range(100)}
+    # A verdict of up to 2 tokens: a number of two characters at most ("7", "-1", "42"), or unreadable
+    # (judge.failure_score 0, counted).
+    assert {r["judge_score"] for r in records} <= {float(n) for n in range(-9, 100)}
     failures = sum(row["judge/parse_failures"] for row in rows)
     assert 0 < failures < len(records) and sum(r["judge_score"] == 0 for r in records) >= failures
     assert all(row["judge/too_long"] == 0 for row in rows)
@@ -132,11 +136,12 @@ def test_a_trained_teacher_brings_a_fresh_student_to_the_target(tmp_path):
 
 @pytest.mark.slow
 def test_a_policy_learns_the_demo_from_a_reward_model_alone(tmp_path):
-    """The demo with the rule replaced by the trained reward model (reward_model.mode=alone): the reward trained on and
-    held to the target is the model's score; the rule, still scored, shows the policy solving the task."""
+    """The demo with the rule replaced by the trained reward model (reward_model.mode=alone), advantages not divided
+    by the group's std (Dr. GRPO: docs/tasks-and-rewards.md says why): the reward trained on and held to the target
+    is the model's score; the rule, still scored, shows the policy solving the task."""
     reward_model = digits_reward_model(tmp_path / "reward_model")
     stdout, rows, _ = train(tmp_path / "run", f"reward_model.model.path={reward_model}", "reward_model.mode=alone",
-                            "trainer.save_every=-1")
+                            "algorithm.norm_adv_by_std=false", "trainer.save_every=-1")
     assert "Target mean reward 0.8 reached." in stdout, f"{len(rows)} steps"
     accuracy = [row["reward/acc"] for row in rows[-REWARD_WINDOW:]]
     assert sum(accuracy) / REWARD_WINDOW > 0.75, (len(rows), accuracy)

@@ -2,6 +2,7 @@
 parser (and refused where a verdict holds none), its section's checks before anything starts, and its scores mixed
 into the rewards."""
 import os
+import types
 
 import pytest
 import torch
@@ -9,9 +10,16 @@ import torch
 from helpers.runs import REPO
 from rl_megatron.batch import Sample
 from rl_megatron.config import ConfigError
+from rl_megatron.config.pools import worker_pools
+from rl_megatron.doctor.parity import family_model_dir
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.models.tokenizer import load_tokenizer
+from rl_megatron.planning import build_plan
+from rl_megatron.planning.memory import GIB
 from rl_megatron.preflight import load_config
-from rl_megatron.rewards.judge import encode_message, judge_message, parse_verdict, template_fields
+from rl_megatron.rewards.judge import (encode_message, judge_engine_settings, judge_message, parse_verdict,
+                                       template_fields)
+from rl_megatron.roles import Role
 from rl_megatron.trainer.judge import Judge
 from rl_megatron.trainer.rewards import ModelScores, Rewards
 
@@ -82,3 +90,66 @@ def test_the_judges_section_is_checked_before_anything_starts():
     message = config_error("judge.enable=true", DIGITS_TEMPLATE, *FITS, "algorithm.filter_groups.enable=true")
     assert "algorithm.filter_groups.enable=true" in message and "judge.enable=false" in message
     assert "judge.score_scale" in config_error("judge.enable=true", "judge.score_scale=0")
+
+
+# ------------------------------------------------------------------------------------------ a judge of its own
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory) -> str:
+    """A 2-layer Llama with weights and the digits tokenizer (max_position_embeddings 64)."""
+    return family_model_dir(tmp_path_factory.mktemp("judge"), "llama", tied=False, layers=2)
+
+
+def test_a_judge_of_its_own_gets_a_pool_of_engines_in_the_plan(judge_dir):
+    cfg = load_config(DEMO, ["judge.enable=true", f"judge.model.path={judge_dir}", DIGITS_TEMPLATE,
+                             "judge.max_tokens=2", "judge.n_gpus_per_node=2", "judge.tensor_parallel_size=2"])
+    assert [(pool.name, pool.roles, pool.world_size) for pool in worker_pools(cfg)] == [
+        (Role.ACTOR, (Role.ACTOR, Role.ROLLOUT), 2), (Role.JUDGE, (Role.JUDGE,), 2)]
+    settings = judge_engine_settings(cfg, read_hf_config(judge_dir))
+    assert (settings.tensor_parallel_size, settings.max_model_len, settings.max_tokens) == (2, 64, 2)
+    assert settings.top_p == cfg.rollout.top_p and not settings.partial_rollout
+    pool = build_plan(cfg, gpu_memory_gib=80).pools[1]
+    (judge,) = pool.roles
+    assert (judge.name, judge.engine, judge.layout) == (Role.JUDGE, "vLLM", "TP=2, 1 engines")
+    assert judge.memory_bytes == int(0.9 * 80 * GIB) and "judge.gpu_memory_utilization=0.9" in judge.memory_note
+    # Its messages and verdicts against its own length, with its own tokenizer.
+    message = config_error("judge.enable=true", f"judge.model.path={judge_dir}", DIGITS_TEMPLATE,
+                           "judge.max_model_len=10", "judge.max_tokens=2")
+    assert "the judge's engines" in message and "set judge.max_model_len=13" in message
+    # The policy's engines judge where the judge has no engines: the pools say which.
+    assert Role.JUDGE not in {pool.name for pool in worker_pools(load_config(DEMO, ["judge.enable=true",
+                                                                                    DIGITS_TEMPLATE, *FITS]))}
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["judge.coef=0.5"], ["judge.coef is set, but judge.enable=false"]),
+    (["judge.model.path=/models/judge"], ["judge.model.path is set, but judge.enable=false"]),
+    (["judge.enable=true", "judge.tensor_parallel_size=2", DIGITS_TEMPLATE, *FITS],
+     ["judge.tensor_parallel_size sets up a judge's own engines", "judge.model.path"]),
+])
+def test_judge_keys_without_a_judge_are_named(overrides, words):
+    message = config_error(*overrides)
+    assert all(word in message for word in words), message
+
+
+def test_the_judge_renders_with_its_own_tokenizer_and_generates_on_its_own_engines(judge_dir, tmp_path):
+    """The samples are the policy's tokens: decoded with the policy's tokenizer, the message encoded with the judge's
+    (here one with a chat template), the verdicts asked of the judge's engines where it has some."""
+    chat_judge = tmp_path / "chat_judge"
+    load_tokenizer(TOOLS_MODEL).save_pretrained(chat_judge)
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(judge_dir, name), chat_judge / name)
+    cfg = load_config(DEMO, ["judge.enable=true", f"judge.model.path={judge_dir}", DIGITS_TEMPLATE,
+                             "judge.max_tokens=2"])
+    cfg.judge.model.path = str(chat_judge)  # the judge's tokenizer only: the digits policy's cannot write its markup
+    policy = load_tokenizer(cfg.model.path)
+    judge = Judge(cfg, policy)
+    assert judge.tokenizer is not policy and judge.max_model_len == 64
+    sample = Sample(policy.encode("3+4="), policy.encode("7", add_special_tokens=False), [0.0], "arithmetic", "7")
+    assert judge.message(sample) == "3+4=7="
+    own, policy_engines = types.SimpleNamespace(meshes=[{"rollout": (0, 3, True)}]), object()
+    judge.connect(policy_engines, {Role.JUDGE: own})
+    assert judge.engines.group is own and judge.engines.count == 3
+    judge.connect(policy_engines, {})
+    assert judge.engines is policy_engines
