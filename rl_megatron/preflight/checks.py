@@ -285,13 +285,9 @@ def _check_distillation(cfg: Config) -> None:
     in-reward KL penalty)."""
     distillation, teacher = cfg.algorithm.distillation, cfg.teacher
     if not uses_teacher(cfg):
-        changed = [f"algorithm.distillation.{f.name}" for f in dataclasses.fields(distillation)
-                   if getattr(distillation, f.name) != f.default]
-        changed += ["teacher.placement"] if teacher.placement == "separate" else []
-        if changed:
-            raise ConfigError(f"{changed[0]} is set, but there is no teacher (teacher.model.path=null): set "
-                              "teacher.model.path to the teacher's Hugging Face folder (with the policy's tokenizer), "
-                              f"or remove {changed[0]}.")
+        keys = _set_keys(distillation, "algorithm.distillation") + _set_keys(teacher, "teacher", ("placement",))
+        _refuse_set_keys(keys, "there is no teacher (teacher.model.path=null)",
+                         "set teacher.model.path to the teacher's Hugging Face folder (with the policy's tokenizer)")
         return
     if distillation.mode == "alone" and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("algorithm.use_kl_in_reward=true takes the KL penalty off the rewards, which "
@@ -307,15 +303,10 @@ def _check_distillation(cfg: Config) -> None:
 def _check_reward_model(cfg: Config) -> None:
     """The reward model's keys need its folder, and it scores in the step's forward passes: after generation, so not
     where groups are scored while generating (dynamic sampling, streaming)."""
-    section = cfg.reward_model
     if not uses_reward_model(cfg):
-        changed = [f"reward_model.{name}" for name, default in (("coef", 1.0), ("mode", "mixed"))
-                   if getattr(section, name) != default]
-        changed += ["reward_model.placement"] if section.placement == "separate" else []
-        if changed:
-            raise ConfigError(f"{changed[0]} is set, but there is no reward model (reward_model.model.path=null): set "
-                              "reward_model.model.path to a sequence classifier's Hugging Face folder, or remove "
-                              f"{changed[0]}.")
+        _refuse_set_keys(_set_keys(cfg.reward_model, "reward_model", ("coef", "mode", "placement")),
+                         "there is no reward model (reward_model.model.path=null)",
+                         "set reward_model.model.path to a sequence classifier's Hugging Face folder")
         return
     _check_scored_after_generation(cfg, "the reward model (reward_model.model.path) scores in the step's Megatron "
                                         "passes, after generation", "reward_model.model.path=null")
@@ -325,21 +316,15 @@ def _check_judge(cfg: Config) -> None:
     """The judge's keys need a judge (its engines' keys, one of its own), its template names only the fields it is
     given, and it judges a whole batch after its rollout."""
     judge = cfg.judge
-    changed = [f"judge.{f.name}" for f in dataclasses.fields(judge) if f.name not in ("enable", "model")
-               and getattr(judge, f.name) != f.default]
-    engine_keys = ("judge.nnodes", "judge.n_gpus_per_node", "judge.tensor_parallel_size",
-                   "judge.gpu_memory_utilization", "judge.max_model_len")
-    if not judge.enable and (changed or judge.model.path is not None):
-        key = changed[0] if changed else JUDGE_PATH_KEY
-        raise ConfigError(f"{key} is set, but judge.enable=false: set judge.enable=true to judge the samples, or "
-                          f"remove {key}.")
     if not judge.enable:
+        _refuse_set_keys(_set_keys(judge, "judge") + _set_keys(judge.model, "judge.model"), "judge.enable=false",
+                         "set judge.enable=true to judge the samples")
         return
-    own_keys = [key for key in changed if key in engine_keys]
-    if own_keys and judge.model.path is None:
-        raise ConfigError(f"{own_keys[0]} sets up a judge's own engines, but judge.model.path=null makes the policy's "
-                          f"engines the judge: set judge.model.path to the judge's Hugging Face folder, or remove "
-                          f"{own_keys[0]}.")
+    if judge.model.path is None:
+        _refuse_set_keys(_set_keys(judge, "judge", ("nnodes", "n_gpus_per_node", "tensor_parallel_size",
+                                                    "gpu_memory_utilization", "max_model_len")),
+                         "judge.model.path=null makes the policy's engines the judge (no engines of its own)",
+                         "set judge.model.path to the judge's Hugging Face folder")
     unknown = sorted(template_fields(judge.prompt_template) - set(JUDGE_FIELDS))
     if unknown:
         raise ConfigError(f"judge.prompt_template names {{{unknown[0]}}}, but a judge's message is filled with "
@@ -369,6 +354,19 @@ def _check_judge_fits(cfg: Config, tokenizer, judge_hf: dict | None) -> None:
                           f"template's {template}, data.max_prompt_length={cfg.data.max_prompt_length}, a response of "
                           f"up to {response} and judge.max_tokens={judge.max_tokens}), past {length_key}={length}: set "
                           f"{length_key}={needed} (or more), or shorten the template or judge.max_tokens.")
+
+
+def _set_keys(section, prefix: str, names: tuple[str, ...] | None = None) -> list[str]:
+    """The keys of `section` (a config dataclass at `prefix`; only `names` when given) set to other than their
+    defaults."""
+    return [f"{prefix}.{f.name}" for f in dataclasses.fields(section) if (names is None or f.name in names)
+            and f.default is not dataclasses.MISSING and getattr(section, f.name) != f.default]
+
+
+def _refuse_set_keys(keys: list[str], missing: str, fix: str) -> None:
+    """ConfigError for the first of `keys` when any is set: they need what is `missing`; `fix` provides it."""
+    if keys:
+        raise ConfigError(f"{keys[0]} is set, but {missing}: {fix}, or remove {keys[0]}.")
 
 
 def _check_scored_after_generation(cfg: Config, why: str, off: str) -> None:

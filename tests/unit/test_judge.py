@@ -126,7 +126,7 @@ def test_a_judge_of_its_own_gets_a_pool_of_engines_in_the_plan(judge_dir):
     (["judge.coef=0.5"], ["judge.coef is set, but judge.enable=false"]),
     (["judge.model.path=/models/judge"], ["judge.model.path is set, but judge.enable=false"]),
     (["judge.enable=true", "judge.tensor_parallel_size=2", DIGITS_TEMPLATE, *FITS],
-     ["judge.tensor_parallel_size sets up a judge's own engines", "judge.model.path"]),
+     ["judge.tensor_parallel_size is set, but judge.model.path=null", "no engines of its own"]),
 ])
 def test_judge_keys_without_a_judge_are_named(overrides, words):
     message = config_error(*overrides)
