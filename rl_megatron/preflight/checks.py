@@ -39,7 +39,7 @@ from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokeniz
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
-    check_moe_knobs, check_own_model_against_layout, check_role_layouts
+    check_hybrid_layers, check_moe_knobs, check_own_model_against_layout, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rewards.judge import (FIELDS as JUDGE_FIELDS, JUDGE_PATH_KEY, encode_message, judge_engine_settings,
@@ -83,7 +83,9 @@ def preflight(cfg: Config, cuda: bool | None = None, files: bool = True) -> None
     if judge_hf is not None:  # a judge of its own: its engines serve its model
         engines.check_model(judge_hf, cuda, f"{JUDGE_PATH_KEY}'s config.json")
     # Where this driver has CUDA, so do the workers; TE findable here is the workers' TE (the same install).
-    check_sink_attention(cfg, hf, platform.has_cuda(), importlib.util.find_spec("transformer_engine") is not None)
+    transformer_engine = importlib.util.find_spec("transformer_engine") is not None
+    check_hybrid_layers(cfg, hf, platform.has_cuda(), transformer_engine)
+    check_sink_attention(cfg, hf, platform.has_cuda(), transformer_engine)
     if not files:
         return
     stop_ids = end_of_sequence_ids(cfg.model.path, hf)  # where the engines stop generating

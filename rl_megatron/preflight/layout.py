@@ -9,8 +9,9 @@ from rl_megatron.config.schema import ActorConfig, Config, CriticConfig, MoeConf
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.checks import check_heads, check_model_layout, check_moe_model, check_sequence_length
 from rl_megatron.config.choices import lora_modules
-from rl_megatron.config.pools import uses_reference
+from rl_megatron.config.pools import uses_reference, worker_pools
 from rl_megatron.models.family import family_of, moe_experts
+from rl_megatron.models.hf_config import role_model_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers
 from rl_megatron.roles import FROZEN_ROLES, Role
 
@@ -200,6 +201,24 @@ def check_own_model_against_layout(cfg: Config, role: Role, role_hf: dict) -> No
     check_sequence_length(role_hf, ("rollout.max_model_len", r.max_model_len), source)
 
 
+def check_hybrid_layers(cfg: Config, hf: dict, cuda: bool, transformer_engine: bool) -> None:
+    """The hybrid families (Gated DeltaNet layers or zero-centred norms: Qwen3-Next, Qwen3.5) are built from
+    Megatron's local layers only: on a CUDA run where Transformer Engine imports (whose layers every other family
+    gets there), a role holding one is refused here, naming it, before a worker fails at building it."""
+    if not (cuda and transformer_engine):
+        return
+    for name in (name for pool in worker_pools(cfg) for name in pool.roles if name.has_model):
+        role_hf = role_model_config(cfg, name, hf)
+        family = family_of(role_hf)
+        if family.gated_delta_net or family.zero_centred_norms:
+            raise ConfigError(
+                f"the {name}'s model (model_type={role_hf['model_type']!r}) is a hybrid of Gated DeltaNet and "
+                "attention layers, which rl_megatron builds from Megatron's local layers only, and Transformer "
+                "Engine imports here, whose layers every worker would build: run in an environment without it "
+                "(pip uninstall transformer-engine), where the local layers and the torch or fla delta-rule kernels "
+                "run (docs/model-families.md).")
+
+
 def check_lora(cfg: Config, hf: dict) -> None:
     """actor.lora: adapters where the model has the modules (not yet the MoE experts' nor latent attention's); no
     separate reference (the actor with its adapters off is the reference)."""
@@ -211,6 +230,10 @@ def check_lora(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"actor.lora.rank={lora.rank}: model.path's config.json has model_type="
                           f"{hf['model_type']!r}, whose multi-head latent attention (q_a_proj, kv_a_proj_with_mqa, "
                           "...) has no LoRA adapters yet: set actor.lora.rank=0 (full fine-tuning).")
+    if family.gated_delta_net:
+        raise ConfigError(f"actor.lora.rank={lora.rank}: model.path's config.json has model_type="
+                          f"{hf['model_type']!r}, whose Gated DeltaNet layers (in_proj, conv1d, out_proj) and gated "
+                          "attention have no LoRA adapters yet: set actor.lora.rank=0 (full fine-tuning).")
     mlp = [m for m in lora_modules(lora.target_modules) if m in ("gate_proj", "up_proj", "down_proj")]
     if moe_experts(hf) and mlp:
         raise ConfigError(f"actor.lora.target_modules includes {', '.join(mlp)}, but model.path's config.json has "

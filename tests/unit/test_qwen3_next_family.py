@@ -3,11 +3,17 @@ linear attention stores its input projection otherwise): their layers read from 
 them, the configs they refuse (naming the field), and the layouts of their regrouped tensors (Gated DeltaNet's in_proj
 and conv1d, the gated attention's q projection), each covering every HF element once over the TP ranks.
 (Numerics against transformers: tests/distributed/test_qwen3_next.py.)"""
+import os
+
 import pytest
 import torch
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+from helpers.runs import REPO
 from rl_megatron.config import ConfigError
+from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.preflight import load_config
+from rl_megatron.preflight.layout import check_hybrid_layers
 from rl_megatron.models.checks import check_model_layout
 from rl_megatron.models.family import table_for
 from rl_megatron.models.linear_attention import DeltaNetShape, linear_attention_layers
@@ -83,3 +89,24 @@ def test_both_in_proj_packings_give_megatron_the_same_heads(tp):
     for rank in range(tp):
         assert torch.equal(shard_from_hf(entries["qwen3_5_text"], [qkv, z, b, a], rank, tp),
                            shard_from_hf(entries["qwen3_next"], grouped, rank, tp))
+
+
+QWEN3_NEXT = os.path.join(REPO, "configs", "models", "tiny-qwen3-next-digits")
+
+
+def test_what_the_hybrid_layers_lack_yet_is_refused_before_anything_starts():
+    # LoRA: no adapters on the Gated DeltaNet layers yet.
+    with pytest.raises(ConfigError) as info:
+        load_config(os.path.join(REPO, "configs", "demo_cpu_lora.yaml"), [f"model.path={QWEN3_NEXT}"])
+    assert "actor.lora.rank" in str(info.value) and "Gated DeltaNet" in str(info.value)
+    # Transformer Engine's layers where it imports on CUDA: the role holding the model named.
+    cfg = load_config(os.path.join(REPO, "configs", "demo_cpu.yaml"), [f"model.path={QWEN3_NEXT}"])
+    hf = read_hf_config(QWEN3_NEXT)
+    check_hybrid_layers(cfg, hf, cuda=True, transformer_engine=False)
+    check_hybrid_layers(cfg, hf, cuda=False, transformer_engine=True)
+    with pytest.raises(ConfigError) as info:
+        check_hybrid_layers(cfg, hf, cuda=True, transformer_engine=True)
+    assert "the actor's model (model_type='qwen3_next')" in str(info.value)
+    assert "pip uninstall transformer-engine" in str(info.value)
+    demo = load_config(os.path.join(REPO, "configs", "demo_cpu.yaml"), [])
+    check_hybrid_layers(demo, read_hf_config(demo.model.path), cuda=True, transformer_engine=True)  # not hybrid
