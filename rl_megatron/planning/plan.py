@@ -37,6 +37,7 @@ from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.planning import memory
 from rl_megatron.planning.lora_memory import lora_parameters
+from rl_megatron.planning.engine_cache import sample_cache
 from rl_megatron.planning.memory import gib_text
 from rl_megatron.planning.phase_memory import SLEEPING_ENGINE_BYTES, over_memory, phase_line, pool_phases
 from rl_megatron.planning.pool import Pool, RolePlan
@@ -252,7 +253,7 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     for spec, pool in zip(specs, pools):
         for name in spec.roles:
             if name in (Role.ROLLOUT, Role.JUDGE):
-                pool.roles.append(_engine_role(name, cfg, pool, total, gib, on_gpu, plan))
+                pool.roles.append(_engine_role(name, cfg, pool, hf, gib, on_gpu, plan))
             else:
                 role_hf = role_model_config(cfg, name, hf)
                 pool.roles.append(_megatron_role(name, pool, spec.layout, role_hf, cfg, on_gpu))
@@ -268,24 +269,29 @@ def build_plan(cfg: Config, gpu_memory_gib: Optional[float] = None, on_gpu: bool
     return plan
 
 
-def _engine_role(name: Role, cfg: Config, pool: Pool, total: int, gib: float, on_gpu: bool,
+def _engine_role(name: Role, cfg: Config, pool: Pool, hf: dict, gib: float, on_gpu: bool,
                  plan: ClusterPlan) -> RolePlan:
-    """The vLLM engines in `pool`, the policy's (`name` rollout: `total` parameters) or a judge's own (judge: its
-    model's): their placement checked, their memory per GPU (a warning when the weights do not fit the engine's
-    share)."""
+    """The vLLM engines in `pool`, the policy's (`name` rollout: the model of `hf`) or a judge's own (judge: its
+    model): their placement checked, their memory per GPU and, on GPU, how many samples their cache holds at once (a
+    warning when the weights do not fit the engine's share)."""
     if name is Role.JUDGE:
-        judge_hf = read_hf_config(cfg.judge.model.path, JUDGE_PATH_KEY)
-        r, total = judge_engine_settings(cfg, judge_hf), memory.rank_parameters(judge_hf).total
+        hf = read_hf_config(cfg.judge.model.path, JUDGE_PATH_KEY)
+        r = judge_engine_settings(cfg, hf)
     else:
         r = cfg.rollout
+    total = memory.rank_parameters(hf).total
     note = _check_engine(r.tensor_parallel_size, pool, f"{name}.tensor_parallel_size")
     pool.placement_notes.append(f"{name}: {note}")
     engines = pool.world // r.tensor_parallel_size
     engine_weights = memory.weight_bytes(total, cfg.model.dtype) // r.tensor_parallel_size
     if on_gpu:
         engine_bytes = int(r.gpu_memory_utilization * gib * memory.GIB)
+        cache = sample_cache(hf, r.tensor_parallel_size, cfg.model.dtype)
+        per_sample = cache.sample_bytes(r.max_model_len)
+        state = f", {gib_text(cache.state_bytes)} of it Gated DeltaNet state" if cache.state_bytes else ""
         memory_note = (f"{name}.gpu_memory_utilization={r.gpu_memory_utilization} x {gib:g} GiB: weights "
-                       f"{gib_text(engine_weights)} + KV cache")
+                       f"{gib_text(engine_weights)} + KV cache, ~{max(0, engine_bytes - engine_weights) // per_sample} "
+                       f"samples of max_model_len={r.max_model_len} at once ({gib_text(per_sample)} each{state})")
     else:
         engine_bytes = engine_weights + r.kv_cache_bytes
         memory_note = "weights + rollout.kv_cache_bytes"

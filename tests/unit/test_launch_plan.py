@@ -16,6 +16,7 @@ from rl_megatron.planning import build_plan, format_plan
 from rl_megatron.launch.__main__ import check_environment, describe_node, plan_node, shell_assignments
 from rl_megatron.launch.auth import ray_auth, write_token_file
 from rl_megatron.launch.environment import LaunchError, detect_node, expand_hostlist
+from rl_megatron.planning.engine_cache import sample_cache
 from rl_megatron.planning.memory import (GIB, ModelShape, RankParameters, RolePasses, activation_bytes,
                                          rank_parameters, training_state_bytes)
 from rl_megatron.launch.ray_cluster import cluster_shortfall, wait_for_head
@@ -90,6 +91,10 @@ def test_plan_places_roles_and_estimates_memory():
     assert roles["actor"].layout == "TP=2 PP=2 CP=1 EP=1 DP=4" and roles["ref"].layout == roles["actor"].layout
     assert roles["rollout"].layout == "TP=1, 16 engines"
     assert roles["rollout"].memory_bytes == int(0.4 * 80 * 2 ** 30)
+    # Its cache beside the weights, in samples of rollout.max_model_len (engine_cache.py's per-sample bytes).
+    per_sample = sample_cache(TINY_QWEN2, 1, "bfloat16").sample_bytes(cfg.rollout.max_model_len)
+    samples = (roles["rollout"].memory_bytes - roles["rollout"].weight_bytes) // per_sample
+    assert f"~{samples} samples of max_model_len={cfg.rollout.max_model_len} at once" in roles["rollout"].memory_note
     per_rank = rank_parameters(TINY_QWEN2, tp=2, pp=2)
     assert roles["actor"].memory_bytes == int(per_rank.total * (6 + 12 / 4))
     assert roles["ref"].memory_bytes == per_rank.total * 2
