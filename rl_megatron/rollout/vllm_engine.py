@@ -8,7 +8,6 @@ Log-probs are `processed_logprobs`: after temperature, which is what the trainer
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import re
@@ -22,6 +21,7 @@ from rl_megatron.rollout.completions import Completion, TurnRequest, completion_
 from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, name_cpu_shm_by_world, remove_stale_cpu_shm
 from rl_megatron.rollout.moe_backend import check_engine_moe_kernels, engine_moe_arguments, pins_moe_backend
 from rl_megatron.rollout.routing_capture import EngineRouting
+from rl_megatron.rollout.vllm_allocator import vllm_allocator_settings
 from rl_megatron.rollout.vllm_cpu_attention import check_cpu_attention
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
@@ -61,35 +61,6 @@ def configure_engine_process() -> None:
     if cpu:
         for notice in CPU_NOTICES:
             warnings.filterwarnings("ignore", message=re.escape(notice))
-
-
-def without_expandable_segments(alloc_conf: str) -> str:
-    """PYTORCH_CUDA_ALLOC_CONF without `expandable_segments:True` (the other settings kept, in order)."""
-    items = [item for item in alloc_conf.split(",") if item.strip()]
-    return ",".join(item for item in items if item.replace(" ", "") != "expandable_segments:True")
-
-
-@contextlib.contextmanager
-def vllm_allocator_settings():
-    """While vLLM allocates (engine start, sleep, wake-up): its sleep-mode allocator (CuMem) asserts that
-    PYTORCH_CUDA_ALLOC_CONF has no `expandable_segments:True`, and its memory pool cannot share PyTorch's expandable
-    segments. Megatron phases keep the user's setting (it limits fragmentation there). verl toggles the allocator
-    the same way around its rollout's wake-up and sleep."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    stripped = without_expandable_segments(conf)
-    if stripped == conf:
-        yield
-        return
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = stripped
-    live = platform.has_cuda() and torch.cuda.is_initialized()
-    if live:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    try:
-        yield
-    finally:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        if live:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a scheduler step

@@ -7,8 +7,8 @@ import pytest
 from rl_megatron import platform
 from rl_megatron.preflight import load_config
 from rl_megatron.models.gpt import initialization
-from rl_megatron.rollout.vllm_engine import (CPU_ENGINE_ENV, configure_engine_process, vllm_allocator_settings,
-                                             without_expandable_segments)
+from rl_megatron.rollout.vllm_allocator import vllm_allocator_settings, without_expandable_segments
+from rl_megatron.rollout.vllm_engine import CPU_ENGINE_ENV, configure_engine_process
 from rl_megatron.trainer.workers import worker_env
 
 
