@@ -16,6 +16,7 @@ timing_s/judge (its verdicts' time, within the rollout's).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -64,8 +65,11 @@ class Judge:
         settings, started = self.settings, time.perf_counter()
         encoded = [encode_message(self.tokenizer, self.message(sample)) for sample in samples]
         fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
-        verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
-            1, settings.temperature, PURPOSE, step, max_tokens=settings.max_tokens)) if fits else []
+        # With partial rollouts the policy's engines are not held for the whole rollout: a weight sync waits for the
+        # verdicts through the gate, as for any other use of the engines.
+        with nullcontext() if self.engines.gate is None else self.engines.gate.use():
+            verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
+                1, settings.temperature, PURPOSE, step, max_tokens=settings.max_tokens)) if fits else []
         parsed = {i: parse_verdict(self.tokenizer.decode(verdict.response_ids, skip_special_tokens=True),
                                    settings.parser, settings.json_field) for i, verdict in zip(fits, verdicts)}
         scores = [settings.failure_score if parsed.get(i) is None else parsed[i] / settings.score_scale

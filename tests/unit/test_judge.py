@@ -20,6 +20,7 @@ from rl_megatron.preflight import load_config
 from rl_megatron.rewards.judge import (encode_message, judge_engine_settings, judge_message, parse_verdict,
                                        template_fields)
 from rl_megatron.roles import Role
+from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.trainer.judge import Judge
 from rl_megatron.trainer.rewards import ModelScores, Rewards
 
@@ -153,3 +154,25 @@ def test_the_judge_renders_with_its_own_tokenizer_and_generates_on_its_own_engin
     assert judge.engines.group is own and judge.engines.count == 3
     judge.connect(policy_engines, {})
     assert judge.engines is policy_engines
+
+
+def test_with_partial_rollouts_a_weight_sync_waits_for_the_self_judges_verdicts():
+    """With partial rollouts the generation thread does not hold the policy's engines for a whole rollout (each
+    request pauses for a sync on its own): the judge's verdicts hold them through the gate meanwhile."""
+    cfg = load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS])
+    policy = load_tokenizer(cfg.model.path)
+    judge, gate = Judge(cfg, policy), EngineGate()
+    held = []
+
+    class Engines:
+        def generate(self, prompts, sampling):
+            held.append(gate._users)
+            return [Sample(p.ids, policy.encode("7", add_special_tokens=False), [0.0], "judge", None) for p in prompts]
+
+    engines = Engines()
+    engines.gate = gate
+    judge.connect(engines, {})
+    sample = Sample(policy.encode("3+4="), policy.encode("7", add_special_tokens=False), [0.0], "arithmetic", "7")
+    scores = judge.scores([sample, sample], step=3)
+    assert held == [1] and gate._users == 0  # the gate held while generating, let go after
+    assert torch.allclose(scores.scores, torch.tensor([0.7, 0.7])) and scores.stats["judge/parse_failures"] == 0
