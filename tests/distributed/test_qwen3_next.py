@@ -30,10 +30,11 @@ def packed_and_padded(cfgs, batch):
 
 
 # PP=2 over 4 layers: each stage a linear-attention layer, then a full-attention one. Qwen3.5 (dense and MoE: the
-# same hybrid, its linear attention's input projection stored in four tensors) at TP=1 and TP=2.
+# same hybrid, its linear attention's input projection stored in four tensors) at TP=1 and TP=2, and the MoE one at
+# PP=2 too.
 @pytest.mark.parametrize("model_type,tp,pp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 1), ("qwen3_next", 1, 2),
                                               *((qwen3_5, tp, 1) for qwen3_5 in ("qwen3_5_text", "qwen3_5_moe_text")
-                                                for tp in (1, 2))])
+                                                for tp in (1, 2)), ("qwen3_5_moe_text", 1, 2)])
 def test_log_probs_packed_and_padded_and_export_match_transformers(tmp_path, model_type, tp, pp):
     model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False, layers=2 * pp)
     # Four samples a micro-batch: a packed row holds four spans.
