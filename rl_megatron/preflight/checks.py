@@ -39,7 +39,7 @@ from rl_megatron.models.tokenizer import check_shared_tokenizer, checked_tokeniz
 from rl_megatron.platform import determinism
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.preflight.layout import check_activations, check_actor_layout, check_model_against_layouts, \
-    check_hybrid_layers, check_moe_knobs, check_own_model_against_layout, check_role_layouts
+    check_engine_pool, check_hybrid_layers, check_moe_knobs, check_own_model_against_layout, check_role_layouts
 from rl_megatron.preflight.sink_attention import check_sink_attention
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rewards.judge import (FIELDS as JUDGE_FIELDS, JUDGE_PATH_KEY, encode_message, judge_engine_settings,
@@ -322,7 +322,9 @@ def _check_judge(cfg: Config) -> None:
         _refuse_set_keys(_set_keys(judge, "judge") + _set_keys(judge.model, "judge.model"), "judge.enable=false",
                          "set judge.enable=true to judge the samples")
         return
-    if judge.model.path is None:
+    if judge.model.path is not None:
+        check_engine_pool("judge", judge)
+    else:
         _refuse_set_keys(_set_keys(judge, "judge", ("nnodes", "n_gpus_per_node", "tensor_parallel_size",
                                                     "gpu_memory_utilization", "max_model_len")),
                          "judge.model.path=null makes the policy's engines the judge (no engines of its own)",

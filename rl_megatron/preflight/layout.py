@@ -99,18 +99,10 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
     """The rollout engines: TP within a node of their pool, and the step's samples split evenly over them."""
     r, d = cfg.rollout, cfg.data
     if r.placement == "separate":
-        engine_devices = r.nnodes * r.n_gpus_per_node
-        whose = ("rollout pool's", "rollout.nnodes x rollout.n_gpus_per_node")
-        if r.n_gpus_per_node % r.tensor_parallel_size and r.tensor_parallel_size % r.n_gpus_per_node:
-            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide "
-                              f"rollout.n_gpus_per_node={r.n_gpus_per_node} (an engine's shards on one node), or be a "
-                              "multiple of it (whole nodes, for weights one node cannot hold).")
+        engines = check_engine_pool("rollout", r)
     else:
-        engine_devices, whose = actor_devices, ("actor's", "trainer.nnodes x trainer.n_gpus_per_node")
-    if engine_devices % r.tensor_parallel_size:
-        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} does not divide the {whose[0]} "
-                          f"{engine_devices} devices ({whose[1]}); choose a divisor.")
-    engines = engine_devices // r.tensor_parallel_size
+        engines = _engines_on("rollout", r.tensor_parallel_size, actor_devices, "actor's",
+                              "trainer.nnodes x trainer.n_gpus_per_node")
     if (d.train_batch_size * r.n) % engines:
         raise ConfigError(
             f"data.train_batch_size x rollout.n = {d.train_batch_size * r.n} samples do not split evenly over "
@@ -119,6 +111,25 @@ def _check_engines(cfg: Config, actor_devices: int) -> None:
     if d.max_prompt_length + r.max_tokens > r.max_model_len:
         raise ConfigError(f"data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens} "
                           f"exceeds rollout.max_model_len={r.max_model_len}; raise max_model_len.")
+
+
+def check_engine_pool(section: str, pool) -> int:
+    """Engines on devices of their own (`pool`: the rollout section, or a judge's, at config path `section`): each
+    engine's TP shards on one node or over whole nodes, and its TP dividing the pool's devices. Returns the engines."""
+    tp, gpus = pool.tensor_parallel_size, pool.n_gpus_per_node
+    if gpus % tp and tp % gpus:
+        raise ConfigError(f"{section}.tensor_parallel_size={tp} must divide {section}.n_gpus_per_node={gpus} (an "
+                          "engine's shards on one node), or be a multiple of it (whole nodes, for weights one node "
+                          "cannot hold).")
+    return _engines_on(section, tp, pool.nnodes * gpus, f"{section} pool's",
+                       f"{section}.nnodes x {section}.n_gpus_per_node")
+
+
+def _engines_on(section: str, tp: int, devices: int, whose: str, devices_keys: str) -> int:
+    if devices % tp:
+        raise ConfigError(f"{section}.tensor_parallel_size={tp} does not divide the {whose} {devices} devices "
+                          f"({devices_keys}); choose a divisor.")
+    return devices // tp
 
 
 def check_role_layouts(cfg: Config) -> None:

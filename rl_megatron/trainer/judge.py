@@ -9,7 +9,7 @@ The policy judging its own answers is verl's and OpenRLHF's "self-rewarding" set
 policy can drift towards answers its own judgements favour: judge.coef and mode=mixed keep a rule's signal beside it.
 
 A verdict that cannot be read takes judge.failure_score and counts in judge/parse_failures; a message too long for
-the engines (its tokens and judge.max_tokens past rollout.max_model_len) is not sent, takes the same score and counts
+the engines (its tokens and judge.max_tokens past their max_model_len) is not sent, takes the same score and counts
 in judge/too_long. Metrics: judge/score/* (of the scores trained on), judge/parse_failures, judge/too_long and
 timing_s/judge (its verdicts' time, within the rollout's).
 """

@@ -126,6 +126,8 @@ def test_a_judge_of_its_own_gets_a_pool_of_engines_in_the_plan(judge_dir):
 @pytest.mark.parametrize("overrides,words", [
     (["judge.coef=0.5"], ["judge.coef is set, but judge.enable=false"]),
     (["judge.model.path=/models/judge"], ["judge.model.path is set, but judge.enable=false"]),
+    (["judge.enable=true", "judge.model.path=configs/models/tiny-qwen2-digits", "judge.tensor_parallel_size=2",
+      DIGITS_TEMPLATE], ["judge.tensor_parallel_size=2 does not divide the judge pool's 1 devices"]),
     (["judge.enable=true", "judge.tensor_parallel_size=2", DIGITS_TEMPLATE, *FITS],
      ["judge.tensor_parallel_size is set, but judge.model.path=null", "no engines of its own"]),
 ])
