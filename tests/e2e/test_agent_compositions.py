@@ -76,7 +76,7 @@ def test_gateway_episodes_carry_the_engines_routing_for_router_replay_r3(tmp_pat
     model = str(tmp_path / "tiny-qwen3-moe-tools")
     write_tiny_model(model, vocabulary=TOOLS, moe=True)
     _, rows, _ = train(tmp_path, f"model.path={model}", "actor.tensor_model_parallel_size=1",
-                       "actor.expert_model_parallel_size=2", "actor.micro_batch_size=64", "actor.router_replay=R3",
+                       "actor.expert_model_parallel_size=2", "actor.micro_batch_size=32", "actor.router_replay=R3",
                        "trainer.total_steps=3", "trainer.target_reward=null", config="demo_cpu_agent")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["agent/episodes_failed"] == 0 and r["agent/calls_per_episode"] > 1 for r in rows)
