@@ -334,8 +334,8 @@ def _check_judge(cfg: Config) -> None:
         raise ConfigError(f"judge.prompt_template names {{{unknown[0]}}}, but a judge's message is filled with "
                           f"{', '.join('{' + name + '}' for name in JUDGE_FIELDS)} only: use those, or write a literal "
                           "brace as {{ or }}.")
-    _check_scored_after_generation(cfg, "the judge (judge.enable) judges a whole batch after its rollout",
-                                   "judge.enable=false")
+    _check_scored_after_generation(cfg, "the judge (judge.enable) judges a batch (with dynamic sampling, each "
+                                        "round) after its rollout", "judge.enable=false", dynamic_sampling=False)
 
 
 def _check_judge_fits(cfg: Config, tokenizer, judge_hf: dict | None) -> None:
@@ -373,10 +373,12 @@ def _refuse_set_keys(keys: list[str], missing: str, fix: str) -> None:
         raise ConfigError(f"{keys[0]} is set, but {missing}: {fix}, or remove {keys[0]}.")
 
 
-def _check_scored_after_generation(cfg: Config, why: str, off: str) -> None:
+def _check_scored_after_generation(cfg: Config, why: str, off: str, dynamic_sampling: bool = True) -> None:
     """A model that scores a batch after its rollout cannot serve the modes that score each group as it generates
-    (dynamic sampling, streaming). ConfigError saying `why` and naming both ways out (`off` turns the model off)."""
-    scored_early = [key for key, on in (("algorithm.filter_groups.enable=true", cfg.algorithm.filter_groups.enable),
+    (streaming; and dynamic sampling, unless the model scores each of its rounds: `dynamic_sampling` False).
+    ConfigError saying `why` and naming both ways out (`off` turns the model off)."""
+    filtering = dynamic_sampling and cfg.algorithm.filter_groups.enable
+    scored_early = [key for key, on in (("algorithm.filter_groups.enable=true", filtering),
                                         (f"trainer.async_mode={STREAMING}", cfg.trainer.async_mode == STREAMING)) if on]
     if scored_early:
         raise ConfigError(f"{scored_early[0]} scores each prompt's group while it generates, but {why}: turn "

@@ -64,8 +64,10 @@ class GroupFilter:
                 f"groups in algorithm.filter_groups.max_num_gen_batches={self.max_rounds} rounds; training on them "
                 f"with {filled.metrics['filter/padded_groups']} padding groups (kept out of the loss)")
 
-    def fill(self, generate: Callable[[int], list[Sample]], score: Callable[[list[Sample]], Rewards]) -> Filled:
-        """Generate (`generate(round)`, round 1, 2, ...) and score rounds until enough groups vary, or the cap."""
+    def fill(self, generate: Callable[[int], list[Sample]],
+             score: Callable[[list[Sample], int], Rewards]) -> Filled:
+        """Generate (`generate(round)`, round 1, 2, ...) and score (`score(samples, round)`) rounds until enough
+        groups vary, or the cap."""
         samples: list[Sample] = []
         rewards: list[Rewards] = []
         kept: list[int] = []  # group indices over all rounds
@@ -73,7 +75,7 @@ class GroupFilter:
         while len(kept) < self.train_groups and not (self.max_rounds and rounds == self.max_rounds):
             rounds += 1
             new = generate(rounds)
-            new_rewards = score(new)
+            new_rewards = score(new, rounds)
             first_group = len(samples) // self.n
             kept += [first_group + g for g, varies in enumerate(varied_groups(self.values(new_rewards), self.n))
                      if varies]

@@ -28,7 +28,7 @@ from rl_megatron.rewards.judge import (JUDGE_PATH_KEY, encode_message, judge_eng
                                        parse_verdict)
 from rl_megatron.roles import Role
 from rl_megatron.rollout.engines import RolloutEngines, Sampling
-from rl_megatron.trainer.rewards import ModelScores
+from rl_megatron.trainer.rewards import ModelScores, Rewards
 from rl_megatron.workers.worker_group import WorkerGroup
 
 PURPOSE = "judge"  # its own request seeds: a sampled verdict never shares the policy's rollout seeds
@@ -60,16 +60,18 @@ class Judge:
         response = self.policy_tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return judge_message(self.settings.prompt_template, prompt, response, sample.ground_truth)
 
-    def scores(self, samples: list[Sample], step: int) -> ModelScores:
-        """The judge's score of each of `samples` (judge.failure_score where it gave none)."""
+    def scores(self, samples: list[Sample], step: int, round_: int = 1) -> ModelScores:
+        """The judge's score of each of `samples` (judge.failure_score where it gave none); `round_`: the dynamic
+        sampling round that generated them, whose verdicts are sampled with seeds of their own."""
         settings, started = self.settings, time.perf_counter()
+        purpose = PURPOSE if round_ == 1 else f"{PURPOSE} round {round_}"
         encoded = [encode_message(self.tokenizer, self.message(sample)) for sample in samples]
         fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
         # With partial rollouts the policy's engines are not held for the whole rollout: a weight sync waits for the
         # verdicts through the gate, as for any other use of the engines.
         with nullcontext() if self.engines.gate is None else self.engines.gate.use():
             verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
-                1, settings.temperature, PURPOSE, step, max_tokens=settings.max_tokens)) if fits else []
+                1, settings.temperature, purpose, step, max_tokens=settings.max_tokens)) if fits else []
         parsed = {i: parse_verdict(self.tokenizer.decode(verdict.response_ids, skip_special_tokens=True),
                                    settings.parser, settings.json_field) for i, verdict in zip(fits, verdicts)}
         scores = [settings.failure_score if parsed.get(i) is None else parsed[i] / settings.score_scale
@@ -77,3 +79,8 @@ class Judge:
         stats = {"judge/parse_failures": float(sum(value is None for value in parsed.values())),
                  "judge/too_long": float(len(samples) - len(fits)), "timing_s/judge": time.perf_counter() - started}
         return ModelScores("judge", torch.tensor(scores, dtype=torch.float32), settings, stats)
+
+    def with_verdicts(self, rewards: Rewards, samples: list[Sample], step: int, round_: int) -> Rewards:
+        """`rewards` of `samples` with the judge's scores added, as judge.mode says: under dynamic sampling each round
+        is judged as it is generated, so that the filter reads the rewards trained on."""
+        return rewards.with_sources([self.scores(samples, step, round_)])

@@ -192,14 +192,14 @@ class Trainer:
         if self.group_filter is None:
             samples = generate_round(1)  # then the judge's verdicts, in the same thread (`judge.py`)
             return Rollout(step, samples, judged=self.judge and self.judge.scores(samples, step))
-        filled = self.group_filter.fill(generate_round, self.score_now)
+        judged = self.judge.with_verdicts if self.judge else lambda rewards, *_: rewards  # each round as it comes
+        filled = self.group_filter.fill(generate_round, lambda new, r: judged(self.score_now(new), new, step, r))
         if self.group_filter.cap_note(step, filled):
             self.tracker.write(self.group_filter.cap_note(step, filled))
         return Rollout(step, filled.samples, filled.rewards, filled.metrics)
 
     def version_training(self, step: int) -> int:
-        """The policy version that trains step `step`'s batch: one actor update per step before it, after the
-        critic's warm-up."""
+        """The policy version that trains step `step`'s batch (an actor update a step, after the critic's warm-up)."""
         return max(0, step - 1 - self.cfg.critic.warmup_steps)
 
     def rewards(self, scored: Scored, samples: list[Sample]) -> Rewards:

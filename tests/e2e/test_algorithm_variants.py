@@ -42,15 +42,26 @@ def test_the_demo_learns_under_each_policy_loss(tmp_path, loss, options):
         assert all(r["actor/kl_cov_penalty"] > 0 for r in rows)
 
 
+# The policy judging its own answers beside the rule (a small weight: the rule's signal leads), each round of
+# dynamic sampling judged before the filter reads its rewards.
+SELF_JUDGE = ("judge.enable=true", "judge.prompt_template='{prompt}{response}='", "judge.max_tokens=2",
+              "judge.coef=0.01", "rollout.max_model_len=32")
+
+
 def test_dynamic_sampling_trains_on_groups_that_vary_and_the_reward_rises_under_kl_cov(tmp_path):
     _, rows, _ = train(tmp_path, *SMALL, *KL_COV, "algorithm.filter_groups.enable=true", "data.gen_batch_size=32",
-                       "trainer.total_steps=20", "trainer.save_every=-1")
+                       *SELF_JUDGE, "trainer.total_steps=20", "trainer.save_every=-1")
     assert len(rows) == 20
     for r in rows:
         assert r["filter/prompts_used"] == 32 * r["filter/gen_batches"]
         assert r["filter/kept_groups"] == 16 and not r["filter/reached_cap"]  # the demo never needs 10 rounds
         assert 0 < r["reward/mean"] < 1  # only groups with right and wrong answers are trained on
+        # Every round was judged, and the verdicts entered the rewards trained on (the rule's score is its acc).
+        assert r["judge/too_long"] == 0 and r["timing_s/judge"] > 0
+        assert r["reward/score"] == pytest.approx(r["reward/acc"] + 0.01 * r["judge/score/mean"], abs=1e-6)
         assert r["actor/pg_clipfrac"] > 0 and r["actor/kl_cov_penalty"] > 0  # KL-Cov's share got the penalty
+    # ... and the rewards the filter read: the verdicts of every round generated, the rejected groups' too.
+    assert any(r["filter/generated_reward/mean"] > r["filter/generated_acc/mean"] for r in rows)
     assert max(r["filter/gen_batches"] for r in rows) > 1  # more rounds were needed at the start
     assert mean_reward(rows[-10:], "filter/generated_reward/mean") > mean_reward(
         rows[:5], "filter/generated_reward/mean") + 0.03

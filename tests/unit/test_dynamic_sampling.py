@@ -40,8 +40,8 @@ class Rounds:
         # A sample's prompt id names its round and group, so the test can see which ones were kept.
         return [Sample([round_, group], [7, 7, 7], [0.0] * 3, "t", None) for group in range(groups) for _ in range(N)]
 
-    def score(self, samples: list[Sample]) -> Rewards:
-        round_ = samples[0].prompt_ids[0]
+    def score(self, samples: list[Sample], round_: int) -> Rewards:
+        assert round_ == samples[0].prompt_ids[0]  # each round scored with its number, as it is generated
         flat = lambda pairs: torch.tensor([float(v) for pair in pairs for v in pair])  # noqa: E731
         return Rewards(flat(self.scores[round_ - 1]), flat(self.acc[round_ - 1]), None, {"reward/errors": 1})
 
@@ -126,7 +126,7 @@ def test_a_resumed_run_draws_the_prompts_after_every_round_the_saved_step_used()
         return [Sample(p.ids, [7], [0.0], p.data_source, p.ground_truth) for p in loader.next_batch()
                 for _ in range(N)]
 
-    def score(samples):  # only the third round's prompts vary
+    def score(samples, round_):  # only the third round's prompts vary
         values = torch.tensor([float(i % 2 and len(rounds) == 3) for i in range(len(samples))])
         return Rewards(values, values, None, {})
 

@@ -88,8 +88,12 @@ def test_the_judges_section_is_checked_before_anything_starts():
     # The demo's engines hold 9 tokens: a judge's message and verdict need more, and the message says how many.
     message = config_error("judge.enable=true", DIGITS_TEMPLATE)
     assert "rollout.max_model_len=9" in message and "set rollout.max_model_len=" in message
-    message = config_error("judge.enable=true", DIGITS_TEMPLATE, *FITS, "algorithm.filter_groups.enable=true")
-    assert "algorithm.filter_groups.enable=true" in message and "judge.enable=false" in message
+    # Streaming scores each group as it finishes, which a judge does not; dynamic sampling's rounds are judged one
+    # by one (below, and tests/e2e/test_algorithm_variants.py).
+    message = config_error("judge.enable=true", DIGITS_TEMPLATE, *FITS, "trainer.async_mode=streaming")
+    assert "trainer.async_mode=streaming" in message and "judge.enable=false" in message
+    load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS, "algorithm.filter_groups.enable=true",
+                       "data.gen_batch_size=32"])
     assert "judge.score_scale" in config_error("judge.enable=true", "judge.score_scale=0")
 
 
@@ -178,3 +182,27 @@ def test_with_partial_rollouts_a_weight_sync_waits_for_the_self_judges_verdicts(
     scores = judge.scores([sample, sample], step=3)
     assert held == [1] and gate._users == 0  # the gate held while generating, let go after
     assert torch.allclose(scores.scores, torch.tensor([0.7, 0.7])) and scores.stats["judge/parse_failures"] == 0
+
+
+def test_under_dynamic_sampling_each_round_is_judged_with_seeds_of_its_own():
+    """The filter reads the rewards trained on: each round's verdicts join its rewards before the filter keeps its
+    groups, sampled with the round's own request seeds (as the round's samples are)."""
+    cfg = load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS, "judge.score_scale=10",
+                             "algorithm.filter_groups.enable=true", "data.gen_batch_size=32"])
+    policy = load_tokenizer(cfg.model.path)
+    judge, purposes = Judge(cfg, policy), []
+
+    class Engines:
+        gate = None
+
+        def generate(self, prompts, sampling):
+            purposes.append((sampling.purpose, sampling.step))
+            return [Sample(p.ids, policy.encode("8", add_special_tokens=False), [0.0], "judge", None) for p in prompts]
+
+    judge.connect(Engines(), {})
+    sample = Sample(policy.encode("3+4="), policy.encode("7", add_special_tokens=False), [0.0], "arithmetic", "7")
+    rule = Rewards(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), None, {"reward/errors": 0.0})
+    first, second = (judge.with_verdicts(rule, [sample, sample], 5, round_) for round_ in (1, 2))
+    assert purposes == [("judge", 5), ("judge round 2", 5)]
+    assert torch.allclose(first.scores, torch.tensor([1.8, 0.8])) and torch.equal(first.acc, rule.acc)
+    assert torch.allclose(Rewards.cat([first, second]).sources["judge"], torch.full((4,), 0.8))
