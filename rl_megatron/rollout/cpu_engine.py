@@ -16,8 +16,8 @@ def keep_cpu_weights_in_place() -> None:
     storage, so that every sync writes them in place, and the kernels read packed copies made from them again after
     any write (`_pack_cpu_linear_from_parameters`). The small GEMMs vLLM gives its SGL kernels (e.g. MoE routers)
     run as plain `F.linear`: that packing would turn a bias the syncs write into float32. Gated DeltaNet layers
-    (Qwen3-Next) keep their convolution's weight as loaded too, and compute in torch (`cpu_gated_delta.py`). (GPU
-    kernels read the parameters as they are.)"""
+    (Qwen3-Next, Qwen3.5) keep their convolution's weight as loaded too, and compute in torch (`cpu_gated_delta.py`).
+    (GPU kernels read the parameters as they are.)"""
     from vllm.model_executor.layers import utils
 
     utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False

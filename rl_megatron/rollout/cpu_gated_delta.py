@@ -1,5 +1,5 @@
-"""vLLM's Gated DeltaNet layers (Qwen3-Next's linear attention) on CPU, computed by the project's torch kernels
-(models/gated_delta.py) over vLLM's own state caches.
+"""vLLM's Gated DeltaNet layers (Qwen3-Next's and Qwen3.5's linear attention) on CPU, computed by the project's torch
+kernels (models/gated_delta.py) over vLLM's own state caches.
 
 vLLM 0.32's CPU kernels for these layers take bfloat16 alone (the demo's engines, like the trainer, compute in
 float32), linear key and value heads whose widths are multiples of 32, and on CPUs with AVX512-BF16 they pack the
@@ -30,14 +30,16 @@ def forward_in_torch(layer, hidden_states: torch.Tensor) -> torch.Tensor:
     gated norm, with the convolution and the delta rule computed here."""
     from vllm.forward_context import get_forward_context
 
-    if not layer.gqa_interleaved_layout:
-        # Qwen3.5's separate q/k/v/z layout: not a family of this project yet.
-        raise NotImplementedError(f"{layer.prefix}: only Qwen3-Next's grouped in_proj_qkvz layout is supported.")
     mixed_qkvz, _ = layer.in_proj_qkvz(hidden_states)
     mixed_ba, _ = layer.in_proj_ba(hidden_states)
-    query, key, value, z, b, a = layer.fix_query_key_value_ordering(mixed_qkvz, mixed_ba)
-    # [q | k | v] per token, in the channel order of the convolution's weight.
-    mixed_qkv = torch.cat([part.flatten(-2) for part in (query, key, value)], -1)
+    # mixed_qkv: [q | k | v] per token, in the channel order of the convolution's weight.
+    if layer.gqa_interleaved_layout:  # Qwen3-Next: each key head's q, k, v, z (and b, a) together
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(mixed_qkvz, mixed_ba)
+        mixed_qkv = torch.cat([part.flatten(-2) for part in (query, key, value)], -1)
+    else:  # Qwen3.5: [q | k | v | z] and [b | a] of this rank's heads, each part whole
+        mixed_qkv, z = mixed_qkvz.split([layer.conv_dim // layer.tp_size, layer.value_dim // layer.tp_size], -1)
+        z = z.unflatten(-1, (-1, layer.head_v_dim))
+        b, a = layer.split_ba(mixed_ba)
     core = mixed_qkv.new_zeros(hidden_states.shape[0], layer.num_v_heads // layer.tp_size, layer.head_v_dim)
     metadata = get_forward_context().attn_metadata
     if metadata is not None:  # None in vLLM's profiling run, which only measures memory

@@ -23,6 +23,7 @@ from rl_megatron.rollout.moe_backend import check_engine_moe_kernels, engine_moe
 from rl_megatron.rollout.routing_capture import EngineRouting
 from rl_megatron.rollout.vllm_allocator import vllm_allocator_settings
 from rl_megatron.rollout.vllm_cpu_attention import check_cpu_attention
+from rl_megatron.rollout.vllm_qwen3_5 import register_qwen3_5_text_models
 from rl_megatron.config.schema import RolloutConfig
 from rl_megatron.models.family import family_of
 from rl_megatron.models.hf_config import end_of_sequence_ids, read_hf_config
@@ -170,6 +171,8 @@ class VLLMEngine:
         self.cfg = cfg
         hf = read_hf_config(model_path)
         self.stop_token_ids = end_of_sequence_ids(model_path, hf)
+        self.in_proj_packing = family_of(hf).in_proj_packing  # how the folders store a Gated DeltaNet's in_proj
+        register_qwen3_5_text_models(hf.get("architectures") or [])
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
         self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
@@ -287,7 +290,7 @@ class VLLMEngine:
 
     def sync_targets(self) -> Held:
         """This rank's vLLM parameters and the HF regions each keeps (`rollout/vllm_weights.py`)."""
-        return vllm_targets(self.model())
+        return vllm_targets(self.model(), self.in_proj_packing)
 
     def sleep(self, level: int = 2) -> None:
         """Free the engine's device memory while the trainer uses the device (the hybrid engine, GPU).

@@ -1,14 +1,16 @@
 """vLLM's side of a weight sync: the engine's parameters as HF regions (`vllm_targets`, the `sync_targets` of
 `VLLMEngine`), read off vLLM's own parallel layers (their TP rank, head counts, output sizes, vocabulary shard, expert
 map, a Gated DeltaNet layer's head and channel counts), with the HF names of fused layers taken from the model's
-`packed_modules_mapping` and its expert layers' checkpoint names: the engine itself says what it expects, so no second
-table can drift from it. And what vLLM derives from the weights, remade after a sync (`rederive_after_sync`).
+`packed_modules_mapping` and its expert layers' checkpoint names (and which parts of a Gated DeltaNet's input
+projection each HF tensor holds, from the model family's `InProjPacking`): the engine itself says what it expects, so
+no second table can drift from it. And what vLLM derives from the weights, remade after a sync (`rederive_after_sync`).
 """
 from __future__ import annotations
 
 import torch
 
-from rl_megatron.models.weight_layouts import Region, Split, SplitSections, along, whole
+from rl_megatron.models.linear_attention import InProjPacking
+from rl_megatron.models.weight_layouts import Region, Split, SplitSections, along, hf_module, whole
 from rl_megatron.resharding.plan import TensorSpec
 from rl_megatron.resharding.specs import Held
 
@@ -53,8 +55,19 @@ def _expert_regions(layer, leaf: str, param: torch.Tensor) -> list[Region]:
     return out
 
 
-def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str], owner) -> list[Region]:
-    """The HF regions `param` (`module`'s parameter `leaf`; `owner`: the module that holds `module`) keeps."""
+def _sections_per_tensor(names: list[str], packing: InProjPacking) -> list[int]:
+    """How many of a fused layer's output sizes each of its HF tensors `names` fills, in order: one, except where a
+    Gated DeltaNet's input projection keeps each part whole (`packing`: Qwen3.5's in_proj_qkv holds q, k and v,
+    which vLLM's in_proj_qkvz lays out as three output sizes, each split over TP by itself). Grouped per key head
+    (Qwen3-Next), a tensor is one output size, its key heads split over TP."""
+    whole_parts = {} if packing.grouped_per_key_head else dict(packing.tensors)
+    return [len(whole_parts[hf_module(name)]) if hf_module(name) in whole_parts else 1 for name in names]
+
+
+def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str], owner,
+                  packing: InProjPacking) -> list[Region]:
+    """The HF regions `param` (`module`'s parameter `leaf`; `owner`: the module that holds `module`) keeps;
+    `packing`: how the model's HF folders store a Gated DeltaNet's input projection."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                    QKVParallelLinear, RowParallelLinear)
@@ -82,11 +95,15 @@ def _vllm_regions(module, leaf: str, param: torch.Tensor, names: list[str], owne
                 along(names[1], (kv_total, *tail), 0, kv_rank * kv, (kv_rank + 1) * kv, q),
                 along(names[2], (kv_total, *tail), 0, kv_rank * kv, (kv_rank + 1) * kv, q + kv)]
     if isinstance(module, MergedColumnParallelLinear):
-        out, at = [], 0
-        for name, total in zip(names, module.output_sizes):
-            n = total // module.tp_size
-            out.append(along(name, (total, *tail), 0, module.tp_rank * n, (module.tp_rank + 1) * n, at))
-            at += n
+        # Each output size is split over TP by itself; an HF tensor fills one or more of them, one after another.
+        out, at, sizes = [], 0, iter(module.output_sizes)
+        for name, count in zip(names, _sections_per_tensor(names, packing)):
+            sections, start = [next(sizes) for _ in range(count)], 0
+            for total in sections:
+                n = total // module.tp_size
+                out.append(along(name, (sum(sections), *tail), 0, start + module.tp_rank * n,
+                                 start + (module.tp_rank + 1) * n, at))
+                at, start = at + n, start + total
         return out
     if isinstance(module, ColumnParallelLinear):
         n = module.output_size_per_partition
@@ -129,9 +146,9 @@ def _hf_name(mapper, name: str) -> str:
     return next((candidate for candidate in candidates if mapper.map_name(candidate) == name), name)
 
 
-def vllm_targets(model) -> Held:
+def vllm_targets(model, packing: InProjPacking) -> Held:
     """The engine's parameters on this rank (vLLM names) and the HF regions vLLM keeps in each (not those it
-    derives: `DERIVED`)."""
+    derives: `DERIVED`); `packing`: the model family's `in_proj_packing`."""
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     held = {}
     for name, param in model.named_parameters():
@@ -144,6 +161,6 @@ def vllm_targets(model) -> Held:
         # An engine serving LoRA wraps each linear layer that can take adapters: `<layer>.base_layer.weight`.
         hf_like = _hf_name(getattr(model, "hf_to_vllm_mapper", None), name.replace(".base_layer.", "."))
         regions = _vllm_regions(model.get_submodule(module_name), leaf, param, _unpacked_names(hf_like, packed),
-                                model.get_submodule(module_name.rpartition(".")[0]))
+                                model.get_submodule(module_name.rpartition(".")[0]), packing)
         held[name] = (param.detach(), TensorSpec(name, tuple(param.shape), param.dtype, tuple(regions)))
     return held

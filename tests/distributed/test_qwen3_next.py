@@ -4,8 +4,8 @@ with the samples packed into one row (the linear attention confined to each by c
 alike, at TP=1, TP=2 (sequence parallel, as MoE layers need there) and PP=2, and Qwen3.5's (Qwen3_5ForCausalLM,
 Qwen3_5MoeForCausalLM) at TP=1 and TP=2; one update against transformers' and at TP=2 against one rank; its HF
 export bitwise the folder's tensors (Qwen3.5's too), and through a Megatron checkpoint saved at one layout and
-converted back at another; its weights synced into real vLLM engines (the Gated DeltaNet core computed in
-torch on CPU: rollout/cpu_gated_delta.py) bit for bit, which then generate as transformers does."""
+converted back at another; its weights (Qwen3.5's too) synced into real vLLM engines (the Gated DeltaNet core
+computed in torch on CPU: rollout/cpu_gated_delta.py) bit for bit, which then generate as transformers does."""
 import dataclasses
 
 import pytest
@@ -88,9 +88,12 @@ def test_checkpoint_round_trip_at_another_layout_is_bitwise(tmp_path):
         assert torch.equal(exported[name], tensor), name
 
 
-# One engine per rank, and one engine over both ranks: its key heads (in_proj_qkvz, in_proj_ba), each section of the
-# convolution's channels, A_log and dt_bias split over the engine's TP ranks, as the gated attention's query heads.
-@pytest.mark.parametrize("tp,engine_tp", [(1, 1), (2, 2)])
-def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, tp, engine_tp):
-    model_dir = family_model_dir(tmp_path / "qwen3_next", "qwen3_next", tied=False)
+# One engine per rank, and one engine over both ranks: its key heads (Qwen3-Next's in_proj_qkvz, in_proj_ba; each
+# part of Qwen3.5's four tensors), each section of the convolution's channels, A_log and dt_bias split over the
+# engine's TP ranks, as the gated attention's query heads.
+@pytest.mark.parametrize("model_type,tp,engine_tp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 2),
+                                                     ("qwen3_5_text", 1, 1), ("qwen3_5_text", 2, 2),
+                                                     ("qwen3_5_moe_text", 1, 1)])
+def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, model_type, tp, engine_tp):
+    model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False)
     check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, 1, engine_tp, "auto")

@@ -18,9 +18,14 @@ def test_sync_puts_trainer_weights_into_engines(ray_session, tiny_model_dir, pla
                                                  f"rollout.placement={placement}")
 
 
-def test_sync_puts_qwen3_next_weights_into_engines(ray_session, tmp_path):
-    """A hybrid model (Gated DeltaNet and gated full attention, MoE): the engines' linear-attention layers carry their
-    convolution and recurrent states from step to step in torch (rollout/cpu_gated_delta.py); their log-probs of the
-    sampled tokens are the trainer's, their greedy answers transformers', before and after an update."""
-    model_dir = family_model_dir(tmp_path / "qwen3_next", "qwen3_next", tied=False)
+# Qwen3.5 stores the linear attention's input projection in four tensors, each part whole: its MoE model here (its
+# dense one, the same projection over a dense MLP: tests/distributed/test_qwen3_next.py syncs it at engine TP=1 and
+# TP=2).
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_sync_puts_hybrid_weights_into_engines(ray_session, tmp_path, model_type):
+    """A hybrid model (Gated DeltaNet and gated full attention, MoE or dense): the engines' linear-attention layers
+    carry their convolution and recurrent states from step to step in torch (rollout/cpu_gated_delta.py); their
+    log-probs of the sampled tokens are the trainer's, their greedy answers transformers', before and after an
+    update."""
+    model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False)
     check_sync_puts_trainer_weights_into_engines(model_dir)

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from rl_megatron.config.schema import RolloutConfig
+from rl_megatron.models.family import family_of
+from rl_megatron.models.hf_config import read_hf_config
 from rl_megatron.rollout.vllm_engine import drop_prefix_cache, engine_arguments
 
 DENSE = "configs/models/tiny-qwen2-digits"  # a CUDA engine reads its config.json: MoE models pin their kernels
@@ -33,11 +35,15 @@ def test_engines_schedule_one_step_at_a_time_on_every_device(cuda, mla):
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_linear_attention_states_are_cached_by_prefix_only_where_prefill_is_chunked(cuda):
+@pytest.mark.parametrize("folder", ["tiny-qwen3-next-digits", "tiny-qwen3-5-digits", "tiny-qwen3-5-moe-digits"])
+def test_linear_attention_states_are_cached_by_prefix_only_where_prefill_is_chunked(cuda, folder):
     """vLLM caches Gated DeltaNet states by prefix only with chunked prefill (its start fails otherwise), which CPU
-    engines go without; CUDA engines keep both."""
-    args = engine_arguments(DENSE, RolloutConfig(max_model_len=64), "bfloat16", 0, None, "dummy", cuda=cuda,
-                            mla=False, group_timeout_s=None, linear_attention=True)
+    engines go without; CUDA engines keep both. Every hybrid family's engines are told (the family's
+    gated_delta_net, as `VLLMEngine` reads it)."""
+    model_path = f"configs/models/{folder}"
+    args = engine_arguments(model_path, RolloutConfig(max_model_len=64), "bfloat16", 0, None, "dummy", cuda=cuda,
+                            mla=False, group_timeout_s=None,
+                            linear_attention=family_of(read_hf_config(model_path)).gated_delta_net)
     assert args["enable_prefix_caching"] is cuda
     assert args.get("enable_chunked_prefill", True) is cuda
 
