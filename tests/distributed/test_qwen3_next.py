@@ -93,7 +93,7 @@ def test_checkpoint_round_trip_at_another_layout_is_bitwise(tmp_path):
 # engine's TP ranks, as the gated attention's query heads.
 @pytest.mark.parametrize("model_type,tp,engine_tp", [("qwen3_next", 1, 1), ("qwen3_next", 2, 2),
                                                      ("qwen3_5_text", 1, 1), ("qwen3_5_text", 2, 2),
-                                                     ("qwen3_5_moe_text", 1, 1)])
+                                                     ("qwen3_5_moe_text", 1, 1), ("qwen3_5_moe_text", 2, 2)])
 def test_engines_hold_the_trainer_weights_and_generate_as_transformers(tmp_path, model_type, tp, engine_tp):
     model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False)
     check_engines_hold_the_trainer_weights(model_dir, tp, 1, 1, 1, engine_tp, "auto")
