@@ -27,6 +27,12 @@ class Sampling:
     max_tokens: int | None = None  # each answer's token budget (None: rollout.max_tokens)
 
 
+def round_purpose(purpose: str, round_: int) -> str:
+    """The purpose of a dynamic-sampling round's requests (`Sampling.purpose`): round 1 keeps `purpose`, each later
+    round gets seeds of its own."""
+    return purpose if round_ == 1 else f"{purpose} round {round_}"
+
+
 class RolloutEngines:
     """`generate` spreads prompts over the engines (a worker group hosting them) and returns their samples, each
     stamped with the policy version the engines hold (`weight_version`, kept current by the trainer's weight syncs).

@@ -27,7 +27,7 @@ from rl_megatron.models.tokenizer import load_tokenizer
 from rl_megatron.rewards.judge import (JUDGE_PATH_KEY, encode_message, judge_engine_settings, judge_message,
                                        parse_verdict)
 from rl_megatron.roles import Role
-from rl_megatron.rollout.engines import RolloutEngines, Sampling
+from rl_megatron.rollout.engines import RolloutEngines, Sampling, round_purpose
 from rl_megatron.trainer.rewards import ModelScores, Rewards
 from rl_megatron.workers.worker_group import WorkerGroup
 
@@ -64,14 +64,15 @@ class Judge:
         """The judge's score of each of `samples` (judge.failure_score where it gave none); `round_`: the dynamic
         sampling round that generated them, whose verdicts are sampled with seeds of their own."""
         settings, started = self.settings, time.perf_counter()
-        purpose = PURPOSE if round_ == 1 else f"{PURPOSE} round {round_}"
         encoded = [encode_message(self.tokenizer, self.message(sample)) for sample in samples]
         fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
         # With partial rollouts the policy's engines are not held for the whole rollout: a weight sync waits for the
         # verdicts through the gate, as for any other use of the engines.
         with nullcontext() if self.engines.gate is None else self.engines.gate.use():
-            verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits], Sampling(
-                1, settings.temperature, purpose, step, max_tokens=settings.max_tokens)) if fits else []
+            sampling = Sampling(1, settings.temperature, round_purpose(PURPOSE, round_), step,
+                                max_tokens=settings.max_tokens)
+            verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits],
+                                             sampling) if fits else []
         parsed = {i: parse_verdict(self.tokenizer.decode(verdict.response_ids, skip_special_tokens=True),
                                    settings.parser, settings.json_field) for i, verdict in zip(fits, verdicts)}
         scores = [settings.failure_score if parsed.get(i) is None else parsed[i] / settings.score_scale

@@ -40,7 +40,7 @@ from rl_megatron.planning import format_plan
 from rl_megatron.plugins import import_user_modules, load_callable
 from rl_megatron.rewards.scorer import RewardScorer, Scored
 from rl_megatron.roles import Role
-from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling
+from rl_megatron.rollout.engines import RolloutEngines, RolloutFn, Sampling, round_purpose
 from rl_megatron.rollout.gate import EngineGate
 from rl_megatron.sequences import balanced_order
 from rl_megatron.tracking import Tracker
@@ -185,9 +185,9 @@ class Trainer:
         """The samples of step `step`: its prompts through the rollout (now, or ahead in the generation thread); with
         dynamic sampling, rounds of prompts until enough groups vary (`dynamic_sampling.py`)."""
         def generate_round(round_: int) -> list[Sample]:
-            purpose = "train" if round_ == 1 else f"train round {round_}"  # each round samples with its own seeds
             return self.rollout(self.loader.next_batch(), Sampling(self.cfg.rollout.n, self.cfg.rollout.temperature,
-                                                                   purpose, step, self.version_training(step)))
+                                                                   round_purpose("train", round_), step,
+                                                                   self.version_training(step)))
 
         if self.group_filter is None:
             samples = generate_round(1)  # then the judge's verdicts, in the same thread (`judge.py`)
