@@ -3,6 +3,8 @@
     python -m rl_megatron.convert from-hf --hf MODEL_DIR --out CKPT --tp 2 --pp 2
     python -m rl_megatron.convert to-hf --ckpt CKPT --out HF_DIR [--dtype bf16]
     python -m rl_megatron.convert to-peft --ckpt CKPT --out ADAPTER_DIR     (a LoRA run's checkpoint)
+    python -m rl_megatron.convert language-model --hf MULTIMODAL_DIR --out TEXT_DIR      (Qwen3.5's released folders)
+    python -m rl_megatron.convert into-multimodal --hf TRAINED_TEXT_DIR --source MULTIMODAL_DIR --out HF_DIR
 
 Each command starts the local processes its layout needs (gloo on CPU) by itself. Weights move through the same
 weight table and export code the trainer uses (`models.gpt.load_hf_weights`, `resharding.export_hf_state_dict`).
@@ -16,6 +18,7 @@ import time
 
 from rl_megatron.checkpoint.atomic import finish_partial, start_partial
 from rl_megatron.cli import run_command
+from rl_megatron.errors import ConfigError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_VOCAB_DIVISOR = 128  # the trainer's default model.make_vocab_size_divisible_by
@@ -39,6 +42,19 @@ TO_PEFT_EXAMPLES = """examples:
 
 The output is a PEFT adapter folder (adapter_config.json, adapter_model.safetensors): PeftModel.from_pretrained(base,
 folder) in transformers, or a LoRA request in vLLM (enable_lora=True), on the base model the run started from."""
+
+
+LANGUAGE_MODEL_EXAMPLES = """examples:
+  python -m rl_megatron.convert language-model --hf Qwen3.5-35B-A3B --out Qwen3.5-35B-A3B-text
+
+Train with model.path=Qwen3.5-35B-A3B-text (a Qwen3_5MoeForCausalLM folder, as transformers writes one); the vision
+tower and the multi-token-prediction layers are left out (into-multimodal puts them back as released)."""
+
+INTO_MULTIMODAL_EXAMPLES = """examples:
+  python -m rl_megatron.convert into-multimodal --hf qwen3.5-rl-hf --source Qwen3.5-35B-A3B --out Qwen3.5-35B-A3B-rl
+
+--hf is the trained language model as an HF folder (convert to-hf, or a run's export); the output is --source with
+the language model's tensors replaced, every other tensor, config.json and the processor files as released."""
 
 
 class ConvertError(Exception):
@@ -231,6 +247,33 @@ def to_peft(args) -> None:
     _say(f"done: {args.out}")
 
 
+def language_model(args) -> None:
+    from rl_megatron.models.hf_config import read_hf_config
+    from rl_megatron.models.multimodal import extract_language_model, multimodal_of
+
+    hf = read_hf_config(args.hf, "--hf")
+    family = multimodal_of(hf, args.hf)
+    partial = _new_output(args.out)
+    os.makedirs(partial)
+    _say(f"{args.hf} ({family.architecture}) -> {args.out}: its language model as {family.text_architecture}")
+    count = extract_language_model(args.hf, partial, hf, progress=_say)
+    finish_partial(args.out)
+    _say(f"done: {count} tensors in {args.out}")
+
+
+def into_multimodal(args) -> None:
+    from rl_megatron.models.hf_config import read_hf_config
+    from rl_megatron.models.multimodal import merge_language_model
+
+    trained, source = read_hf_config(args.hf, "--hf"), read_hf_config(args.source, "--source")
+    partial = _new_output(args.out)
+    os.makedirs(partial)
+    _say(f"{args.source} with the language model of {args.hf} -> {args.out}")
+    count = merge_language_model(args.hf, trained, args.source, source, partial, progress=_say)
+    finish_partial(args.out)
+    _say(f"done: {count} tensors of the language model replaced, the rest as released, in {args.out}")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m rl_megatron.convert", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,6 +316,23 @@ def parser() -> argparse.ArgumentParser:
                                         "checkpoint's config.json _name_or_path, if any)")
     c.set_defaults(run=to_peft)
 
+    d = commands.add_parser("language-model", help="multimodal HF folder -> its language model as a text-only folder",
+                            description="Write the language model of a multimodal folder (Qwen3.5's "
+                                        "*ForConditionalGeneration) as a text-only HF folder to train.",
+                            epilog=LANGUAGE_MODEL_EXAMPLES, formatter_class=raw)
+    d.add_argument("--hf", required=True, help="the multimodal HF folder, as released")
+    d.add_argument("--out", required=True, help="text-only folder to create (must not exist)")
+    d.set_defaults(run=language_model)
+
+    e = commands.add_parser("into-multimodal", help="a trained language model back into its multimodal folder",
+                            description="Write the multimodal folder --source with its language model's tensors "
+                                        "taken from the trained text-only folder --hf; the rest unchanged.",
+                            epilog=INTO_MULTIMODAL_EXAMPLES, formatter_class=raw)
+    e.add_argument("--hf", required=True, help="the trained language model, a text-only HF folder")
+    e.add_argument("--source", required=True, help="the multimodal folder it was taken from (convert language-model)")
+    e.add_argument("--out", required=True, help="multimodal folder to create (must not exist)")
+    e.set_defaults(run=into_multimodal)
+
     for command in (b, c):
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load the checkpoint at "
                                                                "(default 1)")
@@ -290,7 +350,7 @@ def main(argv=None) -> int:
     from rl_megatron.checkpoint import CheckpointError
 
     args = parser().parse_args(argv)
-    return run_command(lambda: args.run(args), ConvertError, CheckpointError)
+    return run_command(lambda: args.run(args), ConvertError, CheckpointError, ConfigError)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from rl_megatron.models import families, linear_attention
 from rl_megatron.models.rotary import check_rope
 from rl_megatron.models.mla import MLA_FIELDS, mla_entries, mla_fields
 from rl_megatron.models.moe import MoeSpec
+from rl_megatron.models.multimodal import MULTIMODAL
 from rl_megatron.models.weight_tables import DenseTable, MoeTable
 from rl_megatron.registry import Registry
 
@@ -235,7 +236,11 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def family_of(hf: dict) -> ModelFamily:
-    """The family of a config.json; ConfigError naming the registered ones when rl_megatron has none for it."""
+    """The family of a config.json; ConfigError naming the registered ones when rl_megatron has none for it (or
+    saying how to take the language model out of a multimodal folder)."""
+    multimodal = MULTIMODAL.get(hf.get("model_type"))
+    if multimodal is not None:
+        raise ConfigError(multimodal.refusal())
     return FAMILIES[hf.get("model_type")]
 
 

@@ -796,7 +796,9 @@ NOT_MEASURED = {
                                                                "tests/unit/test_recipes.py) and the device's memory"},
     "docs/model-families.md": {
         "The gpt-oss-20b recipe (8192-token micro-batches": "the pre-flight check's computed scores and the device's "
-                                                            "memory (tests/unit/test_sink_attention.py)"},
+                                                            "memory (tests/unit/test_sink_attention.py)",
+        "Their plans count each sample's Gated DeltaNet state": "the Qwen3.5 and Qwen3-Next recipes' memory plans, "
+                                                                "computed by the planner (tests/unit/test_recipes.py)"},
     "docs/moe.md": {
         "**Cost.** The routing is 2 bytes per token": "bytes computed from the model's shape"},
     "docs/multi-node.md": {

@@ -1,6 +1,7 @@
 """The recipes users launch (configs/*_countdown.yaml, *_gsm8k.yaml, *_gsm8k_lora.yaml, *_math_8k.yaml,
 *_math_async.yaml, *_tool_math.yaml, dapo_qwen2_5_7b_math.yaml, gspo_qwen3_30b_a3b_math.yaml, configs/moe/grpo_qwen3_30b_a3b.yaml, the
-scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air, configs/gpt_oss/) load, validate and fit their
+scale recipes: Llama 3.1 8B and 70B, Moonlight-16B-A3B, configs/deepseek_v3/, GLM-4.5-Air, configs/gpt_oss/, the Gated
+DeltaNet hybrids Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B, the latter on H200s) load, validate and fit their
 cluster, activations included (every pool's peak phase under an H100's 80 GiB): each with the real model's config.json
 and data prepared by
 `python -m rl_megatron.data.prepare`'s entry point, called here (DAPO's files, already in verl's layout, written here). The DAPO and GSPO
@@ -90,7 +91,13 @@ RELEASED = {"llama3.1-8b": dict(LLAMA3_1, hidden_size=4096, intermediate_size=14
                                  "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
                 vocab_size=201088, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
                 pad_token_id=199999, eos_token_id=[200002, 199999, 200012])
-               for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))}}
+               for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))},
+            # the Gated DeltaNet hybrids, as shipped for the dry run (configs/models/*/config.json): Qwen3.5's language
+            # model (`convert language-model` of the released multimodal folder) and Qwen3-Next
+            **{size: json.loads(open(f"{REPO}/configs/models/{folder}/config.json").read())
+               for size, folder in (("qwen3.5-35b-a3b-text", "Qwen3.5-35B-A3B-text"),
+                                    ("qwen3-next-80b-a3b", "Qwen3-Next-80B-A3B-Instruct"))}}
+GPU_GIB = {"qwen3-next-80b-a3b": 140}  # the recipes for H200s (141 GB); every other one fits an 80 GB H100
 
 
 def model_folder(tmp_path, size, tools=False):
@@ -144,7 +151,9 @@ def dapo_file(tmp_path):
                                               ("deepseek_v3/grpo_deepseek_v3_math", "deepseek-v3", "math"),
                                               ("grpo_glm4_5_air_math", "glm-4.5-air", "math"),
                                               ("gpt_oss/grpo_gpt_oss_20b_math", "gpt-oss-20b", "math"),
-                                              ("gpt_oss/grpo_gpt_oss_120b_math", "gpt-oss-120b", "math")])
+                                              ("gpt_oss/grpo_gpt_oss_120b_math", "gpt-oss-120b", "math"),
+                                              ("grpo_qwen3_5_35b_a3b_math", "qwen3.5-35b-a3b-text", "math"),
+                                              ("grpo_qwen3_next_80b_a3b_math", "qwen3-next-80b-a3b", "math")])
 def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
     if task == "dapo":
         train = val = dapo_file(tmp_path)
@@ -162,9 +171,10 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         pytest.skip("the recipe's python tool refuses to start where user namespaces are off (docs/sandbox.md)")
     cfg = load_config(f"{REPO}/configs/{recipe}.yaml", [f"model.path={model_folder(tmp_path, size, tools)}",
                                                         f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
-    pools = build_plan(cfg, gpu_memory_gib=80).pools  # a layout that does not fit its nodes is refused here
-    assert max(pool.memory_bytes for pool in pools) < 80 * GIB  # the memory estimate fits an 80 GiB H100
-    plan = format_plan(cfg, gpu_memory_gib=80)
+    gib = GPU_GIB.get(size, 80)
+    pools = build_plan(cfg, gpu_memory_gib=gib).pools  # a layout that does not fit its nodes is refused here
+    assert max(pool.memory_bytes for pool in pools) < gib * GIB  # the memory estimate fits the recipe's GPUs
+    plan = format_plan(cfg, gpu_memory_gib=gib)
     assert "WARNING" not in plan, plan
     assert f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPUs" in plan
     if tools:  # whole trajectories (4096 tokens after a 1024-token prompt) in the engines and the token budget
@@ -251,6 +261,17 @@ def test_recipe_fits_its_cluster(tmp_path, recipe, size, task):
         assert "training 34.7 GiB (actor 23.0 + activations 10.2 + CUDA graphs 1.5)" in plan
         assert "10240 tokens per micro-batch, full recompute" in plan
 
+    if size in ("qwen3.5-35b-a3b-text", "qwen3-next-80b-a3b"):  # the experts folded as Qwen3-30B-A3B's; engines at
+        # TP=2, all the 2 key-value heads allow; each sample's Gated DeltaNet state among the engine's caches
+        assert "TP=2 PP=2 CP=1 EP=8 ETP=1 DP=8" in plan and "TP=2, 16 engines" in plan
+    if size == "qwen3.5-35b-a3b-text":
+        assert "34.7 B parameters" in plan and "15.7 MiB of it Gated DeltaNet state" in plan
+        assert "generation 48.0 GiB, the peak (rollout 48.0)" in plan and "training 35.3 GiB" in plan
+    if size == "qwen3-next-80b-a3b":  # an engine's half of the weights alone is 74.2 GiB: no room on an H100
+        assert "79.7 B parameters" in plan and "18.8 MiB of it Gated DeltaNet state" in plan
+        assert "weights 74.2 GiB" in plan and "generation 112.0 GiB, the peak (rollout 112.0)" in plan
+        with pytest.raises(ConfigError, match="GiB per GPU"):
+            build_plan(cfg, gpu_memory_gib=80)
 
     if recipe == "grpo_llama3_1_8b_math":  # the smallest TP that fits beside the engines; GRPO's KL to the reference
         assert "TP=4 PP=1 CP=1 EP=1 DP=2" in plan and "TP=2, 4 engines" in plan and cfg.actor.use_kl_loss

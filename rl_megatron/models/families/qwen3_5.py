@@ -10,8 +10,9 @@ rotary embeddings), with three differences:
 - every layer of the MoE model routes (transformers reads neither mlp_only_layers nor decoder_sparse_step) and
   always renormalises its top-k weights; its config.json has no intermediate_size.
 
-The multimodal folders (Qwen3_5ForConditionalGeneration, model_type qwen3_5 / qwen3_5_moe: a vision tower, the text
-model under model.language_model.) and the multi-token-prediction layers (mtp.*) are not read here."""
+The released multimodal folders (Qwen3_5ForConditionalGeneration, model_type qwen3_5 / qwen3_5_moe: a vision tower, the
+text model under model.language_model.) are trained as their language model's text-only folder, taken out and put
+back by `models/multimodal.py`; the multi-token-prediction layers (mtp.*) are not read here."""
 from rl_megatron.models.family import ModelFamily, register
 from rl_megatron.models.linear_attention import QWEN3_5_IN_PROJ
 from rl_megatron.models.moe import MoeSpec, SharedExperts
