@@ -113,11 +113,13 @@ def test_r2_at_tensor_parallel_2_shares_each_micro_batchs_tokens_as_the_routers_
 
 @pytest.mark.parametrize("family,extra", [
     ("qwen3_moe", {}), ("deepseek_v3", {}), ("gpt_oss", {}),  # gpt-oss: its biased router, both layers routing
+    ("qwen3_5_moe_text", {}),  # the hybrid: a Gated DeltaNet layer, then a gated attention one, each routing
     # The other routing families, on request (RL_MEGATRON_SLOW=1): the mechanism is the same for all.
     pytest.param("mixtral", {}, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {"mlp_only_layers": [0]}, marks=pytest.mark.slow),  # with its shared expert
     pytest.param("deepseek_v2", {}, marks=pytest.mark.slow),
-    pytest.param("glm4_moe", {}, marks=pytest.mark.slow)])
+    pytest.param("glm4_moe", {}, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", {}, marks=pytest.mark.slow)])
 def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_replays_it(tmp_path, family, extra):
     """A real vLLM engine (moe.engine_routing) on the model's weights: every completion carries the experts of every
     position it fed (prompt and response: P + R - 1 rows), for each MoE layer (a dense first layer, as DeepSeek's,
@@ -129,7 +131,7 @@ def test_the_engines_routing_arrives_for_every_token_and_the_old_log_prob_pass_r
     completions, batch, chosen, micros, metrics, log_probs, unreplayed = \
         run_distributed(engine_routing_replayed, 1, args=(cfg, PROMPTS, 5))[0]
     layers = len(chosen) // len(micros)  # the routing layers: the second only where the first is dense
-    assert layers == (2 if family in ("qwen3_moe", "mixtral", "gpt_oss") else 1)
+    assert layers == (2 if family in ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next") else 1)
     for i, completion in enumerate(completions):
         routing = completion.routed_experts
         fed = len(PROMPTS[i // 2]) + len(completion.response_ids) - 1

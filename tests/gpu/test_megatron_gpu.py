@@ -49,7 +49,11 @@ def log_probs_then_update(cfg, batch):
 TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
+                "qwen3_next", "qwen3_5_moe_text")
+# The Gated DeltaNet hybrids: fla's kernels where fla imports, else the torch delta rule (models/gated_delta.py); they
+# refuse Transformer Engine layers (docs/model-families.md).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 # qwen2: QKV biases, separate output layer (and Qwen2.5's YaRN); qwen3: QK-norm, tied embeddings; Llama 3.1's rope
@@ -57,14 +61,17 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3
 # scores may pick other experts than transformers does) with TE's grouped GEMM (TEGroupedMLP, moe.grouped_gemm)
 # when TE is installed: DeepSeek's latent attention (TE keeps its down projections whole), sigmoid routers with the
 # expert bias, shared experts, dense first layers; GLM-4.5's partial rotary; gpt-oss's sinks (TE's learnable softmax
-# offset), windows on every other layer, biased experts and clamped SwiGLU (not yet run on a GPU: docs/gpu.md).
+# offset), windows on every other layer, biased experts and clamped SwiGLU (not yet run on a GPU: docs/gpu.md); the
+# Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE).
 @pytest.mark.parametrize("family,tied,dtype,extra", [(family, tied, dtype, {}) for family, tied in (("qwen2", False),
                                                                                                   ("qwen3", True))
                                                      for dtype in ("float32", "bfloat16")]
                          + [("qwen2", False, "float32", QWEN2_5_YARN), ("llama", True, "float32", LLAMA3_ROPE),
                             ("mistral", False, "float32", {"sliding_window": 4})]
-                         + [(family, False, "float32", {}) for family in MOE_FAMILIES])
+                         + [(family, False, "float32", {}) for family in (*MOE_FAMILIES, "qwen3_5_text")])
 def test_log_probs_and_update_match_transformers(tmp_path, family, tied, dtype, extra):
+    if family in HYBRID_FAMILIES and TE_INSTALLED:
+        pytest.skip("the Gated DeltaNet hybrids refuse Transformer Engine layers: run without transformer_engine")
     model_dir = family_model_dir(tmp_path / family, family, tied, **extra)
     moe = family in MOE_FAMILIES
     # 4 prompts x 2 samples per mini-batch: the whole batch of 8, so the update is one optimizer step on it.
