@@ -303,15 +303,18 @@ def _check_distillation(cfg: Config) -> None:
 
 
 def _check_reward_model(cfg: Config) -> None:
-    """The reward model's keys need its folder, and it scores in the step's forward passes: after generation, so not
-    where groups are scored while generating (dynamic sampling, streaming)."""
+    """The reward model's keys need its folder. Where groups are scored while generating (dynamic sampling,
+    streaming), it scores them then on workers of its own; in the actor's workers, in the step's passes only."""
     if not uses_reward_model(cfg):
         _refuse_set_keys(_set_keys(cfg.reward_model, "reward_model", ("coef", "mode", "placement")),
                          "there is no reward model (reward_model.model.path=null)",
                          "set reward_model.model.path to a sequence classifier's Hugging Face folder")
         return
-    _check_scored_after_generation(cfg, "the reward model (reward_model.model.path) scores in the step's Megatron "
-                                        "passes, after generation", "reward_model.model.path=null")
+    if cfg.reward_model.placement != "separate":
+        _check_scored_after_generation(cfg, "a reward model in the actor's workers (reward_model.placement=colocated) "
+                                            "scores in the step's Megatron passes, after generation",
+                                       "set reward_model.placement=separate (its own workers score each group as it "
+                                       "is generated)")
 
 
 def _check_judge(cfg: Config) -> None:

@@ -19,7 +19,7 @@ def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBat
                    samples: list[Sample], reward_model: RewardModelScorer | None) -> ModelScores | None:
     """Into `batch`: the old log-probs and entropy (with `old_pass`), the reference's log-probs, the teacher's and
     the critic's values, of the roles the run has (`groups`: a colocated role maps to the actor's group). Returns the
-    reward model's scores of `samples` (`batch`'s rows) where one scores them."""
+    reward model's scores of `samples` (`batch`'s rows) where one scores them here, after generation."""
     actor = groups[Role.ACTOR]
     replay = cfg.actor.router_replay  # the routing the update replays: the engine's (R3), the actor's (R2)
     if old_pass:
@@ -37,7 +37,7 @@ def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBat
     if Role.CRITIC in groups:
         with timer("values"):
             batch.values = groups[Role.CRITIC].values(batch.select()).values
-    if reward_model is None:
+    if reward_model is None or reward_model.while_generating:  # else scored as the samples were generated
         return None
     with timer("reward_model"):  # its own rows: the conversations rendered for its tokenizer
         return reward_model.scores(groups[Role.REWARD_MODEL], samples)

@@ -13,12 +13,20 @@ Why Megatron and not vLLM's pooling runner: the reward model then runs in the wo
 frozen and offloaded between its passes like the reference and the teacher (one memory plan, no engine of its own to
 start, sleep and wake beside the policy's), and its forward equals the critic's, already held to transformers. The
 pooling runner would be the faster choice for a large reward model on its own GPUs; the scores would be the same.
+
+Where groups are scored while they generate (dynamic sampling's rounds, streaming's groups), a reward model on workers
+of its own (reward_model.placement=separate) scores each round or group then, as the rule does, so that the filter
+and the queue read the rewards trained on; in the actor's workers it scores in the step's forward passes only (the
+pre-flight check refuses it beside those modes).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from rl_megatron.batch import Sample, TrainBatch, pad_token_id
+from rl_megatron.config.choices import STREAMING
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.tokenizer import load_tokenizer
@@ -38,6 +46,11 @@ class RewardModelScorer:
         self.policy_tokenizer = policy_tokenizer
         self.pad_id = pad_token_id(self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
+        # Scores each round or group as it generates (the trainer's score_now), not in the step's forward passes.
+        self.while_generating = cfg.algorithm.filter_groups.enable or cfg.trainer.async_mode == STREAMING
+        # Streaming scores groups in threads of their own: one call on the workers at a time, so that every rank runs
+        # the calls (and their collectives) in the same order.
+        self.calls = threading.Lock()
 
     def conversation(self, sample: Sample) -> list[dict] | None:
         """The messages the reward model's chat template renders; None where the sample is scored as text."""
@@ -78,6 +91,7 @@ class RewardModelScorer:
     def scores(self, group: WorkerGroup, samples: list[Sample]) -> ModelScores:
         """The reward model's score of each sample."""
         batch = self.batch(samples)
-        values = group.reward_model_scores(batch).values
+        with self.calls:
+            values = group.reward_model_scores(batch).values
         return ModelScores("reward_model", values[torch.arange(len(samples)), batch.lengths - 1].float(),
                            self.settings)

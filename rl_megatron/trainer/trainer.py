@@ -207,8 +207,9 @@ class Trainer:
         return Rewards.of(scored, samples, self.cfg.reward, self.cfg.rollout.max_tokens)
 
     def score_now(self, samples: list[Sample]) -> Rewards:
-        """The samples' rewards, scored while generating (dynamic sampling, streaming)."""
-        return self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(), samples)
+        """The samples' rewards, scored while generating (dynamic sampling, streaming): the rule's, the RM's."""
+        rated = [self.reward_model.scores(self.groups[Role.REWARD_MODEL], samples)] if self.reward_model else []
+        return self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(), samples).with_sources(rated)
 
     def staleness(self, rollout: Rollout) -> dict[str, float]:
         """Asynchronous RL: how many policy versions behind the trainer the batch is (samples past the bound are kept
@@ -290,8 +291,7 @@ class Trainer:
     # -- around the steps ------------------------------------------------------------------------------------------
 
     def maybe_validate(self, step: int, last: bool = False) -> dict[str, float]:
-        """Validate when it is due (before the first step, every trainer.val_every steps, after the last); returns
-        the time it took, as a metric of the step."""
+        """Validate when due (before the first step, every trainer.val_every steps, after the last): its time."""
         every = self.cfg.trainer.val_every
         due = (step == 0 and self.cfg.trainer.val_before_train) or (every and step > 0 and (step % every == 0 or last))
         if self.val_loader is None or not due:

@@ -155,13 +155,16 @@ def test_the_reward_models_folder_and_schedule_are_checked_before_anything_start
     save_file({k: v for k, v in weights.items() if k != "score.weight"}, headless / "model.safetensors")
     message = config_error(f"reward_model.model.path={headless}")
     assert "reward_model.model.path" in message and "'score.weight'" in message
-    # Colocated, it runs at the actor's layout; scored after generation, so not with groups scored while generating.
+    # Colocated, it runs at the actor's layout, and scores after generation: not with groups scored while generating,
+    # which a reward model on workers of its own serves (tests/e2e/test_algorithm_variants.py).
     message = config_error(rm, "reward_model.tensor_model_parallel_size=1")
     assert "reward_model.tensor_model_parallel_size=1" in message and "reward_model.placement=separate" in message
-    message = config_error(rm, "algorithm.filter_groups.enable=true")
-    assert "algorithm.filter_groups.enable=true" in message and "reward_model.model.path=null" in message
-    message = config_error(rm, "trainer.async_mode=streaming")
-    assert "trainer.async_mode=streaming" in message
+    for scored_early in ("algorithm.filter_groups.enable=true", "trainer.async_mode=streaming"):
+        message = config_error(rm, scored_early)
+        assert scored_early in message and "set reward_model.placement=separate" in message
+    own_workers = ("reward_model.placement=separate", "reward_model.n_gpus_per_node=2")
+    load_demo(rm, "algorithm.filter_groups.enable=true", *own_workers, "ray.num_cpus=4")
+    load_demo(rm, "trainer.async_mode=streaming", "rollout.placement=separate", *own_workers, "ray.num_cpus=5")
 
 
 # -------------------------------------------------------------------------------------------- the memory plan
