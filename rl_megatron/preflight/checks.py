@@ -319,7 +319,7 @@ def _check_reward_model(cfg: Config) -> None:
 
 def _check_judge(cfg: Config) -> None:
     """The judge's keys need a judge (its engines' keys, one of its own), its template names only the fields it is
-    given, and it judges a whole batch after its rollout."""
+    given; under streaming it needs engines of its own."""
     judge = cfg.judge
     if not judge.enable:
         _refuse_set_keys(_set_keys(judge, "judge") + _set_keys(judge.model, "judge.model"), "judge.enable=false",
@@ -337,8 +337,11 @@ def _check_judge(cfg: Config) -> None:
         raise ConfigError(f"judge.prompt_template names {{{unknown[0]}}}, but a judge's message is filled with "
                           f"{', '.join('{' + name + '}' for name in JUDGE_FIELDS)} only: use those, or write a literal "
                           "brace as {{ or }}.")
-    _check_scored_after_generation(cfg, "the judge (judge.enable) judges a batch (with dynamic sampling, each "
-                                        "round) after its rollout", "judge.enable=false", dynamic_sampling=False)
+    if judge.model.path is None:
+        _check_scored_after_generation(cfg, "a self-judge (judge.model.path=null) judges on the policy's engines, "
+                                            "which streaming keeps generating", "set judge.model.path to a judge of "
+                                            "its own (its engines judge each group as it is scored)",
+                                       dynamic_sampling=False)
 
 
 def _check_judge_fits(cfg: Config, tokenizer, judge_hf: dict | None) -> None:

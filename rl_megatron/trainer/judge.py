@@ -2,6 +2,8 @@
 vLLM engines of its own: `workers/rollout_worker.py::JudgeWorker`) or the policy's own engines read each (prompt,
 response) in judge.prompt_template and write a verdict, greedy by default, right after the batch's rollout and in the
 same thread (so, ahead of the trainer with trainer.rollout_staleness > 0, between two rollouts, never beside one);
+with dynamic sampling each round as it is generated, and under streaming (a judge of its own only) each group as it
+is scored, so that the filter and the queue read the rewards trained on;
 the verdicts are parsed (`rl_megatron.rewards.judge`) into scores that enter the reward as judge.mode says. The
 samples are decoded with the policy's tokenizer; the messages rendered and the verdicts decoded with the judge's.
 
@@ -15,6 +17,7 @@ timing_s/judge (its verdicts' time, within the rollout's).
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import nullcontext
 
@@ -46,6 +49,9 @@ class Judge:
             self.tokenizer = load_tokenizer(path, JUDGE_PATH_KEY)
             self.max_model_len = judge_engine_settings(cfg, read_hf_config(path, JUDGE_PATH_KEY)).max_model_len
         self.engines: RolloutEngines | None = None
+        # Streaming judges groups in threads of their own: one call on the engines at a time, so that every rank of
+        # a judge engine runs the calls (and their collectives) in the same order.
+        self.calls = threading.Lock()
 
     def connect(self, policy_engines: RolloutEngines, groups: dict[Role, WorkerGroup]) -> None:
         """Judge on the judge's own engines where it has them (`groups`' judge group), else on the policy's."""
@@ -68,7 +74,7 @@ class Judge:
         fits = [i for i, ids in enumerate(encoded) if len(ids) + settings.max_tokens <= self.max_model_len]
         # With partial rollouts the policy's engines are not held for the whole rollout: a weight sync waits for the
         # verdicts through the gate, as for any other use of the engines.
-        with nullcontext() if self.engines.gate is None else self.engines.gate.use():
+        with self.calls, nullcontext() if self.engines.gate is None else self.engines.gate.use():
             sampling = Sampling(1, settings.temperature, round_purpose(PURPOSE, round_), step,
                                 max_tokens=settings.max_tokens)
             verdicts = self.engines.generate([Prompt(encoded[i], PURPOSE, None) for i in fits],
@@ -80,8 +86,3 @@ class Judge:
         stats = {"judge/parse_failures": float(sum(value is None for value in parsed.values())),
                  "judge/too_long": float(len(samples) - len(fits)), "timing_s/judge": time.perf_counter() - started}
         return ModelScores("judge", torch.tensor(scores, dtype=torch.float32), settings, stats)
-
-    def with_verdicts(self, rewards: Rewards, samples: list[Sample], step: int, round_: int) -> Rewards:
-        """`rewards` of `samples` with the judge's scores added, as judge.mode says: under dynamic sampling each round
-        is judged as it is generated, so that the filter reads the rewards trained on."""
-        return rewards.with_sources([self.scores(samples, step, round_)])

@@ -115,7 +115,7 @@ class Streaming:
     `close`, as `rollout_ahead.InStep` and `Ahead`). The stream starts with the first batch taken."""
 
     def __init__(self, engines: RolloutEngines, settings: StreamSettings, gate: EngineGate, loader: PromptLoader,
-                 score: Callable[[list[Sample]], Rewards], group_filter: GroupFilter | None):
+                 score: Callable[[list[Sample], int, int], Rewards], group_filter: GroupFilter | None):
         self.engines, self.settings, self.gate, self.loader = engines, settings, gate, loader
         self.score, self.filter = score, group_filter
         self.changed = threading.Condition()  # guards what both threads read: below, to `error`
@@ -273,7 +273,8 @@ class Streaming:
                 (order * settings.n + j) % self.engines.count)) for j in range(settings.n)))
             samples = self.engines.stamped([runner.checked(j, result, source.prompt) for j, result in
                                             enumerate(results)])
-            rewards = await asyncio.to_thread(self.score, samples)
+            # Scored with the prompt's seed for a step (a model judging it draws from seeds of that, as on resume)
+            rewards = await asyncio.to_thread(self.score, samples, source.seed, 1)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - an engine's or the scorer's failure is the run's

@@ -192,8 +192,7 @@ class Trainer:
         if self.group_filter is None:
             samples = generate_round(1)  # then the judge's verdicts, in the same thread (`judge.py`)
             return Rollout(step, samples, judged=self.judge and self.judge.scores(samples, step))
-        judged = self.judge.with_verdicts if self.judge else lambda rewards, *_: rewards  # each round as it comes
-        filled = self.group_filter.fill(generate_round, lambda new, r: judged(self.score_now(new), new, step, r))
+        filled = self.group_filter.fill(generate_round, lambda new, round_: self.score_now(new, step, round_))
         if self.group_filter.cap_note(step, filled):
             self.tracker.write(self.group_filter.cap_note(step, filled))
         return Rollout(step, filled.samples, filled.rewards, filled.metrics)
@@ -206,9 +205,10 @@ class Trainer:
         """The samples' rewards from their scores (shaped by the overlong penalty when on)."""
         return Rewards.of(scored, samples, self.cfg.reward, self.cfg.rollout.max_tokens)
 
-    def score_now(self, samples: list[Sample]) -> Rewards:
-        """The samples' rewards, scored while generating (dynamic sampling, streaming): the rule's, the RM's."""
+    def score_now(self, samples: list[Sample], step: int, round_: int) -> Rewards:
+        """A dynamic-sampling round's or a streamed group's rewards as generated: the rule's, an RM's, a judge's."""
         rated = [self.reward_model.scores(self.groups[Role.REWARD_MODEL], samples)] if self.reward_model else []
+        rated += [self.judge.scores(samples, step, round_)] if self.judge else []
         return self.rewards(self.scorer.submit_samples(samples, self.tokenizer).result(), samples).with_sources(rated)
 
     def staleness(self, rollout: Rollout) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """The gateway's episodes (configs/demo_cpu_agent.yaml: the `openai` client agent of examples/agents/lookup_openai.py)
 through the trainer's other paths, a few steps each: one-step-off with partial rollouts, LoRA adapters served by the
-engines under dynamic sampling, streaming with both, and router replay (R3) on an MoE policy. The demo that learns
+engines under dynamic sampling, streaming with both (and a judge of its own judging each group as it is scored),
+and router replay (R3) on an MoE policy. The demo that learns
 is tests/e2e/test_agent_demo.py."""
+import pytest
 from helpers.runs import train
 
 from rl_megatron.models.tiny import TOOLS, write_tiny_model
@@ -56,9 +58,22 @@ STREAMING = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", 
              "trainer.async_mode=streaming", "trainer.total_steps=5", "trainer.target_reward=null")
 
 
+# A judge on an engine of its own (a random model of the tool demo's vocabulary: its verdicts are noise, at a small
+# weight) judges each group as streaming scores it.
+def own_judge(folder) -> tuple[str, ...]:
+    judge = write_tiny_model(str(folder), with_weights=True, seed=3, vocabulary=TOOLS)
+    return ("judge.enable=true", f"judge.model.path={judge}", "judge.prompt_template='{prompt}{response}='",
+            "judge.max_tokens=2", "judge.coef=0.01", "ray.num_cpus=3")
+
+
 def test_gateway_episodes_stream_with_lora_adapters_served_by_the_engines_under_dynamic_sampling(tmp_path):
-    _, rows, _ = train(tmp_path, *STREAMING, *LORA_SERVED, *DYNAMIC_SAMPLING, config="demo_cpu_agent")
+    _, rows, _ = train(tmp_path, *STREAMING, *LORA_SERVED, *DYNAMIC_SAMPLING, *own_judge(tmp_path / "judge"),
+                       config="demo_cpu_agent")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # Every group trained on was judged, and the verdicts are in the rewards the filter and the queue read.
+    assert all(r["timing_s/judge"] > 0 and r["judge/too_long"] == 0 for r in rows)
+    assert all(r["reward/score"] == pytest.approx(r["reward/acc"] + 0.01 * r["judge/score/mean"], abs=1e-6)
+               for r in rows)
     assert all(r["agent/episodes_failed"] == 0 and r["async/staleness/max"] <= 1 for r in rows)
     assert all(r["filter/kept_groups"] == 32 and r["filter/prompts_used"] >= 32 and 0 < r["reward/mean"] < 1
                for r in rows)

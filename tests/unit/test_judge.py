@@ -88,10 +88,11 @@ def test_the_judges_section_is_checked_before_anything_starts():
     # The demo's engines hold 9 tokens: a judge's message and verdict need more, and the message says how many.
     message = config_error("judge.enable=true", DIGITS_TEMPLATE)
     assert "rollout.max_model_len=9" in message and "set rollout.max_model_len=" in message
-    # Streaming scores each group as it finishes, which a judge does not; dynamic sampling's rounds are judged one
+    # Streaming scores each group as it finishes, on the policy's engines, which a self-judge would share: a judge of
+    # its own judges each group then (tests/e2e/test_agent_compositions.py); dynamic sampling's rounds are judged one
     # by one (below, and tests/e2e/test_algorithm_variants.py).
     message = config_error("judge.enable=true", DIGITS_TEMPLATE, *FITS, "trainer.async_mode=streaming")
-    assert "trainer.async_mode=streaming" in message and "judge.enable=false" in message
+    assert "trainer.async_mode=streaming" in message and "set judge.model.path to a judge of its own" in message
     load_config(DEMO, ["judge.enable=true", DIGITS_TEMPLATE, *FITS, "algorithm.filter_groups.enable=true",
                        "data.gen_batch_size=32"])
     assert "judge.score_scale" in config_error("judge.enable=true", "judge.score_scale=0")
@@ -125,6 +126,9 @@ def test_a_judge_of_its_own_gets_a_pool_of_engines_in_the_plan(judge_dir):
     # The policy's engines judge where the judge has no engines: the pools say which.
     assert Role.JUDGE not in {pool.name for pool in worker_pools(load_config(DEMO, ["judge.enable=true",
                                                                                     DIGITS_TEMPLATE, *FITS]))}
+    # With engines of its own it judges each streamed group as it is scored.
+    load_config(DEMO, ["judge.enable=true", f"judge.model.path={judge_dir}", DIGITS_TEMPLATE, "judge.max_tokens=2",
+                       "trainer.async_mode=streaming", "rollout.placement=separate", "ray.num_cpus=4"])
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -202,7 +206,7 @@ def test_under_dynamic_sampling_each_round_is_judged_with_seeds_of_its_own():
     judge.connect(Engines(), {})
     sample = Sample(policy.encode("3+4="), policy.encode("7", add_special_tokens=False), [0.0], "arithmetic", "7")
     rule = Rewards(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), None, {"reward/errors": 0.0})
-    first, second = (judge.with_verdicts(rule, [sample, sample], 5, round_) for round_ in (1, 2))
+    first, second = (rule.with_sources([judge.scores([sample, sample], 5, round_)]) for round_ in (1, 2))
     assert purposes == [("judge", 5), ("judge round 2", 5)]
     assert torch.allclose(first.scores, torch.tensor([1.8, 0.8])) and torch.equal(first.acc, rule.acc)
     assert torch.allclose(Rewards.cat([first, second]).sources["judge"], torch.full((4,), 0.8))

@@ -88,7 +88,7 @@ class Prompts:
         return [Prompt([self.lengths[i], 0], "t", self.truths[i]) for i in picked]
 
 
-def score(samples) -> Rewards:
+def score(samples, step: int, round_: int) -> Rewards:
     """1 for every other sample of a prompt whose ground truth is "vary", else 0 (all alike)."""
     scores = torch.tensor([float(s.ground_truth == "vary" and i % 2) for i, s in enumerate(samples)])
     return Rewards(scores, scores.clone(), None, {})
