@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+from transformers import (AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForConditionalGeneration)
 
 from rl_megatron.convert import main as convert
 from rl_megatron.errors import ConfigError
@@ -24,6 +25,9 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_
               spatial_merge_size=1, num_position_embeddings=16)
 MTP = {"mtp.fc.weight": torch.arange(12.0).reshape(3, 4)}  # as released folders hold them, beside the model's
 TOKENS = torch.tensor([[1, 5, 7, 3, 9, 2, 4, 6]])
+# The released folders' model_type: their config and model classes, and their language model's model_type.
+RELEASED = {"qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, "qwen3_5_moe_text"),
+            "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration, "qwen3_5_text")}
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -34,15 +38,16 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    """A tiny Qwen3_5MoeForConditionalGeneration saved by transformers, with an MTP tensor added to its file."""
+@pytest.fixture(scope="module", params=sorted(RELEASED))
+def released(request, tmp_path_factory):
+    """A tiny Qwen3_5(Moe)ForConditionalGeneration saved by transformers, with an MTP tensor added to its file."""
     folder = str(tmp_path_factory.mktemp("Qwen3.5-tiny"))
-    text = family_config("qwen3_5_moe_text").to_dict()
-    config = Qwen3_5MoeConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=text["hidden_size"]),
-                              tie_word_embeddings=False)
+    config_class, model_class, text_type = RELEASED[request.param]
+    text = family_config(text_type).to_dict()
+    config = config_class(text_config=text, vision_config=dict(VISION, out_hidden_size=text["hidden_size"]),
+                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = Qwen3_5MoeForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.save_pretrained(folder)
     build_tokenizer().save_pretrained(folder)
     [file] = [name for name in os.listdir(folder) if name.endswith(".safetensors")]
@@ -59,9 +64,10 @@ def text_folder(released, tmp_path_factory):
 
 def test_the_language_model_is_the_text_only_folder_transformers_reads_and_computes_alike(released, text_folder):
     folder, multimodal = released
-    hf = read_hf_config(text_folder)
-    assert hf["model_type"] == "qwen3_5_moe_text" and hf["architectures"] == ["Qwen3_5MoeForCausalLM"]
-    assert family_of(hf).model_type == "qwen3_5_moe_text"
+    hf, text_type = read_hf_config(text_folder), type(multimodal.config.text_config).model_type
+    assert hf["model_type"] == text_type and hf["architectures"] == [type(multimodal).__name__.replace(
+        "ForConditionalGeneration", "ForCausalLM")]
+    assert family_of(hf).model_type == text_type
     check_hf_weights(text_folder, hf, "model.path")  # every tensor the trainer loads, with its shape
     source, taken = weights(folder), weights(text_folder)
     assert not any(name.startswith(("model.visual.", "mtp.", "model.language_model.")) for name in taken)
@@ -94,7 +100,7 @@ def test_a_trained_language_model_goes_back_beside_the_released_tensors(released
         assert torch.equal(merged[name], expected), name
     with open(os.path.join(folder, "config.json")) as a, open(os.path.join(out, "config.json")) as b:
         assert json.load(a) == json.load(b)
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    model = type(released[1]).from_pretrained(out, dtype=torch.float32)
     assert torch.equal(model.lm_head.weight, changed["lm_head.weight"])
 
 
