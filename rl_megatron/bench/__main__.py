@@ -139,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "tokens/s over the peer's). transformers (train, log_probs): Hugging Face transformers, "
                              "in the same process; vllm (generate, multi_turn): vllm.LLM.generate alone, in a process "
                              "of its own (rl_megatron/bench/vllm_peer.py)")
+    parser.add_argument("--ladder", action="store_true",
+                        help="train: apply the step's levers one after another (fused AdamW, ...), each rung's "
+                             "tokens/s, MFU, peak memory and gradient norm; then --peer's step, if given")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                         help="the actor's parameter dtype, not reshard's (default bfloat16 on GPU, float32 on CPU)")
     reshard = parser.add_argument_group("reshard")
@@ -162,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--peer {args.peer} runs with {' and '.join(PEER_BENCHES[args.peer])} only")
     if args.name == "agent" and args.vocab not in (None, len(TOOLS.tokens)):
         parser.error(f"--vocab: the agent bench's model has the tool demo's tokenizer, {len(TOOLS.tokens)} tokens")
+    if args.ladder and args.name != "train":
+        parser.error("--ladder runs with train only")
     if args.lora_rank and (args.name != "reshard" or args.placement != "colocated" or args.moe):
         parser.error("--lora-rank runs with reshard of a dense model and colocated engines only (separate engines "
                      "receive the adapters merged: docs/lora.md)")

@@ -118,16 +118,17 @@ def random_batch(args, vocab: int) -> TrainBatch:
     return batch
 
 
-def build_actor_and_batch(args, model_dir: str, dtype: str = "float32"):
-    """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir` (`bench_config`),
-    with `random_batch`. The whole batch is one PPO mini-batch, so an update is one optimizer step. Returns (actor,
-    HF config, batch). The world is formed here unless the process has one (the doctor's one-rank world)."""
+def build_actor_and_batch(args, model_dir: str, dtype: str = "float32", overrides: Sequence[str] = ()):
+    """The actor in a one-process world (a colocated worker's layout) over the model in `model_dir` (`bench_config`,
+    with `overrides`), with `random_batch`. The whole batch is one PPO mini-batch, so an update is one optimizer step.
+    Returns (actor, HF config, batch). The world is formed here unless the process has one (the doctor's one-rank
+    world)."""
     from rl_megatron.models.hf_config import read_hf_config
     from rl_megatron.workers.distributed import init_distributed, listen_store
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     hf = read_hf_config(model_dir)
-    cfg = bench_config(args, model_dir, dtype)
+    cfg = bench_config(args, model_dir, dtype, overrides)
     if not dist.is_initialized():
         init_distributed(0, 1, listen_store("127.0.0.1"), 1, 1, seed=0)
     actor = MegatronActor(cfg, hf, optimizer_steps=100)

@@ -1,7 +1,10 @@
 """`python -m rl_megatron.bench train --json`: tokens/s and MFU of Megatron training steps, one process.
 
 With `--peer transformers`, Hugging Face transformers' step on the same work follows in the same process
-(bench/peer.py), and `ratio_to_peer` is the project's tokens/s over transformers'. Every run also counts the host
+(bench/peer.py), and `ratio_to_peer` is the project's tokens/s over transformers'. With `--ladder`, the step's levers
+(LADDER) are applied one after another, each rung a fresh actor on the same weights and batch: its tokens/s, MFU,
+peak device memory and the first update's gradient norm (which no lever may change), and the figure is the last
+rung's, every lever on. Every run also counts the host
 syncs of one update (`host_syncs_per_update`, bench/host_syncs.py; on a GPU beside CUDA's own count).
 
 A step is the actor's update over one mini-batch: forward, backward and optimizer step (PPO loss on the response
@@ -28,6 +31,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from megatron.core import tensor_parallel
 
 from rl_megatron import platform
 from rl_megatron.bench.host_syncs import count_syncs, gpu_sync_warnings
@@ -36,6 +40,11 @@ from rl_megatron.bench.peer import TransformersPeer, project_freed
 from rl_megatron.models.family import head_dim
 from rl_megatron.models.gpt import uses_transformer_engine
 from rl_megatron.platform.device_stats import nominal_bf16_flops
+
+# The levers of the step's memory traffic, in the order `--ladder` applies them (each rung adds one to those before):
+# (name, config overrides). The first rung has every lever off.
+LADDER = (("unfused", ("actor.optim.fused=false",)),
+          ("fused AdamW", ("actor.optim.fused=true",)))  # torch's fused kernel where Megatron took torch's AdamW
 
 # Qwen2.5-0.5B's shape: the default model on GPU.
 QWEN2_5_0_5B = {"hidden": 896, "layers": 24, "vocab": 151936, "heads": 14, "kv_heads": 2, "intermediate": 4864,
@@ -87,16 +96,49 @@ def nominal_peak(dtype: str) -> tuple[float | None, str]:
     return (nominal_bf16_flops(name) if dtype == "bfloat16" else None), name
 
 
-def run(args, model_dir: str) -> dict:
-
-    actor, hf, batch = build_actor_and_batch(args, model_dir, dtype=args.dtype)
+def rung(args, model_dir: str, overrides: tuple[str, ...]) -> tuple:
+    """A fresh actor with `overrides` on the bench's weights and batch, its steps timed: (actor, HF config, batch,
+    seconds a step, the first update's metrics, peak device memory in bytes, None on a CPU)."""
+    actor, hf, batch = build_actor_and_batch(args, model_dir, dtype=args.dtype, overrides=overrides)
     batch.old_log_probs = actor.log_probs(batch).log_probs
+    if platform.has_cuda():
+        torch.cuda.reset_peak_memory_stats()
+    first = actor.update(batch)
     # Each update is one optimizer step on the whole batch (build_actor_and_batch makes it one mini-batch).
-    seconds = timed(lambda: actor.update(batch), repeats=args.repeats, warmup=2)
+    seconds = timed(lambda: actor.update(batch), repeats=args.repeats, warmup=1)
+    peak = torch.cuda.max_memory_allocated() if platform.has_cuda() else None
+    return actor, hf, batch, seconds, first, peak
+
+
+def ladder(args, model_dir: str) -> tuple:
+    """Every rung of LADDER, each actor freed before the next; the last rung's actor and the rungs' figures."""
+    rungs, levers = [], []
+    for name, overrides in LADDER:
+        levers.extend(overrides)
+        if rungs:  # the random weights of the first rung (its world seeded when it was formed)
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            torch.manual_seed(0)
+        actor, hf, batch, seconds, first, peak = rung(args, model_dir, tuple(levers))
+        value = training_flops_per_token(hf, args.seq) * args.batch * args.seq / seconds
+        peak_flops, _ = nominal_peak(args.dtype)
+        rungs.append({"rung": name, "adds": list(overrides), "tokens_per_s": args.batch * args.seq / seconds,
+                      "seconds": seconds, "mfu": value / peak_flops if peak_flops else None,
+                      "peak_memory_bytes": peak, "grad_norm": first["actor/grad_norm"]})
+        if (name, overrides) != LADDER[-1]:
+            del actor
+    return actor, hf, batch, rungs[-1]["seconds"], rungs
+
+
+def run(args, model_dir: str) -> dict:
+    if args.ladder:
+        actor, hf, batch, seconds, rungs = ladder(args, model_dir)
+    else:
+        actor, hf, batch, seconds, _, _ = rung(args, model_dir, ())
+        rungs = None
     tokens = args.batch * args.seq
     syncs = count_syncs(actor, lambda: actor.update(batch))
     figures = {"host_syncs_per_update": syncs.count, "host_sync_sites": syncs.report(5),
-               "micro_batches": len(actor.micro_batches(batch))}
+               "micro_batches": len(actor.micro_batches(batch)), **({"ladder": rungs} if rungs else {})}
     if platform.has_cuda():  # what CUDA itself reports, to check the count against
         figures["cuda_sync_warnings_per_update"] = gpu_sync_warnings(lambda: actor.update(batch))
     cfg, micro_batch = actor.cfg, actor.batching.micro_batch_size

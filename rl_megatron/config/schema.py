@@ -87,6 +87,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
     eps: float = 1e-8  # Adam epsilon
     clip_grad: float = checked(1.0, NOT_NEGATIVE)  # clip the global gradient norm to this (0 disables)
+    fused: Optional[bool] = None  # torch's fused AdamW kernel (one pass over every parameter, instead of foreach's several) where Megatron falls back to torch's optimizer (no Transformer Engine or Apex FusedAdam); null: on with CUDA, off on CPU (where it would change the demo's last bits for no gain)
 
 
 @dataclass

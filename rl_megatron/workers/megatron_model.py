@@ -136,6 +136,8 @@ class MegatronModel:
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
             bf16=cfg.model.dtype == "bfloat16", params_dtype=self.chunks[0].config.params_dtype,
             use_distributed_optimizer=self.distributed_optimizer), self.model)
+        self.fused_adam = platform.has_cuda() if optim.fused is None else optim.fused
+        use_fused_adam(self.optimizer, self.fused_adam)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
             min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
@@ -153,6 +155,8 @@ class MegatronModel:
         """The inverse of `save_checkpoint`, at any layout (a collective over the model's ranks)."""
         load_checkpoint_into(self.chunks, ckpt_dir, self.hf_config, optimizer=self.optimizer,
                              scheduler=self.scheduler, lora=self.lora)
+        if self.optimizer is not None:  # the checkpoint's param groups carry the kernel of the run that saved it
+            use_fused_adam(self.optimizer, self.fused_adam)
 
     def micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         """`batch` in micro-batches: a count every data-parallel rank agrees on (the pipeline's stages and the
@@ -327,3 +331,21 @@ class MegatronModel:
 def _without_device_mode(loss_func, micro, output):
     with device_mode_off():
         return loss_func(micro, output)
+
+
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's `optimizer` (one, or a chain's: one per parameter kind)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts if isinstance(getattr(part, "optimizer", None), torch.optim.Optimizer)]
+
+
+def use_fused_adam(optimizer, fused: bool) -> None:
+    """Run torch's Adam(W), where Megatron took it (without Transformer Engine or Apex), as one fused kernel (`fused`)
+    or as torch chooses (foreach on CUDA). Set on the param groups, which torch reads at every step (Megatron builds
+    the optimizer without the flag; torchtitan builds its AdamW fused by default). TE's and Apex's FusedAdam
+    are fused already: left alone."""
+    for inner in torch_optimizers(optimizer):
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+

@@ -10,6 +10,8 @@ import sys
 import pytest
 from helpers.runs import REPO
 
+from rl_megatron.bench.train import LADDER
+
 # The model of the small benchmarks: hidden 128 = 2 heads of 64, 1 KV head, MLP 352, vocabulary 256, one layer.
 # The weights outside the embedding: QKV 128x256 + bias 256, output 128x128, MLP 128x704 + 352x128, two norms of
 # 128, the final norm, the output layer 128x256.
@@ -61,8 +63,15 @@ def assert_vllm_peer(result: dict, tokens_per_s: float, sequences: int) -> None:
 def test_train_bench_reports_tokens_per_s_and_mfu():
     """Training steps of a small model on the CPU: both limits are reported, and the FLOP count is PaLM's
     6 * N + 12 * L * Hq * S per token (N: the weights of the matrix multiplies). transformers' step on the same work
-    follows once the project's model is freed (at a 7B width the two did not fit on an 80 GB GPU together)."""
-    result = bench("train", *SMALL_ARGS, "--repeats", "2", "--peer", "transformers")
+    follows once the project's model is freed (at a 7B width the two did not fit on an 80 GB GPU together). With
+    --ladder, each lever's rung first (a fresh actor on the same weights): the first update's gradient the same on
+    every rung, and the figure the last rung's (every lever on)."""
+    result = bench("train", *SMALL_ARGS, "--repeats", "2", "--peer", "transformers", "--ladder")
+    rungs = result["ladder"]
+    assert [r["rung"] for r in rungs] == [name for name, _ in LADDER] and len(rungs) > 1
+    assert all(r["grad_norm"] == rungs[0]["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in rungs)
+    assert all(r["mfu"] is None and r["peak_memory_bytes"] is None for r in rungs)  # no nominal peak, no CUDA
+    assert result["tokens_per_s"] == rungs[-1]["tokens_per_s"]
     assert result["bench"] == "train" and result["dtype"] == "float32" and result["layers_impl"] == "local"
     assert_positive(result, "value", "limit", "ratio", "tokens_per_s", "seconds", "flops_per_token")
     # SMALL_MODEL_WEIGHTS' matrices (no biases, no norms): QKV 128x256, output 128x128, MLP 128x704 + 352x128, head

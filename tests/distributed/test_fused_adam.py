@@ -1,0 +1,52 @@
+"""actor.optim.fused: torch's fused AdamW kernel where Megatron falls back to torch's optimizer (no TE, no Apex, as
+here): one update equals foreach's within float32 rounding, and a checkpoint saved by a run of one kernel loads
+into a run of the other with the other's (the param groups a checkpoint restores carry the saver's flag)."""
+import dataclasses
+
+import pytest
+
+from helpers.parity import config, family_model_dir, make_batch
+from helpers.ranks import actor_log_probs_everywhere, build_actor, saved_checkpoint
+from helpers.worlds import run_distributed
+from rl_megatron.workers.megatron_model import torch_optimizers
+
+
+def kernels(actor) -> set:
+    return {(group["fused"], group["foreach"]) for inner in torch_optimizers(actor.optimizer)
+            for group in inner.param_groups}
+
+
+def updates(cfg, batch) -> tuple:
+    """The actor of `cfg`, its kernels, and two updates on `batch`: the weights after the first, both's metrics."""
+    actor = build_actor(cfg)
+    batch = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+    first = actor.update(batch)
+    state = actor.hf_state_dict()
+    return actor, kernels(actor), state, [first, actor.update(batch)]
+
+
+def update_save_and_reload(fused_cfg, plain_cfg, batch, ckpt_dir):
+    """Each kernel's updates; a plain actor loading the fused one's checkpoint. Returns what each holds."""
+    fused, *fused_run = updates(fused_cfg, batch)
+    fused.save_checkpoint(ckpt_dir)
+    plain_run = updates(plain_cfg, batch)[1:]
+    reloaded = build_actor(plain_cfg)
+    reloaded.load_checkpoint(ckpt_dir)
+    return fused_run, plain_run, kernels(reloaded)
+
+
+def test_the_fused_kernel_updates_as_foreach_does_and_a_checkpoint_takes_the_loaders_kernel(tmp_path):
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    fused, plain = (config(model_dir, 1, 1, **{"actor.optim.fused": on, "actor.optim.lr": 1e-3}) for on in (True, False))
+    assert plain.actor.optim.fused is False and config(model_dir, 1, 1).actor.optim.fused is None  # null: CUDA's
+    (fused_run, plain_run, reloaded_kernels) = run_distributed(update_save_and_reload, 1, args=(
+        fused, plain, make_batch(), str(tmp_path / "ckpt")))[0]
+    (fused_kernels, fused_state, fused_metrics), (plain_kernels, plain_state, plain_metrics) = fused_run, plain_run
+    assert fused_kernels == {(True, False)} and plain_kernels == reloaded_kernels == {(None, None)}
+    # An Adam step of lr 1e-3 (up to 1e-3 on every weight): the kernels a float32 rounding apart. The second step's
+    # gradients then differ in their last bits, which Adam scales up where a gradient is near zero: compared by norm.
+    initial = saved_checkpoint(model_dir)
+    assert min((plain_state[name] - tensor).abs().max().item() for name, tensor in initial.items()) > 1e-4
+    assert max((fused_state[name] - tensor).abs().max().item() for name, tensor in plain_state.items()) < 1e-6
+    for mine, theirs in zip(fused_metrics, plain_metrics):
+        assert mine["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-5)
