@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rl_megatron import platform
 from rl_megatron.config.schema import Config
 from rl_megatron.roles import Role
 
@@ -36,6 +37,7 @@ class ActivationSettings:
     recompute_granularity: Optional[str] = None  # None, "full" (whole layers) or "selective" (SELECTIVE_MODULES)
     recompute_method: Optional[str] = None  # full: "uniform" (groups of recompute_num_layers) or "block"
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per model chunk (block)
+    fused_swiglu: bool = False  # Megatron's SwiGLU in one compiled kernel (bias_activation_fusion), on SwiGLU MLPs
 
     @classmethod
     def of_role(cls, cfg: Config, role: Role) -> ActivationSettings:
@@ -43,17 +45,21 @@ class ActivationSettings:
         section says (the critic's keys default to the actor's, `preflight.resolve`). The frozen reference only runs
         forward passes without a graph, where recomputation has nothing to save."""
         sequence_parallel = cfg.actor.sequence_parallel
+        fused = platform.has_cuda() if cfg.actor.fused_swiglu is None else cfg.actor.fused_swiglu  # this process's
         if not role.trainable:
-            return cls(sequence_parallel=sequence_parallel)
+            return cls(sequence_parallel=sequence_parallel, fused_swiglu=fused)
         section = cfg.actor if role is Role.ACTOR else cfg.critic
         return cls(sequence_parallel=sequence_parallel, recompute_granularity=section.recompute_granularity,
-                   recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers)
+                   recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers,
+                   fused_swiglu=fused)
 
-    def transformer_config_fields(self, tp: int) -> dict:
-        """Megatron's TransformerConfig fields for these settings at tensor-parallel size `tp`."""
+    def transformer_config_fields(self, tp: int, swiglu: bool) -> dict:
+        """Megatron's TransformerConfig fields for these settings at tensor-parallel size `tp` (`swiglu`: the MLPs'
+        activation is SwiGLU, which the fusion takes)."""
         fields = dict(sequence_parallel=sequence_parallel_on(self.sequence_parallel, tp),
                       recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
-                      recompute_num_layers=self.recompute_num_layers)
+                      recompute_num_layers=self.recompute_num_layers,
+                      bias_activation_fusion=self.fused_swiglu and swiglu)
         if self.recompute_granularity == "selective":
             fields["recompute_modules"] = list(SELECTIVE_MODULES)
         return fields

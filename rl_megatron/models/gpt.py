@@ -108,7 +108,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
     """`deterministic`: trainer.deterministic (rl_megatron/platform/determinism.py)."""
     heads = hf["num_attention_heads"]
     torch_dtype = DTYPES[dtype]
-    family = family_of(hf)
+    family, mlp = family_of(hf), mlp_fields(hf)
     return (MLATransformerConfig if family.mla else TransformerConfig)(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -120,7 +120,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         **family.norm_fields(),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
-        **mlp_fields(hf),
+        **mlp,
         **family.attention_fields(hf),
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -130,7 +130,7 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         tensor_model_parallel_size=tp,
         # Sequence parallelism and recomputation (MoE layers train at TP > 1 only with sequence parallelism, which
         # is on there unless actor.sequence_parallel=false, refused then by preflight.layout.check_activations).
-        **activations.transformer_config_fields(tp),
+        **activations.transformer_config_fields(tp, swiglu=mlp["activation_func"] is F.silu),
         pipeline_model_parallel_size=pp,
         **stages.transformer_config_fields(),  # uneven first / last stages (models/pipeline_stages.py)
         expert_model_parallel_size=ep,
