@@ -303,8 +303,7 @@ def _check_distillation(cfg: Config) -> None:
 
 
 def _check_reward_model(cfg: Config) -> None:
-    """The reward model's keys need its folder. Where groups are scored while generating (dynamic sampling,
-    streaming), it scores them then on workers of its own; in the actor's workers, in the step's passes only."""
+    """The reward model's keys need its folder; where groups are scored as they generate, workers of its own."""
     if not uses_reward_model(cfg):
         _refuse_set_keys(_set_keys(cfg.reward_model, "reward_model", ("coef", "mode", "placement")),
                          "there is no reward model (reward_model.model.path=null)",
@@ -318,8 +317,7 @@ def _check_reward_model(cfg: Config) -> None:
 
 
 def _check_judge(cfg: Config) -> None:
-    """The judge's keys need a judge (its engines' keys, one of its own), its template names only the fields it is
-    given; under streaming it needs engines of its own."""
+    """The judge's keys need a judge, its template names only the fields it is given; streaming, engines of its own."""
     judge = cfg.judge
     if not judge.enable:
         _refuse_set_keys(_set_keys(judge, "judge") + _set_keys(judge.model, "judge.model"), "judge.enable=false",
@@ -338,9 +336,8 @@ def _check_judge(cfg: Config) -> None:
                           f"{', '.join('{' + name + '}' for name in JUDGE_FIELDS)} only: use those, or write a literal "
                           "brace as {{ or }}.")
     if judge.model.path is None:
-        _check_scored_after_generation(cfg, "a self-judge (judge.model.path=null) judges on the policy's engines, "
-                                            "which streaming keeps generating", "set judge.model.path to a judge of "
-                                            "its own (its engines judge each group as it is scored)",
+        _check_scored_after_generation(cfg, "a self-judge (judge.model.path=null) judges on the engines streaming "
+                                            "keeps generating", "set judge.model.path to a judge of its own",
                                        dynamic_sampling=False)
 
 
