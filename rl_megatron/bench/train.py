@@ -111,22 +111,26 @@ def rung(args, model_dir: str, overrides: tuple[str, ...]) -> tuple:
     return actor, hf, batch, seconds, first, peak
 
 
+def model_flops(hf: dict, args, seconds: float) -> tuple[float, float | None]:
+    """The model FLOP/s of a step of `seconds` on the bench's batch, and its MFU (None without a nominal peak)."""
+    value = training_flops_per_token(hf, args.seq) * args.batch * args.seq / seconds
+    peak, _ = nominal_peak(args.dtype)
+    return value, (value / peak if peak else None)
+
+
 def ladder(args, model_dir: str) -> tuple:
     """Every rung of LADDER, each actor freed before the next; the last rung's actor and the rungs' figures."""
     rungs, levers = [], []
     for name, overrides in LADDER:
         levers.extend(overrides)
-        if rungs:  # the random weights of the first rung (its world seeded when it was formed)
+        if rungs:  # the previous rung's actor freed, and the first rung's random weights (its world's seed) again
+            del actor
             tensor_parallel.model_parallel_cuda_manual_seed(0)
             torch.manual_seed(0)
         actor, hf, batch, seconds, first, peak = rung(args, model_dir, tuple(levers))
-        value = training_flops_per_token(hf, args.seq) * args.batch * args.seq / seconds
-        peak_flops, _ = nominal_peak(args.dtype)
         rungs.append({"rung": name, "adds": list(overrides), "tokens_per_s": args.batch * args.seq / seconds,
-                      "seconds": seconds, "mfu": value / peak_flops if peak_flops else None,
-                      "peak_memory_bytes": peak, "grad_norm": first["actor/grad_norm"]})
-        if (name, overrides) != LADDER[-1]:
-            del actor
+                      "seconds": seconds, "mfu": model_flops(hf, args, seconds)[1], "peak_memory_bytes": peak,
+                      "grad_norm": first["actor/grad_norm"]})
     return actor, hf, batch, rungs[-1]["seconds"], rungs
 
 
@@ -153,7 +157,7 @@ def run(args, model_dir: str) -> dict:
         figures.update(peer="transformers", peer_tokens_per_s=tokens / peer_seconds, peer_seconds=peer_seconds,
                        ratio_to_peer=peer_seconds / seconds)
     flops_per_token = training_flops_per_token(hf, args.seq)
-    value = flops_per_token * tokens / seconds
+    value, mfu = model_flops(hf, args, seconds)
 
     micro_tokens = micro_batch * args.seq
     gemm = (min(micro_tokens, 8192), *largest_gemm(hf))
@@ -161,7 +165,7 @@ def run(args, model_dir: str) -> dict:
     peak, device_name = nominal_peak(args.dtype)
     return {"bench": "train", "value": value, "unit": "FLOP/s", "ratio": value / limit,
             "limit_name": "matmul FLOP/s", "limit": limit, "tokens_per_s": tokens / seconds, "seconds": seconds,
-            "mfu": value / peak if peak else None, "nominal_peak_flops": peak, "device": device_name,
+            "mfu": mfu, "nominal_peak_flops": peak, "device": device_name,
             "dtype": args.dtype, "layers_impl": "transformer_engine" if uses_transformer_engine() else "local",
             "batch": args.batch, "seq": args.seq, "micro_batch": micro_batch,
             "flops_per_token": flops_per_token, "matmul_weights": matmul_weights(hf),
