@@ -215,6 +215,9 @@ class TokenOutputs(RowTensors):
     entropy: Tensor | None = None  # the policy's entropy at each position
     values: Tensor | None = None  # the critic's value of the state before each token
     routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to (R2 records)
+    top_log_probs: Tensor | None = None  # [B, S, k]: a teacher's k likeliest tokens' log-probs (best first); the
+    # policy's update: its log-probs of those tokens (algorithm.distillation.top_k)
+    top_ids: Tensor | None = None  # [B, S, k] int32: a teacher's k likeliest tokens
 
 
 @dataclass
@@ -240,6 +243,8 @@ class TrainBatch(RowTensors):
     entropy: Tensor | None = None  # the policy's, before this step's update (a metric)
     ref_log_probs: Tensor | None = None  # the reference policy's (KL)
     teacher_log_probs: Tensor | None = None  # the teacher's (on-policy distillation)
+    teacher_top_log_probs: Tensor | None = None  # [B, S, k]: the teacher's k likeliest tokens' log-probs and their
+    teacher_top_ids: Tensor | None = None  # ids, int32 (algorithm.distillation.top_k)
     values: Tensor | None = None  # the critic's, before this step's update
     advantages: Tensor | None = None  # per token, or [B]: one per sequence
     returns: Tensor | None = None  # the critic's targets

@@ -17,7 +17,7 @@ from rl_megatron.algorithms.advantages import (
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
-from rl_megatron.algorithms.distillation import distillation_advantages, reverse_kl
+from rl_megatron.algorithms.distillation import distillation_advantages, reverse_kl, top_k_kl
 from rl_megatron.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -75,5 +75,6 @@ __all__ = [
     "rollout_correction_metrics",
     "rollout_correction_weights",
     "rollout_mismatch_metrics",
+    "top_k_kl",
     "value_loss",
 ]

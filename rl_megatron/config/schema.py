@@ -259,6 +259,7 @@ class FilterGroupsConfig:
 class DistillationConfig:
     coef: float = checked(1.0, above(0))  # weight of the distillation term: coef x (log p_teacher - log p_policy) per response token, log p_policy the old log-probs (Thinking Machines' on-policy distillation: a per-token reverse KL, undiscounted); needs teacher.model.path
     mode: Literal["mixed", "alone"] = "mixed"  # mixed: the term added to the task's advantages (algorithm.adv_estimator's); alone: the term is the whole advantage (the rewards are still scored and logged, not trained on)
+    top_k: Optional[int] = checked(None, at_least(1), "e.g. 64, or null to distil through the sampled tokens")  # the teacher's k likeliest tokens at each response position, learnt as a loss term: coef x KL(teacher || policy) over them (NeMo-RL's top-k distillation), in place of the sampled-token advantage; null: Thinking Machines' sampled-token term
 
 
 @dataclass

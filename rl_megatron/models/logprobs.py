@@ -14,11 +14,15 @@ combines the ranks' partial sums. The backward pass recomputes each chunk's soft
 pattern of NeMo-RL's chunked distributed log-probs): the gradient of log p is Megatron's vocab-parallel cross
 entropy's, computed the same way, so the figures are the same bits as `vocab_parallel_cross_entropy` on the whole
 float32 logits.
+
+More labels per position (a distillation teacher's k likeliest tokens, `top_k_log_probs`) ride in the same pass and
+the same all-reduce: log p(label_j) for each, and in the backward pass sum_j (onehot_j - softmax) x d loss_j.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 
 CHUNKS = 16  # float32 temporaries: about three chunks, 3/16 of the logits' size
@@ -33,7 +37,7 @@ class _TokenStatistics(torch.autograd.Function):
     """(log p(labels), entropy or an empty tensor) of logits [N, V/TP] (module docstring)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, vocab_size, with_entropy):
+    def forward(ctx, logits, labels, temperature, vocab_size, with_entropy, more_labels):
         world, rank, group = _tp()
         rows, shard = logits.shape
         start = rank * shard
@@ -46,15 +50,17 @@ class _TokenStatistics(torch.autograd.Function):
             top = logits.new_full((rows,), torch.finfo(torch.float32).min, dtype=torch.float32)
         if world > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        local = labels - start
-        inside = (local >= 0) & (local < shard)
-        local = torch.where(inside, local, 0)
-        sums = torch.empty(3 if with_entropy else 2, rows, dtype=torch.float32, device=logits.device)
+        local, inside = _local(labels, start, shard)
+        more_local, more_inside = _local(more_labels, start, shard)
+        first_more = 3 if with_entropy else 2  # sums: total, label, [entropy's], then the more labels' (k rows)
+        sums = torch.empty(first_more + more_labels.shape[1], rows, dtype=torch.float32, device=logits.device)
         for part in _chunks(rows):
             x = _scaled(logits[part], temperature, valid)
             shifted = x - top[part].unsqueeze(-1)
             picked = shifted.gather(-1, local[part].unsqueeze(-1)).squeeze(-1)
             sums[1, part] = torch.where(inside[part], picked, 0.0)
+            if more_labels.shape[1]:
+                sums[first_more:, part] = torch.where(more_inside[part], shifted.gather(-1, more_local[part]), 0.0).T
             torch.exp(shifted, out=shifted)
             sums[0, part] = shifted.sum(dim=-1)
             if with_entropy:
@@ -63,18 +69,20 @@ class _TokenStatistics(torch.autograd.Function):
             dist.all_reduce(sums, group=group)
         log_total = torch.log(sums[0])
         log_probs = -(log_total - sums[1])
+        more_log_probs = (sums[first_more:] - log_total).T
         expected = sums[2] / sums[0] if with_entropy else None
         entropy = top + log_total - expected if with_entropy else logits.new_empty(0, dtype=torch.float32)
-        ctx.save_for_backward(logits, local, inside, top, sums[0], expected if with_entropy else top)
+        ctx.save_for_backward(logits, local, inside, top, sums[0], expected if with_entropy else top, more_local,
+                              more_inside)
         ctx.temperature, ctx.valid, ctx.with_entropy = temperature, valid, with_entropy
         # An output no loss reads (the entropy an update computes for its metric) gets None, not a zero gradient to
         # back-propagate.
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return log_probs, entropy, more_log_probs
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        logits, local, inside, top, total, expected = ctx.saved_tensors
+    def backward(ctx, grad_log_probs, grad_entropy, grad_more):
+        logits, local, inside, top, total, expected, more_local, more_inside = ctx.saved_tensors
         temperature, valid = ctx.temperature, ctx.valid
         grad_logits = torch.zeros_like(logits)
         for part in _chunks(logits.shape[0]):
@@ -88,12 +96,23 @@ class _TokenStatistics(torch.autograd.Function):
                 grad = grad + ce.mul_(-grad_log_probs[part].unsqueeze(-1))
             if ctx.with_entropy and grad_entropy is not None:  # d entropy / d x = -p (x - E[x])
                 grad = grad - grad_entropy[part].unsqueeze(-1) * softmax * (x - expected[part].unsqueeze(-1))
+            if grad_more is not None and more_local.shape[1]:  # sum over labels j of (onehot_j - softmax) x d loss_j
+                weights = grad_more[part]
+                more = softmax * -weights.sum(dim=-1, keepdim=True)
+                grad = grad + more.scatter_add_(-1, more_local[part], weights * more_inside[part])
             if temperature != 1.0:
                 grad = grad / temperature
             if valid < grad.shape[-1]:
                 grad[:, valid:] = 0.0
             grad_logits[part] = grad.to(logits.dtype)
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
+
+
+def _local(labels: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vocabulary ids as indices into this rank's slice (0 where outside it), and where they are inside."""
+    local = labels - start
+    inside = (local >= 0) & (local < shard)
+    return torch.where(inside, local, 0), inside
 
 
 def _chunks(rows: int) -> list[slice]:
@@ -114,14 +133,47 @@ def _scaled(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tenso
 
 
 def token_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
-                                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(labels) and (with_entropy) the entropy at each position under softmax(logits / temperature), float32,
+                                with_entropy: bool, more_labels: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log p(labels), (with_entropy) the entropy and (with `more_labels` [..., k]: k vocabulary ids per position, e.g.
+    a teacher's top-k) log p of each of `more_labels`, at each position under softmax(logits / temperature), float32,
     differentiable; logits [..., V/TP] (this TP rank's vocabulary slice, Megatron's padding beyond `vocab_size`),
     labels [...]."""
-    shape = labels.shape
-    log_probs, entropy = _TokenStatistics.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                float(temperature), vocab_size, with_entropy)
-    return log_probs.view(shape), entropy.view(shape) if with_entropy else None
+    shape, rows = labels.shape, labels.numel()
+    more = labels.new_zeros(rows, 0) if more_labels is None else more_labels.reshape(rows, -1).long()
+    log_probs, entropy, more_log_probs = _TokenStatistics.apply(logits.reshape(-1, logits.shape[-1]),
+                                                                labels.reshape(-1), float(temperature), vocab_size,
+                                                                with_entropy, more)
+    return (log_probs.view(shape), entropy.view(shape) if with_entropy else None,
+            None if more_labels is None else more_log_probs.view(more_labels.shape))
+
+
+@torch.no_grad()
+def top_k_log_probs(logits: torch.Tensor, k: int, temperature: float, vocab_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens at each position under softmax(logits / temperature): (log-probs [..., k] float32,
+    vocabulary ids [..., k] int32), best first; logits [..., V/TP] as `token_log_probs_and_entropy` takes them. Each
+    TP rank's k best of its slice are gathered (one all-gather of ids), their log-probs computed as any label's, and
+    the k best of the candidates kept, as a distillation teacher's top-k logits are taken (NeMo-RL)."""
+    world, rank, group = _tp()
+    k = min(k, vocab_size)  # a vocabulary of fewer tokens: all of them
+    flat = logits.reshape(-1, logits.shape[-1])
+    start = rank * flat.shape[-1]
+    valid = max(0, min(flat.shape[-1], vocab_size - start))
+    ranked = min(k, valid)  # the scaling by 1 / T keeps the order: the raw logits rank the same
+    candidates = flat[:, :valid].topk(ranked, dim=-1).indices + start
+    if world > 1:  # every rank proposes k (a rank with fewer real ids repeats its best; duplicates rank last)
+        candidates = F.pad(candidates, (0, k - ranked), value=start) if ranked < k else candidates
+        gathered = [torch.empty_like(candidates) for _ in range(world)]
+        dist.all_gather(gathered, candidates.contiguous(), group=group)
+        candidates = torch.cat(gathered, dim=-1)
+    _, _, log_probs = token_log_probs_and_entropy(flat, candidates[:, 0], temperature, vocab_size, False, candidates)
+    if world > 1:  # a repeated id stands for one token: keep its first place only
+        repeated = (candidates.unsqueeze(-1) == candidates.unsqueeze(-2)).tril(diagonal=-1).any(dim=-1)
+        log_probs = log_probs.masked_fill(repeated, float("-inf"))
+    best, order = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+    shape = (*logits.shape[:-1], best.shape[-1])
+    return best.view(shape), candidates.gather(-1, order).to(torch.int32).view(shape)
 
 
 class OutputPositions:

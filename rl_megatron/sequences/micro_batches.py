@@ -103,6 +103,18 @@ class MicroBatch:
         inside = inside.view(*inside.shape, *[1] * (out.dim() - 2))
         return torch.where(to_device(inside, device), out, torch.zeros((), dtype=out.dtype, device=device))
 
+    def model_layout(self, per_sample: Tensor) -> Tensor:
+        """`unpack`'s inverse: a per-sample tensor [samples, longest, ...] laid out as the positions this rank's model
+        computes ([rows, tokens, ...], or the context-parallel share), zero where no sample's token is."""
+        rows, tokens = self.input_ids.shape
+        out = per_sample.new_zeros(rows, tokens, *per_sample.shape[2:])
+        if self.cu_seqlens is None:
+            out[:per_sample.shape[0], :per_sample.shape[1]] = per_sample
+        else:
+            for sample, (start, length) in enumerate(zip(self.cu_seqlens, self.lengths)):
+                out[0, start:start + length] = per_sample[sample, :length]
+        return out if self.context_index is None else out[:, self.context_index]
+
     def unpack_outputs(self, outputs: TokenOutputs) -> TokenOutputs:
         return TokenOutputs(**{name: self.unpack(value) for name, value in outputs.tensors().items()})
 
@@ -153,29 +165,27 @@ def _pad_tokens(ids: Tensor, multiple: int, pad_id: int) -> Tensor:
 
 
 def outputs_to_host(outputs: list[TokenOutputs]) -> list[TokenOutputs]:
-    """Per-micro-batch outputs ([samples, longest] each, float) copied to the host in one transfer: the host waits
-    for the device once per pass, not once per micro-batch and output. The routing (R2's record) comes in a second."""
-    routing = [o.routed_experts for o in outputs]
-    if routing[0] is not None:
-        outputs = [dataclasses.replace(o, routed_experts=None) for o in outputs]
-        longest = max(r.shape[1] for r in routing)
-        host = torch.cat([F.pad(r, (0, 0, 0, 0, 0, longest - r.shape[1])) for r in routing]).to("cpu")
-        starts = [0]
-        for r in routing:
-            starts.append(starts[-1] + r.shape[0])
-        return [dataclasses.replace(o, routed_experts=host[start:start + r.shape[0], :r.shape[1]])
-                for o, start, r in zip(outputs_to_host(outputs), starts, routing)]
+    """Per-micro-batch outputs ([samples, longest, ...] each) copied to the host: the [samples, longest] ones (floats)
+    in one transfer, each with more dimensions (the routing R2 records, a teacher's top-k) in one of its own. The host
+    waits for the device once per output kind, not once per micro-batch."""
     names = list(outputs[0].tensors())
-    shapes = [outputs_of.tensors()[names[0]].shape for outputs_of in outputs]
-    longest = max(shape[1] for shape in shapes)
-    on_device = torch.stack([torch.cat([F.pad(outputs_of.tensors()[name], (0, longest - shape[1]))
-                                        for outputs_of, shape in zip(outputs, shapes)]) for name in names])
-    host = on_device.to("cpu")  # [outputs, every micro-batch's samples, longest]
-    starts = [0]
-    for shape in shapes:
-        starts.append(starts[-1] + shape[0])
-    return [TokenOutputs(**{name: host[i, start:start + shape[0], :shape[1]] for i, name in enumerate(names)})
-            for start, shape in zip(starts, shapes)]
+    longest = {name: max(o.tensors()[name].shape[1] for o in outputs) for name in names}
+
+    def joined(name: str) -> Tensor:  # every micro-batch's samples, padded to the longest
+        return torch.cat([F.pad(value, (0, 0) * (value.dim() - 2) + (0, longest[name] - value.shape[1]))
+                          for value in (o.tensors()[name] for o in outputs)])
+
+    flat = [name for name in names if outputs[0].tensors()[name].dim() == 2]
+    host = dict(zip(flat, torch.stack([joined(name) for name in flat]).to("cpu"))) if flat else {}
+    host |= {name: joined(name).to("cpu") for name in names if name not in flat}
+    parts, start = [], 0
+    for o in outputs:
+        values = o.tensors()
+        count = values[names[0]].shape[0]
+        parts.append(TokenOutputs(**{name: host[name][start:start + count, :values[name].shape[1]]
+                                     for name in names}))
+        start += count
+    return parts
 
 
 def scatter_rows(parts: list[tuple[list[int], TokenOutputs]], count: int, length: int) -> TokenOutputs:

@@ -33,7 +33,9 @@ def forward_passes(groups: dict[Role, WorkerGroup], cfg: Config, batch: TrainBat
             batch.ref_log_probs = reference(ref_batch).log_probs
     if Role.TEACHER in groups:  # a model of its own: never the policy's routing
         with timer("teacher"):
-            batch.teacher_log_probs = groups[Role.TEACHER].teacher_log_probs(batch.select()).log_probs
+            teacher = groups[Role.TEACHER].teacher_log_probs(batch.select())
+            batch.teacher_log_probs = teacher.log_probs
+            batch.teacher_top_log_probs, batch.teacher_top_ids = teacher.top_log_probs, teacher.top_ids
     if Role.CRITIC in groups:
         with timer("values"):
             batch.values = groups[Role.CRITIC].values(batch.select()).values

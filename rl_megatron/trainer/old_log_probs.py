@@ -55,7 +55,8 @@ def update_actor(actor: WorkerGroup, batch: TrainBatch, correction: RolloutCorre
     """The actor's update of `batch`; its metrics. A batch without old log-probs gets them, and the entropy, from
     the update's forward pass (which weighs the tokens by the rollout correction from there too). In bypass mode
     the PPO ratio's denominator is the rollout's log-probs instead of the old ones."""
-    fields = ["old_log_probs", "advantages", "ref_log_probs", "importance_weights", "routed_experts"]
+    fields = ["old_log_probs", "advantages", "ref_log_probs", "importance_weights", "routed_experts",
+              "teacher_top_log_probs", "teacher_top_ids"]
     from_update = batch.old_log_probs is None
     if from_update and correction.level is not None:
         fields.append("rollout_log_probs")

@@ -250,9 +250,9 @@ class Trainer:
             batch.advantages, returns = compute_advantages(alg.adv_estimator, AdvantageInputs(
                 token_rewards, mask, group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
                 norm_by_std=alg.norm_adv_by_std), self.cfg.extension_keys)
-        if distilling:  # the teacher's term, per token (`algorithms/distillation.py`)
+        if distilling:  # the teacher's term per token (`algorithms/distillation.py`), or with top_k the actor's loss's
             batch.advantages = distillation_advantages(batch.advantages, batch.teacher_log_probs, batch.old_log_probs,
-                                                       mask, alg.distillation.coef)
+                                                       mask, 0.0 if alg.distillation.top_k else alg.distillation.coef)
         correction = alg.rollout_correction
         if correction.level is not None and batch.old_log_probs is not None:
             batch.importance_weights = rollout_correction_weights(batch.old_log_probs, batch.rollout_log_probs, mask,

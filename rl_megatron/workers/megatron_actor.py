@@ -12,14 +12,15 @@ from functools import partial
 import torch
 
 from rl_megatron import platform
-from rl_megatron.algorithms import POLICY_LOSSES, aggregate_loss, kl_divergence, rollout_correction_weights
+from rl_megatron.algorithms import (POLICY_LOSSES, aggregate_loss, kl_divergence, rollout_correction_weights,
+                                    top_k_kl)
 from rl_megatron.batch import PolicyUpdate, TokenOutputs, TrainBatch
 from rl_megatron.config.schema import Config
 from rl_megatron.models.activations import ActivationSettings
 from rl_megatron.models.pipeline_stages import StageLayers
 from rl_megatron.models.gpt import weight_table
 from rl_megatron.models.hf_config import carries_routing
-from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy
+from rl_megatron.models.logprobs import OutputPositions, token_log_probs_and_entropy, top_k_log_probs
 from rl_megatron.models.lora import MergedWeights, adapters_disabled
 from rl_megatron.models.router_metrics import RouterMetrics
 from rl_megatron.models.router_replay import Pass, RoutingReplay
@@ -51,6 +52,8 @@ class MegatronActor(MegatronModel):
                          stages=StageLayers.of_role(cfg, role), distributed_optimizer=distributed_optimizer,
                          lora=cfg.actor.lora if trainable and cfg.actor.lora.rank else None)
         self.table = weight_table(self.chunks[0], hf_config)
+        # A teacher distilled from by its top-k (algorithm.distillation.top_k) gives its k likeliest tokens.
+        self.top_k = cfg.algorithm.distillation.top_k if role is Role.TEACHER else None
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
@@ -72,28 +75,40 @@ class MegatronActor(MegatronModel):
         if last.post_process and not last.config.sequence_parallel and self.context_size == 1:
             self.output_positions = OutputPositions(last.output_layer)
 
-    def _token_outputs(self, micro: MicroBatch, output: torch.Tensor, with_entropy: bool) -> TokenOutputs:
+    def _token_outputs(self, micro: MicroBatch, output: torch.Tensor, with_entropy: bool,
+                       top_k: int | None = None) -> TokenOutputs:
         """log p(token) (and the policy's entropy) under the sampling temperature, at the positions the pass reads
-        (zero elsewhere), in the model's layout."""
+        (zero elsewhere), in the model's layout. Distilling from a teacher's top-k: the teacher (`top_k`) gives its k
+        likeliest tokens and their log-probs; the policy, given those (`teacher_top_ids`), its log-probs of them."""
+        temperature, vocab = self.cfg.rollout.temperature, self.hf_config["vocab_size"]
         labels = micro.labels
-        if micro.read_positions is not None:  # output: [1, n, V/TP] at those positions only
-            labels = labels.flatten()[micro.read_positions[0]]
-        log_probs, ent = token_log_probs_and_entropy(output, labels, self.cfg.rollout.temperature,
-                                                     self.hf_config["vocab_size"], with_entropy)
-        outputs = TokenOutputs(log_probs=log_probs, entropy=ent)
-        if micro.read_positions is None:
+        teacher_ids = micro.samples.teacher_top_ids
+        teacher_ids = None if teacher_ids is None else micro.model_layout(teacher_ids)
+        reads = micro.read_positions
+        if reads is not None:  # output: [1, n, V/TP] at those positions only
+            labels = labels.flatten()[reads[0]]
+            teacher_ids = None if teacher_ids is None else teacher_ids.flatten(0, 1)[reads[0]]
+        log_probs, ent, top_log_probs = token_log_probs_and_entropy(output, labels, temperature, vocab, with_entropy,
+                                                                    teacher_ids)
+        top_ids = None
+        if top_k is not None:
+            top_log_probs, top_ids = top_k_log_probs(output.reshape(*labels.shape, output.shape[-1]), top_k,
+                                                     temperature, vocab)
+        outputs = TokenOutputs(log_probs=log_probs, entropy=ent, top_log_probs=top_log_probs, top_ids=top_ids)
+        if reads is None:
             return outputs
-        layout = log_probs.new_zeros(micro.input_ids.numel())
-        return TokenOutputs(**{name: layout.index_copy(0, micro.read_positions[0], value.flatten()
-                                                       ).view_as(micro.input_ids)
-                               for name, value in outputs.tensors().items()})
+
+        def spread(value: torch.Tensor) -> torch.Tensor:  # [n, ...] at the read positions -> [rows, tokens, ...]
+            layout = value.new_zeros(micro.input_ids.numel(), *value.shape[1:])
+            return layout.index_copy(0, reads[0], value).view(*micro.input_ids.shape, *value.shape[1:])
+        return TokenOutputs(**{name: spread(value) for name, value in outputs.tensors().items()})
 
     def log_probs(self, batch: TrainBatch) -> TokenOutputs | None:
         """log p(token) and the policy's entropy under the sampling temperature, where `response_mask` is set (the
         tokens the losses and metrics read; 0 elsewhere: the prompt's outputs are never computed). With R2, also
         each token's experts (`routed_experts`), which the update replays; with R3, through the experts of
         `batch.routed_experts` (the engine's). The policy counts its routing's agreement with the batch's."""
-        tokens_of = partial(self._token_outputs, with_entropy=True)
+        tokens_of = partial(self._token_outputs, with_entropy=True, top_k=self.top_k)
         batch = batch.select("routed_experts")
         if self.routing_replay is None:
             return self.infer(batch, tokens_of)
@@ -144,6 +159,12 @@ class MegatronActor(MegatronModel):
                 entropy_term = aggregate_loss(outputs.entropy, mask, actor.loss_agg_mode, scale)
                 loss = loss - actor.entropy_coeff * entropy_term
                 stats.losses["entropy_loss"] = entropy_term.detach()
+            if samples.teacher_top_ids is not None:  # on-policy distillation from the teacher's top-k
+                distill = self.cfg.algorithm.distillation
+                distill_term = aggregate_loss(top_k_kl(samples.teacher_top_log_probs, outputs.top_log_probs), mask,
+                                              actor.loss_agg_mode, scale)
+                loss = loss + distill.coef * distill_term
+                stats.losses["distill_loss"] = distill_term.detach()
             if actor.use_kl_loss:
                 kl_term = aggregate_loss(kl_divergence(log_probs, samples.ref_log_probs, actor.kl_loss_type), mask,
                                          actor.loss_agg_mode, scale)

@@ -2,6 +2,7 @@
 the whole float32 logits and the entropy's formula, with autograd through both: the same bits at TP=1 (forward, and
 the gradient of the log-probs), and at TP=2 (each rank a vocabulary slice, Megatron's padding masked) the same
 figures within float32 rounding."""
+import pytest
 import torch
 
 from helpers.worlds import run_distributed
@@ -45,7 +46,7 @@ def both_ways(with_entropy):
     shard = PADDED // tp
     results = []
     for compute in (reference, lambda logits, labels, e: token_log_probs_and_entropy(logits, labels, TEMPERATURE,
-                                                                                     VOCAB, e)):
+                                                                                     VOCAB, e)[:2]):
         logits = full[:, rank * shard:(rank + 1) * shard].clone().requires_grad_()
         log_probs, entropy = compute(logits, labels, with_entropy)
         loss = (weights[0] * log_probs).sum() + ((weights[1] * entropy).sum() if with_entropy else 0)
@@ -73,3 +74,46 @@ def test_tp2_matches_the_whole_vocabulary():
         (ref_lp, ref_ent, ref_grad), (lp, ent, grad) = rank
         assert (lp - ref_lp).abs().max() <= 1e-5 and (ent - ref_ent).abs().max() <= 1e-5
         assert (grad - ref_grad).abs().max() <= 1e-5 * ref_grad.abs().max()
+
+
+TOP_K = 8
+
+
+def more_labels_and_top_k():
+    """A teacher's top-k and a policy's log-probs of k given ids per position (with their gradient), from the chunked
+    function, and the same from log_softmax over the whole float32 vocabulary through autograd."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+
+    from rl_megatron.models.logprobs import token_log_probs_and_entropy, top_k_log_probs
+
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(ROWS, PADDED, generator=g) * 4
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    more = torch.randint(0, VOCAB, (ROWS, 5), generator=g)
+    weights = torch.randn(2, ROWS, 5, generator=g)
+    shard = PADDED // parallel_state.get_tensor_model_parallel_world_size()
+    mine = slice(parallel_state.get_tensor_model_parallel_rank() * shard, None)
+    logits = full[:, mine][:, :shard].clone().requires_grad_()
+    log_probs, _, more_log_probs = token_log_probs_and_entropy(logits, labels, TEMPERATURE, VOCAB, False, more)
+    ((weights[0, :, 0] * log_probs).sum() + (weights[1] * more_log_probs).sum()).backward()
+    whole = full[:, :VOCAB].clone().requires_grad_()
+    reference = F.log_softmax(whole / TEMPERATURE, dim=-1)
+    ((weights[0, :, 0] * reference.gather(-1, labels[:, None])[:, 0]).sum()
+     + (weights[1] * reference.gather(-1, more)).sum()).backward()
+    top, ids = top_k_log_probs(logits.detach(), TOP_K, TEMPERATURE, VOCAB)
+    reference_top, reference_ids = reference.detach().topk(TOP_K, dim=-1)
+    return ((more_log_probs.detach(), reference.detach().gather(-1, more)),
+            (logits.grad, F.pad(whole.grad, (0, PADDED - VOCAB))[:, mine][:, :shard]),
+            (top, reference_top), (ids, reference_ids))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_more_labels_and_a_teachers_top_k_match_the_whole_vocabulary(tp):
+    """The log-probs of k ids per position and their gradient (a policy distilled from a teacher's top-k), and the
+    teacher's top-k itself (the same ids, best first, each rank proposing its slice's best), at TP=1 and TP=2."""
+    for (more, more_ref), (grad, grad_ref), (top, top_ref), (ids, ids_ref) in run_distributed(
+            more_labels_and_top_k, tp, tp, 1):
+        assert (more - more_ref).abs().max() <= 1e-5
+        assert (grad - grad_ref).abs().max() <= 1e-5 * grad_ref.abs().max()
+        assert (top - top_ref).abs().max() <= 1e-5 and torch.equal(ids.long(), ids_ref) and ids.dtype == torch.int32

@@ -169,9 +169,14 @@ def engine_routing_replayed(cfg, prompts: list[list[int]], new_tokens: int):
         engine.close()
 
 
-def policy_and_teacher_log_probs(cfg, batch):
+def policy_and_teacher_log_probs(cfg, batch, teacher_ids=None):
     """The actor and, in the same processes as a colocated teacher runs, the teacher (teacher.model.path: a model of
-    its own, loaded by its role): each one's log-probs of `batch`."""
+    its own, loaded by its role): each one's log-probs of `batch` (the teacher's top-k too with
+    algorithm.distillation.top_k); with `teacher_ids` ([B, S, k]), also the actor's log-probs of those ids, as its
+    update computes them to distil from a teacher's top-k."""
+    import dataclasses
+    from functools import partial
+
     from rl_megatron.models.hf_config import role_model_config
     from rl_megatron.roles import Role
     from rl_megatron.workers.megatron_actor import MegatronActor
@@ -179,7 +184,11 @@ def policy_and_teacher_log_probs(cfg, batch):
     actor = build_actor(cfg)
     teacher = MegatronActor(cfg, role_model_config(cfg, Role.TEACHER, actor.hf_config), role=Role.TEACHER)
     assert not any(p.requires_grad for chunk in teacher.chunks for p in chunk.parameters())  # forward only
-    return actor.log_probs(batch), teacher.log_probs(batch)
+    results = actor.log_probs(batch), teacher.log_probs(batch)
+    if teacher_ids is None:
+        return results
+    probed = dataclasses.replace(batch, teacher_top_ids=teacher_ids)
+    return *results, actor.infer(probed, partial(actor._token_outputs, with_entropy=False))
 
 
 def reward_model_scores(cfg, batch):

@@ -1,13 +1,14 @@
 """On-policy distillation without workers: the advantage and the reverse KL against hand-computed values, the teacher
 section's checks before anything starts (each a ConfigError naming the key and the fix), where the teacher is placed,
 and the memory plan counting it."""
+import math
 import os
 
 import pytest
 import torch
 
 from helpers.runs import REPO
-from rl_megatron.algorithms import distillation_advantages, reverse_kl
+from rl_megatron.algorithms import distillation_advantages, reverse_kl, top_k_kl
 from rl_megatron.config import ConfigError
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.doctor.parity import family_model_dir
@@ -54,6 +55,18 @@ def test_reverse_kl_is_the_mean_of_policy_minus_teacher_over_response_tokens():
     assert reverse_kl(TEACHER_LOG_PROBS, TEACHER_LOG_PROBS, MASK) == 0.0
 
 
+def test_top_k_kl_is_the_teachers_probability_times_its_log_ratio_summed_over_its_k_tokens():
+    teacher = torch.log(torch.tensor([[[0.5, 0.25], [0.9, 0.05]]]))  # [B=1, S=2, k=2]
+    policy = torch.log(torch.tensor([[[0.25, 0.25], [0.9, 0.1]]]))
+    expected = [0.5 * math.log(2) + 0.25 * 0.0, 0.9 * 0.0 + 0.05 * math.log(0.5)]
+    assert top_k_kl(teacher, policy)[0].tolist() == pytest.approx(expected)
+    assert torch.equal(top_k_kl(teacher, teacher), torch.zeros(1, 2))
+    # Its gradient in the policy: minus the teacher's probabilities (the policy's log-probs as the variables).
+    policy.requires_grad_()
+    top_k_kl(teacher, policy).sum().backward()
+    assert torch.allclose(policy.grad, -teacher.exp())
+
+
 # ------------------------------------------------------------------------------------------------ the config
 
 
@@ -98,6 +111,8 @@ def test_a_teacher_runs_in_the_actors_workers_or_its_own_pool(teacher_dir):
     (["teacher.placement=separate"], ["teacher.placement", "no teacher", "teacher.model.path"]),
     (["algorithm.distillation.coef=0"], ["algorithm.distillation.coef=0", "> 0"]),
     (["algorithm.distillation.mode=reverse"], ["algorithm.distillation.mode='reverse'", "mixed, alone"]),
+    (["algorithm.distillation.top_k=16"], ["algorithm.distillation.top_k", "teacher.model.path"]),
+    (["algorithm.distillation.top_k=0"], ["algorithm.distillation.top_k=0", "e.g. 64"]),
 ])
 def test_distillation_keys_without_a_teacher_or_out_of_range_are_named(overrides, words):
     message = config_error(*overrides)

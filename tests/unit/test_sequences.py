@@ -60,6 +60,28 @@ def test_packed_micro_batch_layout_and_unpacking():
     assert micro.computed_tokens() == 9
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_per_sample_tensors_with_trailing_dimensions_go_to_the_model_layout_and_back(packing):
+    """A teacher's top-k ids ([samples, longest, k]) where the model computes each sample's positions, and back."""
+    micro = micro_batch(two_rows(), [1, 0], packing=packing, multiple=3)
+    per_sample = torch.arange(1, 5 * 2 * 2 + 1).view(2, 5, 2)
+    laid = micro.model_layout(per_sample)
+    assert laid.shape == (*micro.input_ids.shape, 2)
+    inside = torch.arange(5).unsqueeze(0) < torch.tensor(micro.lengths).unsqueeze(1)
+    assert torch.equal(micro.unpack(laid), per_sample * inside.unsqueeze(-1))
+    if packing:  # sample 1 (5 tokens) then sample 0 (3), then the padding
+        assert laid[0, 5].tolist() == per_sample[1, 0].tolist() and laid[0, 8].tolist() == [0, 0]
+
+
+def test_outputs_with_trailing_dimensions_come_to_the_host_beside_the_flat_ones():
+    from rl_megatron.sequences.micro_batches import outputs_to_host
+    outputs = [TokenOutputs(log_probs=torch.ones(1, 2), top_ids=torch.ones(1, 2, 3, dtype=torch.int32)),
+               TokenOutputs(log_probs=torch.ones(2, 4), top_ids=torch.full((2, 4, 3), 2, dtype=torch.int32))]
+    first, second = outputs_to_host(outputs)
+    assert first.log_probs.shape == (1, 2) and first.top_ids.shape == (1, 2, 3)
+    assert torch.equal(second.top_ids, outputs[1].top_ids) and second.top_ids.dtype == torch.int32
+
+
 def test_padded_micro_batch_is_cut_to_its_longest_sample():
     batch = two_rows()
     micro = micro_batch(batch._with({"input_ids": torch.nn.functional.pad(batch.input_ids, (0, 3)),
