@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl_megatron.config.choices import STREAMING
 from rl_megatron.config.schema import Config
 from rl_megatron.roles import Role
 
@@ -26,6 +27,15 @@ def uses_judge_engines(cfg: Config) -> bool:
 def uses_reward_model(cfg: Config) -> bool:
     """Whether a reward model scores the samples (reward_model.model.path)."""
     return cfg.reward_model.model.path is not None
+
+
+def scored_while_generating(cfg: Config, dynamic_sampling: bool = True) -> list[str]:
+    """The settings (as key=value) under which each prompt's group is scored as it generates, by the trainer's
+    `score_now`, instead of in the step's passes after generation: streaming's groups and (with `dynamic_sampling`)
+    dynamic sampling's rounds."""
+    return [key for key, on in (("algorithm.filter_groups.enable=true",
+                                 dynamic_sampling and cfg.algorithm.filter_groups.enable),
+                                (f"trainer.async_mode={STREAMING}", cfg.trainer.async_mode == STREAMING)) if on]
 
 
 def reference_in_actor(cfg: Config) -> bool:

@@ -10,7 +10,7 @@ from typing import Optional
 from rl_megatron.errors import ConfigError
 from rl_megatron.models import linear_attention
 from rl_megatron.models.family import FAMILIES, REQUIRED_FIELDS
-from rl_megatron.models.multimodal import MULTIMODAL
+from rl_megatron.models.multimodal import refuse_multimodal
 from rl_megatron.models.pipeline_stages import check_split
 
 MODEL_SOURCE = "model.path's config.json"
@@ -24,8 +24,7 @@ def check_model_layout(hf: dict, tp: Size, pp: Size, ep: Size, vpp: Size | None 
     """A model's config.json (read from `source`) against a parallel layout: its family known and its fields
     usable, TP splitting the heads, PP (x VPP) the layers (evenly, or with the first / last stage's layer counts
     where a caller has those keys: `first_stage`, `last_stage`) and EP the experts."""
-    if hf.get("model_type") in MULTIMODAL:  # its fields are in text_config: say what to do, not what is missing
-        raise ConfigError(f"{source}: {MULTIMODAL[hf['model_type']].refusal()}")
+    refuse_multimodal(hf, source)  # its fields are in text_config: say what to do, not what is missing
     for key in REQUIRED_FIELDS:
         if key not in hf:
             raise ConfigError(f"{source} lacks '{key}'; is the model a decoder-only causal LM?")

@@ -17,7 +17,7 @@ from rl_megatron.models import families, linear_attention
 from rl_megatron.models.rotary import check_rope
 from rl_megatron.models.mla import MLA_FIELDS, mla_entries, mla_fields
 from rl_megatron.models.moe import MoeSpec
-from rl_megatron.models.multimodal import MULTIMODAL
+from rl_megatron.models.multimodal import refuse_multimodal
 from rl_megatron.models.weight_tables import DenseTable, MoeTable
 from rl_megatron.registry import Registry
 
@@ -238,9 +238,7 @@ def register(family: ModelFamily) -> ModelFamily:
 def family_of(hf: dict) -> ModelFamily:
     """The family of a config.json; ConfigError naming the registered ones when rl_megatron has none for it (or
     saying how to take the language model out of a multimodal folder)."""
-    multimodal = MULTIMODAL.get(hf.get("model_type"))
-    if multimodal is not None:
-        raise ConfigError(multimodal.refusal())
+    refuse_multimodal(hf)
     return FAMILIES[hf.get("model_type")]
 
 

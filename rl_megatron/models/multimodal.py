@@ -64,6 +64,14 @@ MULTIMODAL = {family.model_type: family for family in (
 )}
 
 
+def refuse_multimodal(hf: dict, source: str | None = None) -> None:
+    """ConfigError (naming `source` where given) saying how to take the language model out, for a config.json of a
+    multimodal folder named where a language model is expected."""
+    family = MULTIMODAL.get(hf.get("model_type"))
+    if family is not None:
+        raise ConfigError(family.refusal() if source is None else f"{source}: {family.refusal()}")
+
+
 def multimodal_of(hf: dict, source: str) -> Multimodal:
     """The multimodal family of a folder's config.json; ConfigError naming `source` when it is not one."""
     family = MULTIMODAL.get(hf.get("model_type"))

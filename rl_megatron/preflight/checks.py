@@ -25,7 +25,8 @@ import os
 from rl_megatron import platform
 from rl_megatron.agents import build_agent_loop
 from rl_megatron.algorithms import ADV_ESTIMATORS, needs_critic
-from rl_megatron.config.pools import uses_judge_engines, uses_reference, uses_reward_model, uses_teacher, worker_pools
+from rl_megatron.config.pools import (scored_while_generating, uses_judge_engines, uses_reference, uses_reward_model,
+                                      uses_teacher, worker_pools)
 from rl_megatron.config.choices import SINGLE_TURN, STREAMING
 from rl_megatron.config.schema import DEFAULT_ROLLOUT_FUNCTION, Config
 from rl_megatron.data.section import check_data_section, check_first_prompt_encodes
@@ -380,9 +381,7 @@ def _check_scored_after_generation(cfg: Config, why: str, off: str, dynamic_samp
     """A model that scores a batch after its rollout cannot serve the modes that score each group as it generates
     (streaming; and dynamic sampling, unless the model scores each of its rounds: `dynamic_sampling` False).
     ConfigError saying `why` and naming both ways out (`off` turns the model off)."""
-    filtering = dynamic_sampling and cfg.algorithm.filter_groups.enable
-    scored_early = [key for key, on in (("algorithm.filter_groups.enable=true", filtering),
-                                        (f"trainer.async_mode={STREAMING}", cfg.trainer.async_mode == STREAMING)) if on]
+    scored_early = scored_while_generating(cfg, dynamic_sampling)
     if scored_early:
         raise ConfigError(f"{scored_early[0]} scores each prompt's group while it generates, but {why}: turn "
                           f"{scored_early[0].split('=')[0]} off, or {off}.")

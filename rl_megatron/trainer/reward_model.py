@@ -26,7 +26,7 @@ import threading
 import torch
 
 from rl_megatron.batch import Sample, TrainBatch, pad_token_id
-from rl_megatron.config.choices import STREAMING
+from rl_megatron.config.pools import scored_while_generating
 from rl_megatron.config.schema import Config
 from rl_megatron.errors import ConfigError
 from rl_megatron.models.tokenizer import load_tokenizer
@@ -47,7 +47,7 @@ class RewardModelScorer:
         self.pad_id = pad_token_id(self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
         # Scores each round or group as it generates (the trainer's score_now), not in the step's forward passes.
-        self.while_generating = cfg.algorithm.filter_groups.enable or cfg.trainer.async_mode == STREAMING
+        self.while_generating = bool(scored_while_generating(cfg))
         # Streaming scores groups in threads of their own: one call on the workers at a time, so that every rank runs
         # the calls (and their collectives) in the same order.
         self.calls = threading.Lock()
