@@ -46,13 +46,11 @@ class SampleStatus(str, enum.Enum):
 @dataclass
 class AgentStats:
     """What one episode of a user's agent did through the gateway (`rl_megatron.agents.gateway`): its calls, the times
-    the harness's history stopped extending what the episode had sampled (each starts a new segment: the sample is
-    the last one, the earlier segments' model tokens are counted, not trained), its wall time, whether it failed, and
-    the metrics its function returned beside the reward."""
+    the harness's history stopped extending what the episode had sampled (each starts a new segment of its sample),
+    its wall time, whether it failed, and the metrics its function returned beside the reward."""
     calls: int = 0
     prefix_breaks: int = 0
     segments: int = 1
-    untrained_tokens: int = 0  # model tokens of the segments before the last
     seconds: float = 0.0
     failed: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
@@ -99,6 +97,8 @@ class Sample:
     # experts of each position it fed, [positions, MoE layers, top-k] int16 (`rollout/routing_capture.py`)
     prompt_messages: list[dict] | None = None  # the prompt's chat messages, when it is a conversation (what a reward
     # model's chat template renders the scored conversation from)
+    segment_starts: list[int] | None = None  # an agent episode its harness forked (rewrote its history): where each
+    # segment after the first starts in prompt + response; each attends to itself only, its prompt masked out
 
     def model_tokens(self) -> int:
         """The response tokens the policy generated (the loss mask's ones), not a tool's or the template's."""
@@ -122,6 +122,18 @@ class Sample:
         info, which a rollout function may edit per sample)."""
         return cls(prompt.ids, response_ids, rollout_log_probs, prompt.data_source, prompt.ground_truth,
                    dict(prompt.extra_info), prompt_messages=prompt.messages, **fields)
+
+
+def _segment_positions(samples: list[Sample], length: int) -> Tensor | None:
+    """[B, length] positions restarting at each sample's segment starts; None where no sample has segments."""
+    if not any(s.segment_starts for s in samples):
+        return None
+    positions = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, s in enumerate(samples):
+        bounds = [0, *(s.segment_starts or []), len(s.prompt_ids) + len(s.response_ids)]
+        for start, end in zip(bounds, bounds[1:]):
+            positions[row, start:end] = torch.arange(end - start)
+    return positions
 
 
 def known_routing_then(known: np.ndarray | None, later: np.ndarray | None) -> np.ndarray | None:
@@ -252,6 +264,8 @@ class TrainBatch(RowTensors):
     routed_experts: Tensor | None = None  # [B, S, MoE layers, top-k] int16: the experts token t went to (UNROUTED
     # where unknown): the engine's (moe.engine_routing), then under actor.router_replay=R2 the old log-prob pass's,
     # replayed by the update (models/router_replay.py)
+    position_ids: Tensor | None = None  # [B, S] long: each token's position in its attention span, restarting where
+    # a forked agent episode's next segment starts (`Sample.segment_starts`); None: no sample has segments
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -267,12 +281,12 @@ class TrainBatch(RowTensors):
             rollout_log_probs[row, prompt - 1: prompt - 1 + response] = torch.tensor(s.rollout_log_probs)
         lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
         return cls(input_ids, response_mask, pad_id, lengths, rollout_log_probs=rollout_log_probs,
-                   routed_experts=_engine_routing(samples, length))
+                   routed_experts=_engine_routing(samples, length), position_ids=_segment_positions(samples, length))
 
     def select(self, *names: str) -> TrainBatch:
         """The sequences with only the computed fields `names` (what one worker call reads: less to send)."""
         return TrainBatch(self.input_ids, self.response_mask, self.pad_id, self.lengths,
-                          **{name: getattr(self, name) for name in names})
+                          position_ids=self.position_ids, **{name: getattr(self, name) for name in names})
 
     def sequence_lengths(self) -> list[int]:
         """Each row's real tokens (prompt + response), before the right padding."""

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from rl_megatron.batch import Prompt, Sample, SampleStatus, ToolStats, known_routing_then
+from rl_megatron.batch import UNROUTED, Prompt, Sample, SampleStatus, ToolStats, known_routing_then
 from rl_megatron.rollout.completions import Completion
 
 # An assistant message that no template rewrites, to find where the template's assistant turn ends.
@@ -129,10 +129,49 @@ class Trajectory:
         self.versions += [None] * len(ids)
         self.messages += messages
 
-    def sample(self, status: SampleStatus) -> Sample:
-        known = [v for v in self.versions if v is not None]
+    def sample(self, status: SampleStatus, later: list[Trajectory] = ()) -> Sample:
+        """This trajectory as a sample; with `later` (the segments an agent episode forked into after it, when its
+        harness rewrote its history), one sample of them all: each later segment's prompt spliced in as context
+        (mask 0) and attending to its own segment only (`Sample.segment_starts`), so that every token is trained as
+        it was sampled, in the context the engine read. Its conversation is the last segment's."""
+        whole = Trajectory(self.prompt, list(self.response_ids), list(self.loss_mask), list(self.log_probs),
+                           turns=self.turns, tool_stats=self.tool_stats, versions=list(self.versions),
+                           routed_experts=(_routing_to(self.routed_experts, len(self.context())) if later
+                                           else self.routed_experts))
+        whole.messages = self.messages
+        starts = []
+        for segment in later:
+            starts.append(len(whole.context()))
+            whole.add_context(segment.prompt.ids, [])
+            whole.response_ids += segment.response_ids
+            whole.loss_mask += segment.loss_mask
+            whole.log_probs += segment.log_probs
+            whole.versions += segment.versions
+            whole.routed_experts = _joined_routing(whole.routed_experts, segment.routed_experts,
+                                                   len(segment.context()))
+            whole.turns += segment.turns
+            whole.messages, whole.tool_stats = segment.messages, segment.tool_stats
+        known = [v for v in whole.versions if v is not None]
         # Context tokens join no loss: the oldest version stands in for theirs.
-        versions = [min(known) if v is None else v for v in self.versions] if known else None
-        return Sample.answering(self.prompt, self.response_ids, self.log_probs, loss_mask=self.loss_mask,
-                                status=status, turns=self.turns, messages=self.messages, tool_stats=self.tool_stats,
-                                token_versions=versions, routed_experts=self.routed_experts)
+        versions = [min(known) if v is None else v for v in whole.versions] if known else None
+        return Sample.answering(whole.prompt, whole.response_ids, whole.log_probs, loss_mask=whole.loss_mask,
+                                status=status, turns=whole.turns, messages=whole.messages,
+                                tool_stats=whole.tool_stats, token_versions=versions,
+                                routed_experts=whole.routed_experts, segment_starts=starts or None)
+
+
+def _routing_to(routing: np.ndarray | None, positions: int) -> np.ndarray | None:
+    """A segment's routing over all its `positions` (UNROUTED where the engine never fed one: its last token)."""
+    if routing is None or routing.shape[0] >= positions:
+        return routing
+    return np.concatenate([routing, np.full((positions - routing.shape[0], *routing.shape[1:]), UNROUTED,
+                                            dtype=routing.dtype)])
+
+
+def _joined_routing(known: np.ndarray | None, later: np.ndarray | None, positions: int) -> np.ndarray | None:
+    """The routing of the segments so far, then of a later one over its `positions`; None where neither has any."""
+    if known is None:  # no routing captured (moe.engine_routing off: no segment has any)
+        return None
+    if later is None:
+        later = np.full((positions, *known.shape[1:]), UNROUTED, dtype=known.dtype)
+    return np.concatenate([known, _routing_to(later, positions)])

@@ -229,7 +229,7 @@ def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> tuple[
     layers = routing.shape[2]
     laid = torch.full((rows, tokens, layers, top_k), UNROUTED, dtype=torch.long, device=routing.device)
     for i, length in enumerate(micro.lengths):
-        row, start = (i, 0) if micro.cu_seqlens is None else (0, micro.cu_seqlens[i])
+        row, start = (i, 0) if micro.cu_seqlens is None else (0, micro.sample_starts[i])
         laid[row, start:start + length] = routing[i, :length]
     laid = laid.transpose(0, 1).reshape(tokens * rows, layers, top_k)
     routed = laid[:, 0, 0] != UNROUTED

@@ -29,6 +29,13 @@ def check_actor_layout(cfg: Config) -> None:
         raise ConfigError(f"actor.context_parallel_size={cp} needs actor.sequence_packing=true: context parallelism "
                           "splits the samples of packed rows over the CP ranks. Set actor.sequence_packing=true, or "
                           "actor.context_parallel_size=1.")
+    # A user's agent may fork its episode (its harness rewrites its history): the segments train as spans of one
+    # sample, each attending to itself, which the packed layout expresses and the right-padded one and CP's cut do not.
+    if r.agent.function is not None and (cp > 1 or not a.sequence_packing):
+        key = f"actor.context_parallel_size={cp}" if cp > 1 else "actor.sequence_packing=false"
+        raise ConfigError(f"rollout.agent.function's episodes fork where a harness rewrites its history, and the "
+                          f"segments train as spans of one packed sample, which {key} cannot lay out: set "
+                          "actor.sequence_packing=true and actor.context_parallel_size=1.")
     if vpp > 1 and pp == 1:
         raise ConfigError(f"actor.virtual_pipeline_model_parallel_size={vpp} needs pipeline stages to interleave: set "
                           "actor.pipeline_model_parallel_size > 1, or actor.virtual_pipeline_model_parallel_size=1.")

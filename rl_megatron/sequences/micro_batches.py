@@ -4,7 +4,8 @@ Two layouts of the same samples:
 
 - packed (`sequence_packing`): one row, the samples back to back; `cu_seqlens` marks where each starts, so that
   attention stays within a sample (Transformer Engine's THD layout on GPU, `models/packed_attention.py` on CPU) and
-  rotary positions restart per sample. No padding but the row's tail up to `multiple`.
+  rotary positions restart per sample. No padding but the row's tail up to `multiple`. A sample whose
+  `TrainBatch.position_ids` restart (an agent episode its harness forked) is several spans, one per restart.
 - padded: one row per sample, right-padded to the micro-batch's longest sample (not the whole batch's).
 
 Either way the model's per-token outputs come back through `unpack` as [samples, longest] tensors laid out as the
@@ -30,11 +31,12 @@ class MicroBatch:
     lengths: list[int]  # each sample's tokens, known on the host (never read back from the device)
     input_ids: Tensor  # [rows, tokens]: what the model reads (packed: one row)
     position_ids: Tensor  # [rows, tokens]
-    cu_seqlens: list[int] | None  # packed: the start of each sample's span in the row, then the row's end (the
-    # tail of padding, if any, is a span of its own); None: padded rows
+    cu_seqlens: list[int] | None  # packed: the start of each attention span in the row (a sample's, or each of a
+    # forked sample's), then the row's end (the tail of padding, if any, is a span of its own); None: padded rows
     context_index: Tensor | None = None  # context parallelism: the row's positions this rank computes
     read_positions: Tensor | None = None  # [2, n]: the only positions whose outputs a pass reads (`reading_responses`),
     # flattened as [rows, tokens] (row 0) and as Megatron's sequence-first [tokens, rows] (row 1); None: all
+    sample_starts: list[int] | None = None  # packed: where each sample starts in the row, then where the last ends
 
     def model_inputs(self) -> tuple[Tensor, Tensor]:
         """(token ids, position ids) this rank's model reads: the row, or its context-parallel share."""
@@ -57,7 +59,8 @@ class MicroBatch:
         return MicroBatch(self.samples.to_device(device), self.rows, self.lengths, to_device(self.input_ids, device),
                           to_device(self.position_ids, device), self.cu_seqlens,
                           *(None if t is None else to_device(t, device) for t in (self.context_index,
-                                                                                  self.read_positions)))
+                                                                                  self.read_positions)),
+                          self.sample_starts)
 
     def reading_responses(self) -> MicroBatch:
         """This micro-batch, its outputs read at the response tokens' positions only (position t predicts token
@@ -67,7 +70,7 @@ class MicroBatch:
         if self.cu_seqlens is None:
             row, column = sample, offset
         else:
-            row, column = torch.zeros_like(sample), torch.tensor(self.cu_seqlens)[sample] + offset
+            row, column = torch.zeros_like(sample), torch.tensor(self.sample_starts)[sample] + offset
         rows, tokens = self.input_ids.shape
         return dataclasses.replace(self, read_positions=torch.stack([row * tokens + column, column * rows + row]))
 
@@ -84,10 +87,11 @@ class MicroBatch:
         positions = torch.arange(tokens).expand_as(ids)
         cu_seqlens = self.cu_seqlens
         if cu_seqlens is not None:
-            real = self.cu_seqlens[len(self.rows)]  # where the samples' spans end
-            cu_seqlens = self.cu_seqlens[:len(self.rows) + 1] + ([tokens] if tokens > real else [])
+            real = self.sample_starts[-1]  # where the samples' spans end
+            cu_seqlens = [start for start in self.cu_seqlens if start <= real] + ([tokens] if tokens > real else [])
             positions = torch.cat([self.position_ids[0, :real], torch.arange(tokens - real)]).unsqueeze(0)
-        return MicroBatch(self.samples, self.rows, self.lengths, ids, positions, cu_seqlens)
+        return MicroBatch(self.samples, self.rows, self.lengths, ids, positions, cu_seqlens,
+                          sample_starts=self.sample_starts)
 
     def unpack(self, per_token: Tensor) -> Tensor:
         """Model-layout [rows, tokens, ...] -> [samples, longest, ...], zero beyond each sample's tokens."""
@@ -96,7 +100,7 @@ class MicroBatch:
         if self.cu_seqlens is None:
             out = per_token[:len(lengths), :longest]
         else:
-            index = torch.cat([torch.arange(start, start + longest) for start in self.cu_seqlens[:len(lengths)]])
+            index = torch.cat([torch.arange(start, start + longest) for start in self.sample_starts[:len(lengths)]])
             out = per_token[0].index_select(0, to_device(index.clamp(max=per_token.shape[1] - 1), device))
             out = out.view(len(lengths), longest, *per_token.shape[2:])
         inside = torch.arange(longest).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # built on the host
@@ -111,7 +115,7 @@ class MicroBatch:
         if self.cu_seqlens is None:
             out[:per_sample.shape[0], :per_sample.shape[1]] = per_sample
         else:
-            for sample, (start, length) in enumerate(zip(self.cu_seqlens, self.lengths)):
+            for sample, (start, length) in enumerate(zip(self.sample_starts, self.lengths)):
                 out[0, start:start + length] = per_sample[sample, :length]
         return out if self.context_index is None else out[:, self.context_index]
 
@@ -128,22 +132,41 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     lengths = picked.sequence_lengths()
     samples = picked.truncated(max(lengths))
     if not packing:
+        if samples.position_ids is not None:
+            raise ValueError("a forked agent episode (positions restarting within its sample) trains as spans of a "
+                             "packed row: set actor.sequence_packing=true")
         input_ids = _pad_tokens(samples.input_ids, multiple, batch.pad_id)
         positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         return MicroBatch(samples, rows, lengths, input_ids, positions, None)
     spans = [length + -length % span_multiple for length in lengths]
+    pieces = [_attention_spans(samples.position_ids, row, length, span)
+              for row, (length, span) in enumerate(zip(lengths, spans))]
     ids = torch.cat([F.pad(row[:length], (0, span - length), value=batch.pad_id)
                      for row, length, span in zip(samples.input_ids, lengths, spans)]).unsqueeze(0)
-    positions = torch.cat([torch.arange(span) for span in spans])
-    starts = [0]
-    for span in spans:
-        starts.append(starts[-1] + span)
+    positions = torch.cat([torch.arange(piece) for sample in pieces for piece in sample])
+    starts, sample_starts = [0], [0]
+    for sample, span in zip(pieces, spans):
+        for piece in sample:
+            starts.append(starts[-1] + piece)
+        sample_starts.append(sample_starts[-1] + span)
     input_ids = _pad_tokens(ids, multiple, batch.pad_id)
     tail = input_ids.shape[1] - ids.shape[1]
     if tail:  # the padding is a sample of its own: it attends to itself only
         starts.append(input_ids.shape[1])
         positions = torch.cat([positions, torch.arange(tail)])
-    return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts)
+    return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts, sample_starts=sample_starts)
+
+
+def _attention_spans(position_ids: Tensor | None, row: int, length: int, span: int) -> list[int]:
+    """The lengths of a sample's attention spans in a packed row (its share: `span` tokens, its `length` and the
+    padding up to span_multiple): one, or one per restart of its positions (a forked agent episode)."""
+    if position_ids is None:
+        return [span]
+    restarts = (position_ids[row, :length] == 0).nonzero().flatten().tolist()
+    if len(restarts) > 1 and span != length:
+        raise ValueError("a forked agent episode (positions restarting within its sample) cannot be cut for context "
+                         "parallelism: set actor.context_parallel_size=1")
+    return [end - start for start, end in zip(restarts, restarts[1:] + [length])][:-1] + [span - restarts[-1]]
 
 
 def context_chunks(cu_seqlens: list[int], rank: int, size: int) -> Tensor:

@@ -132,8 +132,7 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     mean = lambda values: sum(values) / len(stats)  # noqa: E731
     metrics = {"agent/calls_per_episode": mean([a.calls for a in stats]),
                "agent/prefix_breaks": float(sum(a.prefix_breaks for a in stats)),
-               "agent/samples_per_episode": mean([a.segments for a in stats]),
-               "agent/untrained_tokens": float(sum(a.untrained_tokens for a in stats)),
+               "agent/segments_per_episode": mean([a.segments for a in stats]),
                "agent/episode_s": mean([a.seconds for a in stats]),
                "agent/episode_s_max": max(a.seconds for a in stats),
                "agent/episodes_failed": float(sum(a.failed for a in stats))}

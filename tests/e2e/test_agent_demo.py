@@ -8,8 +8,8 @@ import signal
 
 from helpers.runs import assert_same_metrics, latest_checkpoint, read_rows_if_any, start_until, train, train_command
 
-AGENT_METRICS = {"agent/calls_per_episode", "agent/prefix_breaks", "agent/samples_per_episode",
-                 "agent/untrained_tokens", "agent/episode_s", "agent/episode_s_max", "agent/episodes_failed"}
+AGENT_METRICS = {"agent/calls_per_episode", "agent/prefix_breaks", "agent/segments_per_episode",
+                 "agent/episode_s", "agent/episode_s_max", "agent/episodes_failed"}
 
 
 # The run is SIGKILLed (the whole process group: the controller, its gateway and agents, the workers) once it has
@@ -40,8 +40,8 @@ def test_an_openai_client_agent_learns_through_the_gateway(tmp_path):
     assert "Target mean reward 0.8 reached." in stdout
     assert rows[-1]["tool/call_rate"] >= 0.9 and rows[-1]["agent/calls_per_episode"] > 1.8
     # The agent keeps its history: every call extends the episode, one sample each, nothing failed.
-    assert all(AGENT_METRICS <= set(r) and r["agent/prefix_breaks"] == 0 and r["agent/samples_per_episode"] == 1
-               and r["agent/untrained_tokens"] == 0 and r["agent/episodes_failed"] == 0 for r in rows)
+    assert all(AGENT_METRICS <= set(r) and r["agent/prefix_breaks"] == 0 and r["agent/segments_per_episode"] == 1
+               and r["agent/episodes_failed"] == 0 for r in rows)
     # The tokens the trainer scores are the ones the engines sampled, turn by turn through HTTP.
     assert max(r["mismatch/token_mult_prob_error"] for r in rows) <= 1.001
     assert max(r["mismatch/max_abs_logprob_diff"] for r in rows) < 5e-5

@@ -240,15 +240,24 @@ def test_the_agents_sdk_agent_samples_what_the_tool_loop_samples(model, referenc
     same_as_the_tool_loop(samples, reference)
 
 
-def test_a_rewritten_history_forks_and_the_sample_is_the_last_segment(model, main_run):
+def test_a_rewritten_history_forks_and_every_segment_stays_in_the_sample(model, main_run):
     tokenizer, sample, seen = model[2], main_run["forks"], RECORDED["forks"]
     first, second, third = (token_ids(tokenizer, c.logprobs.content) for c in seen["calls"])
     stats = sample.agent_stats
     assert (stats.calls, stats.segments, stats.prefix_breaks) == (3, 2, 1)
-    assert stats.untrained_tokens == len(first) + len(second)
-    assert sample.prompt_ids == tokenize_prompts([seen["dropped"]], tokenizer, True, [LOOKUP])[0]
-    assert sample.response_ids == third and sample.loss_mask == [1] * len(third)  # only what was sampled
-    assert sample.rollout_log_probs == [entry.logprob for entry in seen["calls"][2].logprobs.content]
+    # The second segment (the history without the first answer, rendered afresh) starts where the first ends: its
+    # prompt is context (mask 0), then the third call's tokens as sampled.
+    (cut,) = sample.segment_starts
+    rendered = tokenize_prompts([seen["dropped"]], tokenizer, True, [LOOKUP])[0]
+    whole = sample.prompt_ids + sample.response_ids
+    assert whole[cut:] == rendered + third
+    mask = [0] * len(sample.prompt_ids) + sample.loss_mask
+    assert mask[cut:] == [0] * len(rendered) + [1] * len(third)
+    # The first segment: the first call's tokens, the question spliced in, the second call's; nothing else trained.
+    first_segment = [token for token, on in zip(whole[:cut], mask[:cut]) if on]
+    assert first_segment == first + second and sum(sample.loss_mask) == len(first) + len(second) + len(third)
+    sampled = [entry.logprob for call in seen["calls"] for entry in call.logprobs.content]
+    assert [p for p, on in zip(sample.rollout_log_probs, sample.loss_mask) if on] == sampled
 
 
 def test_streaming_gives_what_a_plain_call_gives(main_run):

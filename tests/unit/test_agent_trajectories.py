@@ -1,5 +1,6 @@
 """Training on multi-turn trajectories: the loss, lengths and metrics count the model's tokens only, never the tools'
 (rl_megatron.agents.Trajectory -> Sample -> TrainBatch, as the trainer builds them)."""
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -7,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from rl_megatron.agents import Trajectory
 from rl_megatron.algorithms import masked_mean
 from rl_megatron.algorithms.losses import LossScale, policy_loss
-from rl_megatron.batch import Prompt, SampleStatus, TrainBatch
+from rl_megatron.batch import UNROUTED, Prompt, SampleStatus, TrainBatch
 from rl_megatron.rollout.completions import Completion
 from rl_megatron.trainer.metrics import length_metrics, multi_turn_metrics
 
@@ -22,6 +23,32 @@ def two_turn_sample(log_probs_1=(-0.5, -1.0), log_probs_2=(-0.2, -0.3, -0.4)):
     trajectory.tool_stats.calls, trajectory.tool_stats.tokens = 1, len(TOOL_REPLY)
     trajectory.add_turn(Completion(TURN_2, list(log_probs_2), SampleStatus.OK), "89")
     return trajectory.sample(SampleStatus.OK)
+
+
+def test_a_forked_episode_is_one_sample_of_its_segments_each_attending_to_itself():
+    """A harness that rewrote its history: the second segment's prompt (rendered afresh) is context, masked out, and
+    starts a span of its own; every model token keeps its log-prob, version and routing."""
+    first = Trajectory(Prompt(PROMPT, "arithmetic", "7", messages=[{"role": "user", "content": "3+4="}]))
+    first.add_turn(Completion(TURN_1, [-0.5, -1.0], SampleStatus.OK, versions=[3, 3],
+                              routed_experts=np.full((len(PROMPT) + 1, 2, 1), 5, dtype=np.int16)), "7")
+    summary = [1, 9, 8, 16]
+    second = Trajectory(Prompt(summary, "arithmetic", "7", messages=[{"role": "user", "content": "7?"}]))
+    second.add_turn(Completion(TURN_2, [-0.2, -0.3, -0.4], SampleStatus.OK, versions=[4, 4, 4],
+                               routed_experts=np.full((len(summary) + 2, 2, 1), 6, dtype=np.int16)), "89")
+    sample = first.sample(SampleStatus.OK, [second])
+    assert sample.prompt_ids == PROMPT and sample.response_ids == TURN_1 + summary + TURN_2
+    assert sample.loss_mask == [1, 1, 0, 0, 0, 0, 1, 1, 1]
+    assert sample.rollout_log_probs == [-0.5, -1.0, 0, 0, 0, 0, -0.2, -0.3, -0.4]
+    assert sample.token_versions == [3, 3, 3, 3, 3, 3, 4, 4, 4] and sample.turns == 2
+    assert sample.segment_starts == [len(PROMPT) + len(TURN_1)]
+    assert sample.messages == second.messages  # the conversation the reward reads: the last segment's
+    # Each segment's routing over all its positions (UNROUTED where its engine never fed one), back to back.
+    routing = sample.routed_experts[:, 0, 0].tolist()
+    assert routing == [5] * 6 + [UNROUTED] + [6] * 6 + [UNROUTED]
+    batch = TrainBatch.from_samples([sample, two_turn_sample()], PAD)
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]
+    assert batch.position_ids[1].tolist() == list(range(14))
+    assert TrainBatch.from_samples([two_turn_sample()], PAD).position_ids is None  # no fork, no positions
 
 
 def label_log_probs(model, ids: list[int]) -> torch.Tensor:

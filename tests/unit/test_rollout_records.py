@@ -72,7 +72,7 @@ def test_a_steps_samples_as_json_lines_in_the_order_generated(tokenizer, tmp_pat
          "policy_version": 2, "turns": 2, "messages": ANSWER_MESSAGES,
          "tool_stats": {"calls": 1, "errors": 0, "timeouts": 0, "tokens": 2, "seconds": 0.0, "slot_wait_seconds": 0.0,
                         "by_tool": {"calc": 1}},
-         "agent_stats": {"calls": 2, "prefix_breaks": 0, "segments": 1, "untrained_tokens": 0, "seconds": 0.5,
+         "agent_stats": {"calls": 2, "prefix_breaks": 0, "segments": 1, "seconds": 0.5,
                          "failed": False, "metrics": {}}},
         {**common, "prompt": "3+5=", "response": "0", "score": 0.0, "ground_truth": "8", "acc": 0.0,
          "overlong_penalty": 0.0, "advantage": None, "status": "aborted", "model_tokens": 0, "policy_version": 0,

@@ -82,6 +82,31 @@ def test_outputs_with_trailing_dimensions_come_to_the_host_beside_the_flat_ones(
     assert torch.equal(second.top_ids, outputs[1].top_ids) and second.top_ids.dtype == torch.int32
 
 
+def forked_rows() -> TrainBatch:
+    """Row 0: one sample of 3 tokens; row 1: a forked agent episode, segments of 2 and 3 tokens (positions restart)."""
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 1, 0, 0, 0], [1, 0, 0, 1, 0]], dtype=torch.float)
+    positions = torch.tensor([[0, 1, 2, 0, 0], [0, 1, 0, 1, 2]])
+    return TrainBatch(ids, mask, pad_id=0, lengths=torch.tensor([3, 5]), position_ids=positions)
+
+
+def test_a_forked_sample_packs_as_one_span_per_segment_and_unpacks_as_one_sample():
+    micro = micro_batch(forked_rows(), [1, 0], packing=True, multiple=3)
+    assert micro.input_ids.tolist() == [[8, 9, 10, 11, 12, 5, 6, 7, 0]]
+    assert micro.cu_seqlens == [0, 2, 5, 8, 9]  # the fork's two segments, the other sample, the padding
+    assert micro.sample_starts == [0, 5, 8]
+    assert micro.position_ids.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2, 0]]
+    assert micro.unpack(torch.arange(9.0).unsqueeze(0)).tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 0, 0]]
+    reading = micro.reading_responses().read_positions[0].tolist()
+    assert reading == [0, 3, 6]  # sample 1's masked positions (0 and 3), then sample 0's (1, at 5 + 1)
+    padded = micro.padded_to(1, 12)
+    assert padded.cu_seqlens == [0, 2, 5, 8, 12] and padded.sample_starts == [0, 5, 8]
+    with pytest.raises(ValueError, match="actor.sequence_packing=true"):
+        micro_batch(forked_rows(), [1], packing=False)
+    with pytest.raises(ValueError, match="actor.context_parallel_size=1"):
+        micro_batch(forked_rows(), [1], packing=True, span_multiple=4)
+
+
 def test_padded_micro_batch_is_cut_to_its_longest_sample():
     batch = two_rows()
     micro = micro_batch(batch._with({"input_ids": torch.nn.functional.pad(batch.input_ids, (0, 3)),

@@ -10,8 +10,9 @@ ones the engine read and sampled.
 
 The answer the harness sends back is compared as the gateway returned it (its content and calls), never
 re-tokenised: the model's own tokens stay in the context as sampled, as in the in-process tool loop
-(`agents/trajectory.py`, verl#6921). The episode's sample is its last segment (the rollout keeps rollout.n samples
-per prompt); the model tokens of earlier segments are counted in `AgentStats.untrained_tokens`.
+(`agents/trajectory.py`, verl#6921). The episode is one sample (the rollout keeps rollout.n samples per prompt, a
+group per prompt): its segments back to back, each attending to itself only (`Trajectory.sample`), so that the
+model's tokens of every segment are trained, each in the context the engine read.
 
 Everything here runs in the rollout's event loop (the gateway's HTTP thread hands each call over), one call of an
 episode at a time.
@@ -99,16 +100,16 @@ class Episode:
         self.ended = True
 
     def sample(self, failed: str | None = None) -> Sample:
-        """The episode's sample: its last segment (an episode that made no call: an empty, aborted one)."""
+        """The episode's sample: its segments (an episode that made no call: an empty, aborted one)."""
         if not self.segments:
             return Sample.answering(self.prompt, [], [], status=SampleStatus.ABORTED,
                                     error=failed or "the agent made no call to the gateway", agent_stats=self.stats)
         # A last turn that called tools expected their replies: the episode ended before the model's answer, as the
         # built-in loop's trajectory does at its turn limit.
         called = self._turn is not None and self._turn.attempts() > 0 and self.status == SampleStatus.OK
-        sample = self.segments[-1].sample(SampleStatus.TRUNCATED if called else self.status)
+        first, *later = self.segments
+        sample = first.sample(SampleStatus.TRUNCATED if called else self.status, later)
         sample.agent_stats = self.stats
-        self.stats.untrained_tokens = sum(sum(s.loss_mask) for s in self.segments[:-1])
         return sample
 
     # -- how a call's context is built -------------------------------------------------------------------------------
