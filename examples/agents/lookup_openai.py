@@ -54,3 +54,28 @@ async def lookup_agent(base_url: str, row: dict) -> None:
             reply = secret if call.function.name == "lookup" else f"Error: there is no tool {call.function.name}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": reply})
     return None
+
+
+async def compacting_agent(base_url: str, row: dict) -> None:
+    """`lookup_agent` in a harness that compacts its history, as context-managing harnesses do: after a tool call it
+    replaces the model's call and the tool's reply with one user message holding what the tool returned. Each call
+    after that no longer extends what the episode sampled, so the episode forks: rl_megatron trains every segment,
+    each in the context the engine read (docs/agentic-rl.md).
+
+        rollout.agent.function: examples/agents/lookup_openai.py:compacting_agent
+    """
+    secret = row["extra_info"]["tools_kwargs"]["lookup"]["create_kwargs"]["secret"]
+    messages = list(row["prompt"])
+    client = client_for(base_url)
+    for _ in range(MAX_CALLS):
+        try:
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+        except openai.BadRequestError as error:
+            if error.code in ("context_length_exceeded", "max_turns_exceeded"):
+                return None
+            raise
+        message = response.choices[0].message
+        if not message.tool_calls:
+            return None
+        messages = [*row["prompt"], {"role": "user", "content": secret}]  # the history, compacted
+    return None

@@ -1,7 +1,7 @@
 """The gateway's episodes (configs/demo_cpu_agent.yaml: the `openai` client agent of examples/agents/lookup_openai.py)
 through the trainer's other paths, a few steps each: one-step-off with partial rollouts, LoRA adapters served by the
 engines under dynamic sampling, streaming with both (and a judge of its own judging each group as it is scored),
-and router replay (R3) on an MoE policy. The demo that learns
+and router replay (R3) on an MoE policy whose harness compacts its history (its episodes fork). The demo that learns
 is tests/e2e/test_agent_demo.py."""
 import pytest
 from helpers.runs import train
@@ -84,16 +84,20 @@ def test_gateway_episodes_stream_with_lora_adapters_served_by_the_engines_under_
     assert rows[0]["async/current_version_tokens"] == 1.0 and max(current) < 1e-5
 
 
-def test_gateway_episodes_carry_the_engines_routing_for_router_replay_r3(tmp_path):
+def test_forked_gateway_episodes_carry_the_engines_routing_for_router_replay_r3(tmp_path):
     """An MoE policy (a tiny Qwen3-MoE with the tool demo's tokenizer and chat template) through the gateway with
-    actor.router_replay=R3: every token of every call keeps the experts the engine routed it through, and the
-    trainer's passes replay them."""
+    actor.router_replay=R3, driven by a harness that compacts its history after each tool call (every episode that
+    calls the tool forks): every token of every segment keeps the experts the engine routed it through, and the
+    trainer's passes, each segment attending to itself, replay them and score the tokens as the engine did."""
     model = str(tmp_path / "tiny-qwen3-moe-tools")
     write_tiny_model(model, vocabulary=TOOLS, moe=True)
     _, rows, _ = train(tmp_path, f"model.path={model}", "actor.tensor_model_parallel_size=1",
                        "actor.expert_model_parallel_size=2", "actor.micro_batch_size=32", "actor.router_replay=R3",
+                       "rollout.agent.function=examples/agents/lookup_openai.py:compacting_agent",
                        "trainer.total_steps=3", "trainer.target_reward=null", config="demo_cpu_agent")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["agent/episodes_failed"] == 0 and r["agent/calls_per_episode"] > 1 for r in rows)
-    # The engines' routing reached the trainer with the tokens (as in-process: tests/e2e/test_moe_train.py).
+    assert all(r["agent/prefix_breaks"] > 0 and r["agent/segments_per_episode"] > 1 for r in rows)
+    # The engines' routing reached the trainer with the tokens (as in-process: tests/e2e/test_moe_train.py), and the
+    # trainer's log-probs of every segment's tokens are the engine's.
     assert all(r["moe/routing_agreement"] >= 0.99 and r["mismatch/max_abs_logprob_diff"] < 1e-5 for r in rows)
