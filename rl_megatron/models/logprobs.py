@@ -34,10 +34,11 @@ def _tp() -> tuple[int, int, object]:
 
 
 class _TokenStatistics(torch.autograd.Function):
-    """(log p(labels), entropy or an empty tensor) of logits [N, V/TP] (module docstring)."""
+    """(log p(labels), entropy or an empty tensor, log p(more_labels)) of logits [N, V/TP] (module docstring);
+    `fused`: each chunk's work in one compiled kernel (`_chunk_work`)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, vocab_size, with_entropy, more_labels):
+    def forward(ctx, logits, labels, temperature, vocab_size, with_entropy, more_labels, fused):
         world, rank, group = _tp()
         rows, shard = logits.shape
         start = rank * shard
@@ -54,17 +55,10 @@ class _TokenStatistics(torch.autograd.Function):
         more_local, more_inside = _local(more_labels, start, shard)
         first_more = 3 if with_entropy else 2  # sums: total, label, [entropy's], then the more labels' (k rows)
         sums = torch.empty(first_more + more_labels.shape[1], rows, dtype=torch.float32, device=logits.device)
+        chunk_sums = _chunk_work(_chunk_sums, fused)
         for part in _chunks(rows):
-            x = _scaled(logits[part], temperature, valid)
-            shifted = x - top[part].unsqueeze(-1)
-            picked = shifted.gather(-1, local[part].unsqueeze(-1)).squeeze(-1)
-            sums[1, part] = torch.where(inside[part], picked, 0.0)
-            if more_labels.shape[1]:
-                sums[first_more:, part] = torch.where(more_inside[part], shifted.gather(-1, more_local[part]), 0.0).T
-            torch.exp(shifted, out=shifted)
-            sums[0, part] = shifted.sum(dim=-1)
-            if with_entropy:
-                sums[2, part] = (shifted * x).sum(dim=-1)
+            sums[:, part] = chunk_sums(logits[part], top[part], local[part], inside[part], more_local[part],
+                                       more_inside[part], temperature, valid, with_entropy)
         if world > 1:
             dist.all_reduce(sums, group=group)
         log_total = torch.log(sums[0])
@@ -74,7 +68,7 @@ class _TokenStatistics(torch.autograd.Function):
         entropy = top + log_total - expected if with_entropy else logits.new_empty(0, dtype=torch.float32)
         ctx.save_for_backward(logits, local, inside, top, sums[0], expected if with_entropy else top, more_local,
                               more_inside)
-        ctx.temperature, ctx.valid, ctx.with_entropy = temperature, valid, with_entropy
+        ctx.temperature, ctx.valid, ctx.with_entropy, ctx.fused = temperature, valid, with_entropy, fused
         # An output no loss reads (the entropy an update computes for its metric) gets None, not a zero gradient to
         # back-propagate.
         ctx.set_materialize_grads(False)
@@ -83,29 +77,72 @@ class _TokenStatistics(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, grad_more):
         logits, local, inside, top, total, expected, more_local, more_inside = ctx.saved_tensors
-        temperature, valid = ctx.temperature, ctx.valid
+        grad_entropy = grad_entropy if ctx.with_entropy else None
+        grad_more = grad_more if more_local.shape[1] else None
         grad_logits = torch.zeros_like(logits)
+        chunk_grad = _chunk_work(_chunk_grad, ctx.fused)
         for part in _chunks(logits.shape[0]):
-            x = _scaled(logits[part], temperature, valid)
-            softmax = torch.exp(x - top[part].unsqueeze(-1)).div_(total[part].unsqueeze(-1))
-            grad = torch.zeros_like(softmax)
-            if grad_log_probs is not None:  # as Megatron's cross entropy: (softmax - onehot) x d loss, loss = -log p
-                ce = softmax.clone()
-                rows = torch.arange(ce.shape[0], device=ce.device)
-                ce[rows, local[part]] -= inside[part].float()
-                grad = grad + ce.mul_(-grad_log_probs[part].unsqueeze(-1))
-            if ctx.with_entropy and grad_entropy is not None:  # d entropy / d x = -p (x - E[x])
-                grad = grad - grad_entropy[part].unsqueeze(-1) * softmax * (x - expected[part].unsqueeze(-1))
-            if grad_more is not None and more_local.shape[1]:  # sum over labels j of (onehot_j - softmax) x d loss_j
-                weights = grad_more[part]
-                more = softmax * -weights.sum(dim=-1, keepdim=True)
-                grad = grad + more.scatter_add_(-1, more_local[part], weights * more_inside[part])
-            if temperature != 1.0:
-                grad = grad / temperature
-            if valid < grad.shape[-1]:
-                grad[:, valid:] = 0.0
-            grad_logits[part] = grad.to(logits.dtype)
-        return grad_logits, None, None, None, None, None
+            grad_logits[part] = chunk_grad(
+                logits[part], top[part], total[part], expected[part], local[part], inside[part], more_local[part],
+                more_inside[part], *(None if g is None else g[part] for g in (grad_log_probs, grad_entropy, grad_more)),
+                ctx.temperature, ctx.valid)
+        return grad_logits, None, None, None, None, None, None
+
+
+def _chunk_sums(logits, top, local, inside, more_local, more_inside, temperature: float, valid: int,
+                with_entropy: bool) -> torch.Tensor:
+    """A chunk's partial sums over this rank's vocabulary slice, [2 (3 with_entropy) + k, rows]: sum exp(x - m),
+    x_label - m, [sum exp(x - m) x,] and x_label_j - m for the k more labels (0 where a label is another rank's)."""
+    x = _scaled(logits, temperature, valid)
+    shifted = x - top.unsqueeze(-1)
+    picked = torch.where(inside, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+    more = torch.where(more_inside, shifted.gather(-1, more_local), 0.0).T
+    exp = shifted.exp_()
+    parts = [exp.sum(dim=-1), picked, *([(exp * x).sum(dim=-1)] if with_entropy else [])]
+    return torch.cat([torch.stack(parts), more])
+
+
+def _chunk_grad(logits, top, total, expected, local, inside, more_local, more_inside, grad_log_probs, grad_entropy,
+                grad_more, temperature: float, valid: int) -> torch.Tensor:
+    """A chunk's gradient in the logits (their dtype) from those of log p(label), the entropy and log p(more labels),
+    each None where no loss reads it."""
+    x = _scaled(logits, temperature, valid)
+    softmax = torch.exp(x - top.unsqueeze(-1)).div_(total.unsqueeze(-1))
+    grad = torch.zeros_like(softmax)
+    if grad_log_probs is not None:  # as Megatron's cross entropy: (softmax - onehot) x d loss, loss = -log p
+        ce = softmax.clone()
+        rows = torch.arange(ce.shape[0], device=ce.device)
+        ce[rows, local] -= inside.float()
+        grad = grad + ce.mul_(-grad_log_probs.unsqueeze(-1))
+    if grad_entropy is not None:  # d entropy / d x = -p (x - E[x])
+        grad = grad - grad_entropy.unsqueeze(-1) * softmax * (x - expected.unsqueeze(-1))
+    if grad_more is not None:  # sum over labels j of (onehot_j - softmax) x d loss_j
+        more = softmax * -grad_more.sum(dim=-1, keepdim=True)
+        grad = grad + more.scatter_add_(-1, more_local, grad_more * more_inside)
+    if temperature != 1.0:
+        grad = grad / temperature
+    if valid < grad.shape[-1]:
+        grad[:, valid:] = 0.0
+    return grad.to(logits.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _chunk_work(function, fused: bool):
+    """`function` as is, or fused: compiled once per process for any chunk shape (torch.compile, dynamic shapes), so
+    that a chunk's casts, shifts, exponentials and sums are one or two kernels reading the logits once instead of a
+    pass each (verl compiles its entropy from logits the same way)."""
+    if not fused:
+        return function
+    if function not in _COMPILED:
+        compiled = torch.compile(function, dynamic=True)
+
+        def run(*args):  # traced and run under no torch function mode (the CPU build's device mode, the bench's
+            with torch._C.DisableTorchFunction():  # host-sync counter): nothing in it is theirs to see
+                return compiled(*args)
+        _COMPILED[function] = run
+    return _COMPILED[function]
 
 
 def _local(labels: torch.Tensor, start: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,23 +170,23 @@ def _scaled(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tenso
 
 
 def token_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
-                                with_entropy: bool, more_labels: torch.Tensor | None = None
+                                with_entropy: bool, more_labels: torch.Tensor | None = None, fused: bool = False
                                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log p(labels), (with_entropy) the entropy and (with `more_labels` [..., k]: k vocabulary ids per position, e.g.
     a teacher's top-k) log p of each of `more_labels`, at each position under softmax(logits / temperature), float32,
     differentiable; logits [..., V/TP] (this TP rank's vocabulary slice, Megatron's padding beyond `vocab_size`),
-    labels [...]."""
+    labels [...]; `fused`: each chunk's work compiled (actor.fused_log_probs)."""
     shape, rows = labels.shape, labels.numel()
     more = labels.new_zeros(rows, 0) if more_labels is None else more_labels.reshape(rows, -1).long()
     log_probs, entropy, more_log_probs = _TokenStatistics.apply(logits.reshape(-1, logits.shape[-1]),
                                                                 labels.reshape(-1), float(temperature), vocab_size,
-                                                                with_entropy, more)
+                                                                with_entropy, more, fused)
     return (log_probs.view(shape), entropy.view(shape) if with_entropy else None,
             None if more_labels is None else more_log_probs.view(more_labels.shape))
 
 
 @torch.no_grad()
-def top_k_log_probs(logits: torch.Tensor, k: int, temperature: float, vocab_size: int
+def top_k_log_probs(logits: torch.Tensor, k: int, temperature: float, vocab_size: int, fused: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k likeliest tokens at each position under softmax(logits / temperature): (log-probs [..., k] float32,
     vocabulary ids [..., k] int32), best first; logits [..., V/TP] as `token_log_probs_and_entropy` takes them. Each
@@ -167,7 +204,8 @@ def top_k_log_probs(logits: torch.Tensor, k: int, temperature: float, vocab_size
         gathered = [torch.empty_like(candidates) for _ in range(world)]
         dist.all_gather(gathered, candidates.contiguous(), group=group)
         candidates = torch.cat(gathered, dim=-1)
-    _, _, log_probs = token_log_probs_and_entropy(flat, candidates[:, 0], temperature, vocab_size, False, candidates)
+    _, _, log_probs = token_log_probs_and_entropy(flat, candidates[:, 0], temperature, vocab_size, False, candidates,
+                                                  fused)
     if world > 1:  # a repeated id stands for one token: keep its first place only
         repeated = (candidates.unsqueeze(-1) == candidates.unsqueeze(-2)).tril(diagonal=-1).any(dim=-1)
         log_probs = log_probs.masked_fill(repeated, float("-inf"))

@@ -54,6 +54,8 @@ class MegatronActor(MegatronModel):
         self.table = weight_table(self.chunks[0], hf_config)
         # A teacher distilled from by its top-k (algorithm.distillation.top_k) gives its k likeliest tokens.
         self.top_k = cfg.algorithm.distillation.top_k if role is Role.TEACHER else None
+        fused = cfg.actor.fused_log_probs
+        self.fused_log_probs = platform.has_cuda() if fused is None else fused  # this process's device decides
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None
@@ -89,11 +91,11 @@ class MegatronActor(MegatronModel):
             labels = labels.flatten()[reads[0]]
             teacher_ids = None if teacher_ids is None else teacher_ids.flatten(0, 1)[reads[0]]
         log_probs, ent, top_log_probs = token_log_probs_and_entropy(output, labels, temperature, vocab, with_entropy,
-                                                                    teacher_ids)
+                                                                    teacher_ids, self.fused_log_probs)
         top_ids = None
         if top_k is not None:
             top_log_probs, top_ids = top_k_log_probs(output.reshape(*labels.shape, output.shape[-1]), top_k,
-                                                     temperature, vocab)
+                                                     temperature, vocab, self.fused_log_probs)
         outputs = TokenOutputs(log_probs=log_probs, entropy=ent, top_log_probs=top_log_probs, top_ids=top_ids)
         if reads is None:
             return outputs

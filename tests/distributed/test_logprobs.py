@@ -117,3 +117,35 @@ def test_more_labels_and_a_teachers_top_k_match_the_whole_vocabulary(tp):
         assert (more - more_ref).abs().max() <= 1e-5
         assert (grad - grad_ref).abs().max() <= 1e-5 * grad_ref.abs().max()
         assert (top - top_ref).abs().max() <= 1e-5 and torch.equal(ids.long(), ids_ref) and ids.dtype == torch.int32
+
+
+def fused_and_unfused():
+    """Every output and the gradient through all three, each chunk's work compiled (fused) and as is."""
+    from megatron.core import parallel_state
+
+    from rl_megatron.models.logprobs import token_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(ROWS, PADDED, generator=g) * 4
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    more = torch.randint(0, VOCAB, (ROWS, 3), generator=g)
+    weights = torch.randn(5, ROWS, generator=g)
+    shard = PADDED // parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    results = []
+    for fused in (False, True):
+        logits = full[:, start:start + shard].clone().requires_grad_()
+        log_probs, entropy, more_log_probs = token_log_probs_and_entropy(logits, labels, TEMPERATURE, VOCAB, True,
+                                                                         more, fused)
+        ((weights[0] * log_probs).sum() + (weights[1] * entropy).sum() + (weights[2:].T * more_log_probs).sum()
+         ).backward()
+        results.append((log_probs.detach(), entropy.detach(), more_log_probs.detach(), logits.grad))
+    return results
+
+
+def test_fused_log_probs_match_the_unfused_ones():
+    """actor.fused_log_probs (on with CUDA): the same figures within float32 rounding, and the same gradient, at TP=2
+    (each rank's slice compiled, the sums all-reduced as unfused)."""
+    for unfused, fused in run_distributed(fused_and_unfused, 2, 2, 1):
+        for got, want in zip(fused, unfused):
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())

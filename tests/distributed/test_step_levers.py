@@ -4,7 +4,9 @@ actor.optim.fused: torch's fused AdamW kernel where Megatron falls back to torch
 here): one update equals foreach's within float32 rounding, and a checkpoint saved by a run of one kernel loads
 into a run of the other with the other's (the param groups a checkpoint restores carry the saver's flag).
 actor.fused_swiglu: Megatron's SwiGLU fusion (compiled by torch.compile, here inductor's C++ kernel): the same
-log-probs and update as the unfused activation."""
+log-probs and update as the unfused activation.
+actor.fused_log_probs: the log-probs' and entropy's chunked work compiled (rl_megatron/models/logprobs.py), forward
+and backward: the same log-probs and update at TP=2 as unfused (the function itself: tests/distributed/test_logprobs.py)."""
 import dataclasses
 
 import pytest
@@ -61,6 +63,25 @@ def log_probs_and_update(cfg, batch):
     batch = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
     fused = {layer.mlp.config.bias_activation_fusion for chunk in actor.chunks for layer in chunk.decoder.layers}
     return fused, batch.old_log_probs, actor.update(batch), actor.hf_state_dict()
+
+
+def fused_log_probs_and_update(cfg, batch):
+    actor = build_actor(cfg)
+    batch = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+    return actor.fused_log_probs, batch.old_log_probs, actor.update(batch), actor.hf_state_dict()
+
+
+def test_the_fused_log_probs_give_the_unfused_ones_and_update_alike_at_tp2(tmp_path):
+    """actor.fused_log_probs: the chunked log-probs and entropy compiled, forward and backward, in the actor's passes
+    (its response positions only, vocabulary-parallel at TP=2): the same log-probs and update as unfused."""
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    runs = [run_distributed(fused_log_probs_and_update, 2, 2, 1, args=(config(model_dir, 2, 1, **{
+        "actor.fused_log_probs": on, "actor.optim.lr": 1e-3}), make_batch()))[0] for on in (True, False)]
+    (fused_flag, fused_log_probs, fused_metrics, fused_state), (plain_flag, log_probs, metrics, state) = runs
+    assert fused_flag is True and plain_flag is False
+    assert (fused_log_probs - log_probs).abs().max() <= 1e-6
+    assert fused_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert max((fused_state[name] - tensor).abs().max().item() for name, tensor in state.items()) < 2e-5
 
 
 def test_the_fused_swiglu_computes_what_the_unfused_one_does(tmp_path):
