@@ -33,6 +33,17 @@ def client_for(base_url: str) -> openai.AsyncOpenAI:
     return _CLIENTS[loop].with_options(base_url=base_url)
 
 
+async def next_message(client: openai.AsyncOpenAI, messages: list[dict]):
+    """The policy's next message, or None where the episode's length or turn limit ended the episode."""
+    try:
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+    except openai.BadRequestError as error:
+        if error.code in ("context_length_exceeded", "max_turns_exceeded"):
+            return None
+        raise
+    return response.choices[0].message
+
+
 async def lookup_agent(base_url: str, row: dict) -> None:
     """One episode. Its reward comes from the data source's scorer (rollout.agent.reward=scorer), which reads the
     last answer: return a number instead to give the reward here."""
@@ -40,13 +51,9 @@ async def lookup_agent(base_url: str, row: dict) -> None:
     messages = list(row["prompt"])
     client = client_for(base_url)
     for _ in range(MAX_CALLS):
-        try:
-            response = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
-        except openai.BadRequestError as error:  # the episode's length or turn limit: it ends here
-            if error.code in ("context_length_exceeded", "max_turns_exceeded"):
-                return None
-            raise
-        message = response.choices[0].message
+        message = await next_message(client, messages)
+        if message is None:
+            return None
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return None
@@ -68,14 +75,8 @@ async def compacting_agent(base_url: str, row: dict) -> None:
     messages = list(row["prompt"])
     client = client_for(base_url)
     for _ in range(MAX_CALLS):
-        try:
-            response = await client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
-        except openai.BadRequestError as error:
-            if error.code in ("context_length_exceeded", "max_turns_exceeded"):
-                return None
-            raise
-        message = response.choices[0].message
-        if not message.tool_calls:
+        message = await next_message(client, messages)
+        if message is None or not message.tool_calls:
             return None
         messages = [*row["prompt"], {"role": "user", "content": secret}]  # the history, compacted
     return None
