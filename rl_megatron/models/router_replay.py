@@ -207,9 +207,6 @@ def rank_share(micro: MicroBatch, routing: torch.Tensor, top_k: int, shares: int
     """`model_layout` of the tokens this rank's routers see: its context-parallel positions of the packed row (in
     `context_index` order), then its sequence-parallel share (`share` of `shares`: a contiguous block)."""
     experts, routed = model_layout(micro, routing, top_k)
-    if micro.context_index is not None:
-        index = micro.context_index.to(experts.device)
-        experts, routed = experts[index], routed[index]
     return experts.chunk(shares)[share], routed.chunk(shares)[share]
 
 
@@ -222,16 +219,11 @@ def whole_row(shares: list[torch.Tensor], cu_seqlens: list[int]) -> torch.Tensor
 
 
 def model_layout(micro: MicroBatch, routing: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample routing ([samples, longest, layers, k]) as the routers of `micro` see their tokens:
-    ([tokens x rows, layers, k] long, sequence-first; [tokens x rows] bool, where the routing is known). Unknown
-    positions (padding, UNROUTED) route to experts 0..k-1."""
-    rows, tokens = micro.input_ids.shape
-    layers = routing.shape[2]
-    laid = torch.full((rows, tokens, layers, top_k), UNROUTED, dtype=torch.long, device=routing.device)
-    for i, length in enumerate(micro.lengths):
-        row, start = (i, 0) if micro.cu_seqlens is None else (0, micro.sample_starts[i])
-        laid[row, start:start + length] = routing[i, :length]
-    laid = laid.transpose(0, 1).reshape(tokens * rows, layers, top_k)
+    """Per-sample routing ([samples, longest, layers, k]) as the routers of `micro` see their tokens (its
+    context-parallel share: `MicroBatch.model_layout`): ([tokens x rows, layers, k] long, sequence-first; [tokens x
+    rows] bool, where the routing is known). Unknown positions (padding, UNROUTED) route to experts 0..k-1."""
+    laid = micro.model_layout(routing.long(), fill=UNROUTED)
+    laid = laid.transpose(0, 1).reshape(-1, *laid.shape[2:])
     routed = laid[:, 0, 0] != UNROUTED
     laid[~routed] = torch.arange(top_k, device=laid.device)
     return laid, routed

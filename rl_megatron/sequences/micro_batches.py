@@ -107,16 +107,14 @@ class MicroBatch:
         inside = inside.view(*inside.shape, *[1] * (out.dim() - 2))
         return torch.where(to_device(inside, device), out, torch.zeros((), dtype=out.dtype, device=device))
 
-    def model_layout(self, per_sample: Tensor) -> Tensor:
+    def model_layout(self, per_sample: Tensor, fill: int = 0) -> Tensor:
         """`unpack`'s inverse: a per-sample tensor [samples, longest, ...] laid out as the positions this rank's model
-        computes ([rows, tokens, ...], or the context-parallel share), zero where no sample's token is."""
+        computes ([rows, tokens, ...], or the context-parallel share), `fill` where no sample's token is."""
         rows, tokens = self.input_ids.shape
-        out = per_sample.new_zeros(rows, tokens, *per_sample.shape[2:])
-        if self.cu_seqlens is None:
-            out[:per_sample.shape[0], :per_sample.shape[1]] = per_sample
-        else:
-            for sample, (start, length) in enumerate(zip(self.sample_starts, self.lengths)):
-                out[0, start:start + length] = per_sample[sample, :length]
+        out = per_sample.new_full((rows, tokens, *per_sample.shape[2:]), fill)
+        for sample, length in enumerate(self.lengths):
+            row, start = (sample, 0) if self.cu_seqlens is None else (0, self.sample_starts[sample])
+            out[row, start:start + length] = per_sample[sample, :length]
         return out if self.context_index is None else out[:, self.context_index]
 
     def unpack_outputs(self, outputs: TokenOutputs) -> TokenOutputs:
