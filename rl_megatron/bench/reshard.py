@@ -34,6 +34,13 @@ def peak_extra_rss(fn) -> int:
     return max(0, _status_kib("VmHWM") - before - mapped) * 1024
 
 
+def plain_copy(nbytes: int):
+    """The limit's copy: `nbytes` from one buffer into another, every byte of the source written first. A source
+    never written reads the kernel's one zero page from cache, not memory: 1.5x faster than a real copy here."""
+    src, dst = torch.full((nbytes,), 7, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    return lambda: dst.copy_(src)
+
+
 def _timed_together(fn, repeats: int) -> float:
     """Median seconds of `fn` run by every rank at once (from a barrier to the last rank's end)."""
     import torch.distributed as dist
@@ -78,9 +85,9 @@ def measure_rank(cfg, repeats: int) -> dict:
         kept = resharder.channel.owned_bytes
         resharder.close()
         nbytes = resharder.plan.bytes_into(rank)
-        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        dst.copy_(src)
-        memcpy_seconds = _timed_together(lambda: dst.copy_(src), repeats)
+        copy = plain_copy(nbytes)
+        copy()
+        memcpy_seconds = _timed_together(copy, repeats)
         largest = max(t.numel() * t.element_size() for t, _ in sources[0].values())
         adapters = measure_adapter_sync(actor, engine, cfg, repeats) if engine_lora_rank(cfg) else {}
         # What a sync adds: its transient peak, plus the buffer the channel keeps between syncs.
@@ -134,8 +141,7 @@ def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
     if rank:
         return {}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    memcpy_seconds = timed(lambda: dst.copy_(src), repeats)
+    memcpy_seconds = timed(plain_copy(nbytes), repeats)
     return {"bytes": nbytes, "seconds": seconds, "memcpy_seconds": memcpy_seconds,
             "peak_extra_bytes": max(peaks) + kept,
             "largest_tensor_bytes": max(t.numel() * t.element_size() for t in state.values()),

@@ -31,7 +31,7 @@ __all__ = ["PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_h
 class SyncStats:
     bytes_in_place: int  # copied by this rank from its own shards or a peer's shared parameters
     bytes_received: int  # written on this rank from other ranks' buckets
-    seconds_in_place: float  # copying those
+    seconds_in_place: float  # copying those (not waiting for peers)
     seconds: float  # the whole sync on this rank
 
 
@@ -99,13 +99,21 @@ class Resharder:
 
     @torch.no_grad()
     def sync(self, phase: int | None = None) -> SyncStats:
-        """Fill the targets: every phase of the plan in order, or only `phase` (a collective either way)."""
+        """Fill the targets: every phase of the plan in order, or only `phase` (a collective either way).
+
+        Reading peers' parameters in place takes two handshakes: every rank's parameters are final before anyone
+        reads them, and nobody changes them while a peer may still read them. Both are barriers posted without
+        waiting, each hidden behind copies of this rank's own shards (half of them before the first is needed,
+        the rest after the second is posted)."""
         start = time.perf_counter()
-        if self.plan.reads_peers:  # every rank's parameters are final before anyone reads them
-            dist.barrier()
+        phases = self.plan.phases if phase is None else [self.plan.phases[phase]]
+        sources_final = dist.barrier(async_op=True) if self.plan.reads_peers else None
+        reads_done = None
         copied, copy_seconds, received = 0, 0.0, 0
-        for current in self.plan.phases if phase is None else [self.plan.phases[phase]]:
+        for n, current in enumerate(phases):
             local = current.local.get(self.rank, [])
+            own = [p for p in local if p.src_rank == self.rank]
+            split = _half_by_bytes(own) if self.plan.reads_peers and n == len(phases) - 1 else len(own)
             for i, round_ in enumerate(current.rounds or [[]]):
                 outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
                 incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
@@ -115,9 +123,16 @@ class Resharder:
                                          None if incoming is None else (incoming.src_rank, incoming.nbytes))
                 if i == 0:  # while the first buckets travel
                     copy_start = time.perf_counter()
-                    for piece in local:
-                        local_view(self._target(piece.dst_key), piece.dst).copy_(
-                            local_view(self._source(piece.src_key, piece.src_rank), piece.src))
+                    self._copy(own[:split])
+                    if sources_final is not None:
+                        waited = time.perf_counter()
+                        sources_final.wait()
+                        sources_final = None
+                        copy_start += time.perf_counter() - waited
+                    self._copy([p for p in local if p.src_rank != self.rank])
+                    if split < len(own):
+                        reads_done = dist.barrier(async_op=True)
+                    self._copy(own[split:])
                     copied += sum(p.nbytes for p in local)
                     copy_seconds += time.perf_counter() - copy_start
                 if incoming is not None:
@@ -125,12 +140,19 @@ class Resharder:
                     received += incoming.nbytes
                 self.channel.end_round()
         self.channel.finish()
-        if self.plan.reads_peers:  # nobody changes its parameters while a peer may still read them
-            dist.barrier()
+        if self.plan.reads_peers and reads_done is None:  # no own shards were left to hide it behind
+            reads_done = dist.barrier(async_op=True)
+        if reads_done is not None:
+            reads_done.wait()
         stats = SyncStats(copied, received, copy_seconds, time.perf_counter() - start)
         if self.verify_after_sync:
             self.verify()
         return stats
+
+    def _copy(self, pieces: list) -> None:
+        for piece in pieces:
+            local_view(self._target(piece.dst_key), piece.dst).copy_(
+                local_view(self._source(piece.src_key, piece.src_rank), piece.src))
 
     # Packing and unpacking hold no reference to a bucket once done, so that the channel alone decides how many
     # buckets are alive (its `slots`).
@@ -166,6 +188,16 @@ class Resharder:
             box = ", ".join(f"{a}:{b}" for a, b in zip(p.src.start, p.src.stop))
             raise RuntimeError(f"Weight sync check failed for {len(bad)} piece(s); first: '{p.src.hf_name}'[{box}] "
                                f"from '{p.src_key}' (rank {p.src_rank}) into '{p.dst_key}' (rank {p.dst_rank}).")
+
+
+def _half_by_bytes(pieces: list) -> int:
+    """How many of `pieces`, from the first, hold about half their bytes."""
+    total, running = sum(p.nbytes for p in pieces), 0
+    for i, piece in enumerate(pieces):
+        if 2 * running >= total:
+            return i
+        running += piece.nbytes
+    return len(pieces)
 
 
 def _window(buffer: torch.Tensor, offset: int, piece) -> torch.Tensor:
