@@ -43,10 +43,12 @@ from rl_megatron.platform.device_stats import nominal_bf16_flops
 
 # The levers of the step's memory traffic, in the order `--ladder` applies them (each rung adds one to those before):
 # (name, config overrides). The first rung has every lever off.
-LADDER = (("unfused", ("actor.optim.fused=false", "actor.fused_swiglu=false", "actor.fused_log_probs=false")),
+LADDER = (("unfused", ("actor.optim.fused=false", "actor.fused_swiglu=false", "actor.fused_log_probs=false",
+                       "actor.gradient_accumulation_fusion=false")),
           ("fused AdamW", ("actor.optim.fused=true",)),  # torch's fused kernel where Megatron took torch's AdamW
           ("fused SwiGLU", ("actor.fused_swiglu=true",)),  # Megatron's bias_activation_fusion, compiled
-          ("fused log-probs", ("actor.fused_log_probs=true",)))  # each chunk of logits' work compiled
+          ("fused log-probs", ("actor.fused_log_probs=true",)),  # each chunk of logits' work compiled
+          ("wgrad into main grads", ("actor.gradient_accumulation_fusion=true",)))  # no bf16 weight gradients
 
 # Qwen2.5-0.5B's shape: the default model on GPU.
 QWEN2_5_0_5B = {"hidden": 896, "layers": 24, "vocab": 151936, "heads": 14, "kv_heads": 2, "intermediate": 4864,

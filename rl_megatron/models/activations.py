@@ -38,6 +38,7 @@ class ActivationSettings:
     recompute_method: Optional[str] = None  # full: "uniform" (groups of recompute_num_layers) or "block"
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per model chunk (block)
     fused_swiglu: bool = False  # Megatron's SwiGLU in one compiled kernel (bias_activation_fusion), on SwiGLU MLPs
+    wgrad_into_main_grad: bool = False  # Megatron's gradient_accumulation_fusion: only where DDP keeps main grads
 
     @classmethod
     def of_role(cls, cfg: Config, role: Role) -> ActivationSettings:
@@ -49,9 +50,10 @@ class ActivationSettings:
         if not role.trainable:
             return cls(sequence_parallel=sequence_parallel, fused_swiglu=fused)
         section = cfg.actor if role is Role.ACTOR else cfg.critic
+        setting = cfg.actor.gradient_accumulation_fusion
         return cls(sequence_parallel=sequence_parallel, recompute_granularity=section.recompute_granularity,
                    recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers,
-                   fused_swiglu=fused)
+                   fused_swiglu=fused, wgrad_into_main_grad=platform.has_cuda() if setting is None else setting)
 
     def transformer_config_fields(self, tp: int, swiglu: bool) -> dict:
         """Megatron's TransformerConfig fields for these settings at tensor-parallel size `tp` (`swiglu`: the MLPs'
@@ -59,7 +61,8 @@ class ActivationSettings:
         fields = dict(sequence_parallel=sequence_parallel_on(self.sequence_parallel, tp),
                       recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
                       recompute_num_layers=self.recompute_num_layers,
-                      bias_activation_fusion=self.fused_swiglu and swiglu)
+                      bias_activation_fusion=self.fused_swiglu and swiglu,
+                      gradient_accumulation_fusion=self.wgrad_into_main_grad)
         if self.recompute_granularity == "selective":
             fields["recompute_modules"] = list(SELECTIVE_MODULES)
         return fields

@@ -35,9 +35,10 @@ def setup() -> None:
     global _applied
     if _applied:
         return
-    from rl_megatron.platform import cpu_compat, grad_norm, megatron_fixes
+    from rl_megatron.platform import cpu_compat, grad_norm, megatron_fixes, wgrad_accumulation
 
     megatron_fixes.apply()
+    wgrad_accumulation.install()  # Megatron's gradient_accumulation_fusion without Apex
     grad_norm.apply()  # on any device where TE and Apex are absent
     if not has_cuda():
         cpu_compat.apply()

@@ -6,7 +6,10 @@ into a run of the other with the other's (the param groups a checkpoint restores
 actor.fused_swiglu: Megatron's SwiGLU fusion (compiled by torch.compile, here inductor's C++ kernel): the same
 log-probs and update as the unfused activation.
 actor.fused_log_probs: the log-probs' and entropy's chunked work compiled (rl_megatron/models/logprobs.py), forward
-and backward: the same log-probs and update at TP=2 as unfused (the function itself: tests/distributed/test_logprobs.py)."""
+and backward: the same log-probs and update at TP=2 as unfused (the function itself: tests/distributed/test_logprobs.py).
+actor.gradient_accumulation_fusion: each weight gradient accumulated by its GEMM into the fp32 main grad
+(rl_megatron/platform/wgrad_accumulation.py, as no Apex imports here), over four micro-batches at TP=2 with sequence
+parallelism: the same update as DDP's add of each micro-batch's gradient."""
 import dataclasses
 
 import pytest
@@ -95,3 +98,24 @@ def test_the_fused_swiglu_computes_what_the_unfused_one_does(tmp_path):
     # Adam's first step, lr g / (|g| + eps), turns last-bit differences of gradients near eps into up to ~1e-5 of
     # the lr's 1e-3 (tests/distributed/test_router_replay.py meets the same): the updates agree to that.
     assert max((fused_state[name] - tensor).abs().max().item() for name, tensor in state.items()) < 2e-5
+
+
+def wgrad_fusion_and_update(cfg, batch):
+    actor = build_actor(cfg)
+    batch = dataclasses.replace(batch, old_log_probs=actor_log_probs_everywhere(actor, batch))
+    fused = {chunk.config.gradient_accumulation_fusion for chunk in actor.chunks}
+    return fused, actor.update(batch), actor.update(batch), actor.hf_state_dict()
+
+
+def test_the_gradient_accumulation_fusion_updates_as_ddps_add_does_at_tp2(tmp_path):
+    model_dir = family_model_dir(tmp_path / "qwen2", "qwen2", tied=False)
+    assert config(model_dir, 2, 1).actor.gradient_accumulation_fusion is None  # null: on with CUDA
+    runs = [run_distributed(wgrad_fusion_and_update, 2, 2, 1, args=(config(model_dir, 2, 1, **{
+        "actor.gradient_accumulation_fusion": on, "actor.optim.lr": 1e-3}), make_batch()))[0] for on in (True, False)]
+    (fused_flags, *fused_metrics, fused_state), (plain_flags, *metrics, state) = runs
+    assert fused_flags == {True} and plain_flags == {False}
+    for mine, theirs in zip(fused_metrics, metrics):
+        assert mine["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-5)
+    # The GEMM adds its product into the accumulator instead of beside it: float32 rounding, which Adam's steps
+    # scale up where a gradient is near zero (as for the SwiGLU fusion above).
+    assert max((fused_state[name] - tensor).abs().max().item() for name, tensor in state.items()) < 4e-5
