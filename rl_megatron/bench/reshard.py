@@ -41,18 +41,20 @@ def plain_copy(nbytes: int):
     return lambda: dst.copy_(src)
 
 
-def _timed_together(fn, repeats: int) -> float:
-    """Median seconds of `fn` run by every rank at once (from a barrier to the last rank's end)."""
+def _timed_together(fns, repeats: int) -> list[float]:
+    """Median seconds of each of `fns` run by every rank at once (from a barrier to the last rank's end), the
+    functions taking turns in each repeat, so that a busy moment of the machine falls on all of them alike."""
     import torch.distributed as dist
 
-    times = []
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def measure_rank(cfg, repeats: int) -> dict:
@@ -74,9 +76,11 @@ def measure_rank(cfg, repeats: int) -> dict:
         resharder = Resharder(*sources, engine.sync_targets(), bucket_bytes=cfg.resharding.bucket_mb << 20,
                               channel=cfg.resharding.channel)
         resharder.sync()  # warm-up: first touch of the buffers, shared-memory handshakes
+        copy = plain_copy(resharder.plan.bytes_into(rank))  # the limit: the same bytes copied, in turns with syncs
+        copy()
         peaks, stats = [], []
-        seconds = _timed_together(lambda: peaks.append(peak_extra_rss(lambda: stats.append(resharder.sync()))),
-                                  repeats)
+        seconds, memcpy_seconds = _timed_together(
+            [lambda: peaks.append(peak_extra_rss(lambda: stats.append(resharder.sync()))), copy], repeats)
         engine.weights_updated()
         resharder.verify()  # raises, naming the tensor, if any piece differs
         state = [export_hf_state_dict(actor.chunks, actor.table)]
@@ -85,9 +89,6 @@ def measure_rank(cfg, repeats: int) -> dict:
         kept = resharder.channel.owned_bytes
         resharder.close()
         nbytes = resharder.plan.bytes_into(rank)
-        copy = plain_copy(nbytes)
-        copy()
-        memcpy_seconds = _timed_together(copy, repeats)
         largest = max(t.numel() * t.element_size() for t, _ in sources[0].values())
         adapters = measure_adapter_sync(actor, engine, cfg, repeats) if engine_lora_rank(cfg) else {}
         # What a sync adds: its transient peak, plus the buffer the channel keeps between syncs.
@@ -108,7 +109,7 @@ def measure_adapter_sync(actor, engine, cfg, repeats: int) -> dict:
                            verify=True)
     try:
         received = [adapters.sync()]  # warm-up, and the check (raises if the engine's adapter differs)
-        seconds = _timed_together(lambda: received.append(adapters.sync()), repeats)
+        seconds, = _timed_together([lambda: received.append(adapters.sync())], repeats)
     finally:
         adapters.close()
     return {"adapter_bytes": received[-1], "adapter_seconds": seconds}
@@ -132,7 +133,7 @@ def send_rank(cfg, repeats: int, host: str, port: int, size: int) -> dict:
     try:
         sender.send()  # warm-up
         peaks = []
-        seconds = _timed_together(lambda: peaks.append(peak_extra_rss(sender.send)), repeats)
+        seconds, = _timed_together([lambda: peaks.append(peak_extra_rss(sender.send))], repeats)
         # What a sync adds on the sender: its transient peak, plus the buffers kept between syncs.
         kept = (sender.buffer.nbytes if rank == 0 else 0) + sender.resharder.channel.owned_bytes
     finally:
