@@ -99,10 +99,13 @@ def _report(cfg, summary) -> int:
         print(f"\nValidated {len(validation.generations)} samples in {training_s:.0f} s, after {startup_s:.0f} s of "
               "start-up: " + ", ".join(f"{name}={value:.3f}" for name, value in validation.metrics.items()))
         print(f"Every sample with its score: {summary.validation_path}")
+    elif summary.resumed_at and summary.steps == summary.resumed_at:
+        print(f"Nothing to do: the checkpoint at step {summary.resumed_at} already finished this run "
+              "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
     else:
-        print(f"\nDone: {summary.steps} steps in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean "
-              f"reward {summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} "
-              "steps).")
+        trained = f"steps {summary.resumed_at + 1}-{summary.steps}" if summary.resumed_at else f"{summary.steps} steps"
+        print(f"\nDone: {trained} in {training_s:.0f} s, after {startup_s:.0f} s of start-up. Mean reward "
+              f"{summary.reward_first:.3f} (first {window} steps) -> {summary.reward_last:.3f} (last {window} steps).")
         target = cfg.trainer.target_reward
         if target is not None:
             verdict = "reached" if summary.reward_last >= target else "NOT reached"

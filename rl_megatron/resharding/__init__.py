@@ -104,16 +104,21 @@ class Resharder:
         Reading peers' parameters in place takes two handshakes: every rank's parameters are final before anyone
         reads them, and nobody changes them while a peer may still read them. Both are barriers posted without
         waiting, each hidden behind copies of this rank's own shards (half of them before the first is needed,
-        the rest after the second is posted)."""
+        the rest after the second is posted), where no bucket travels: point-to-point calls beside a collective
+        in flight are not relied on."""
         start = time.perf_counter()
         phases = self.plan.phases if phase is None else [self.plan.phases[phase]]
+        hidden = self.plan.reads_peers and not self.plan.buckets
         sources_final = dist.barrier(async_op=True) if self.plan.reads_peers else None
+        if sources_final is not None and not hidden:
+            sources_final.wait()
+            sources_final = None
         reads_done = None
         copied, copy_seconds, received = 0, 0.0, 0
         for n, current in enumerate(phases):
             local = current.local.get(self.rank, [])
             own = [p for p in local if p.src_rank == self.rank]
-            split = _half_by_bytes(own) if self.plan.reads_peers and n == len(phases) - 1 else len(own)
+            split = _half_by_bytes(own) if hidden and n == len(phases) - 1 else len(own)
             for i, round_ in enumerate(current.rounds or [[]]):
                 outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
                 incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
@@ -140,7 +145,7 @@ class Resharder:
                     received += incoming.nbytes
                 self.channel.end_round()
         self.channel.finish()
-        if self.plan.reads_peers and reads_done is None:  # no own shards were left to hide it behind
+        if self.plan.reads_peers and reads_done is None:  # not hidden, or no own shards were left to hide it behind
             reads_done = dist.barrier(async_op=True)
         if reads_done is not None:
             reads_done.wait()

@@ -25,16 +25,18 @@ class RunSummary:
     run_dir: str
     training_started: float  # time.time() when the workers were ready: what came before is start-up
     validation: Validation | None  # the last validation's, if any
+    resumed_at: int = 0  # steps the checkpoint this run resumed from had trained: not this run's
 
     @classmethod
     def of(cls, reward_history: list[float], run_dir: str, training_started: float,
-           validation: Validation | None) -> RunSummary:
+           validation: Validation | None, resumed_at: int = 0) -> RunSummary:
         """The summary of a run whose steps had the mean rewards `reward_history` (a validation-only run of weights
         that never trained has none: NaN means)."""
         first = reward_history[:REWARD_WINDOW]
         first_mean, last_mean = ((sum(first) / len(first), window_mean(reward_history)) if first
                                  else (float("nan"), float("nan")))
-        return cls(len(reward_history), first_mean, last_mean, len(first), run_dir, training_started, validation)
+        return cls(len(reward_history), first_mean, last_mean, len(first), run_dir, training_started, validation,
+                   resumed_at)
 
     @property
     def validation_path(self) -> str:

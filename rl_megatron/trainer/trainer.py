@@ -392,9 +392,7 @@ class Trainer:
 
     def _summary(self, done: bool) -> RunSummary:
         steps, trained = len(self.reward_history), not self.cfg.trainer.val_only
-        if trained and self.start_step and self.start_step == steps:
-            print(f"Nothing to do: the checkpoint at step {self.start_step} already finished this run "
-                  "(trainer.total_steps or trainer.target_reward); raise trainer.total_steps to go on.")
-        elif trained and self.stop.received and not done:
+        if trained and self.stop.received and not done:
             print(f"Stopped by {self.stop.received} after step {steps}; the same command resumes from its checkpoint.")
-        return RunSummary.of(self.reward_history, self.run_dir, self.training_started, self.last_validation)
+        return RunSummary.of(self.reward_history, self.run_dir, self.training_started, self.last_validation,
+                             self.start_step)
