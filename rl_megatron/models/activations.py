@@ -46,14 +46,14 @@ class ActivationSettings:
         section says (the critic's keys default to the actor's, `preflight.resolve`). The frozen reference only runs
         forward passes without a graph, where recomputation has nothing to save."""
         sequence_parallel = cfg.actor.sequence_parallel
-        fused = platform.has_cuda() if cfg.actor.fused_swiglu is None else cfg.actor.fused_swiglu  # this process's
+        fused = platform.on_with_cuda(cfg.actor.fused_swiglu)
         if not role.trainable:
             return cls(sequence_parallel=sequence_parallel, fused_swiglu=fused)
         section = cfg.actor if role is Role.ACTOR else cfg.critic
-        setting = cfg.actor.gradient_accumulation_fusion
+        wgrad_into_main_grad = platform.on_with_cuda(cfg.actor.gradient_accumulation_fusion)
         return cls(sequence_parallel=sequence_parallel, recompute_granularity=section.recompute_granularity,
                    recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers,
-                   fused_swiglu=fused, wgrad_into_main_grad=platform.has_cuda() if setting is None else setting)
+                   fused_swiglu=fused, wgrad_into_main_grad=wgrad_into_main_grad)
 
     def transformer_config_fields(self, tp: int, swiglu: bool) -> dict:
         """Megatron's TransformerConfig fields for these settings at tensor-parallel size `tp` (`swiglu`: the MLPs'

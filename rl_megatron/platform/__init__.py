@@ -19,6 +19,12 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def on_with_cuda(setting: bool | None) -> bool:
+    """A setting whose null means "on where this process has CUDA" (the fused kernels, the distributed optimizer):
+    the process's own device decides, since the controller may have no GPU while its workers do."""
+    return has_cuda() if setting is None else setting
+
+
 def device() -> torch.device:
     """The compute device of this process."""
     return torch.device("cuda", torch.cuda.current_device()) if has_cuda() else torch.device("cpu")

@@ -54,8 +54,7 @@ class MegatronActor(MegatronModel):
         self.table = weight_table(self.chunks[0], hf_config)
         # A teacher distilled from by its top-k (algorithm.distillation.top_k) gives its k likeliest tokens.
         self.top_k = cfg.algorithm.distillation.top_k if role is Role.TEACHER else None
-        fused = cfg.actor.fused_log_probs
-        self.fused_log_probs = platform.has_cuda() if fused is None else fused  # this process's device decides
+        self.fused_log_probs = platform.on_with_cuda(cfg.actor.fused_log_probs)
         # MoE: the routers' load and losses in each update (moe/* metrics).
         moe = trainable and self.chunks[0].config.num_moe_experts
         self.router_metrics = RouterMetrics(self.chunks) if moe else None

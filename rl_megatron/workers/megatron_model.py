@@ -75,7 +75,7 @@ class MegatronModel:
                  initial: MegatronModel | None = None, distributed_optimizer: bool | None = None,
                  lora: LoraConfig | None = None):
         self.cfg, self.hf_config, self.batching = cfg, hf_config, batching
-        self.distributed_optimizer = platform.has_cuda() if distributed_optimizer is None else distributed_optimizer
+        self.distributed_optimizer = platform.on_with_cuda(distributed_optimizer)
         # One chunk per virtual pipeline stage (one without interleaving), in that order.
         self.chunks = [chunk.to(platform.device()) for chunk in build_gpt_chunks(
             hf_config, cfg.model.dtype, cfg.model.make_vocab_size_divisible_by,
@@ -136,7 +136,7 @@ class MegatronModel:
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
             bf16=cfg.model.dtype == "bfloat16", params_dtype=self.chunks[0].config.params_dtype,
             use_distributed_optimizer=self.distributed_optimizer), self.model)
-        self.fused_adam = platform.has_cuda() if optim.fused is None else optim.fused
+        self.fused_adam = platform.on_with_cuda(optim.fused)
         use_fused_adam(self.optimizer, self.fused_adam)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,

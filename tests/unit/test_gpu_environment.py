@@ -33,6 +33,13 @@ def test_each_worker_sets_what_its_own_device_needs(monkeypatch, cuda):
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_null_setting_follows_the_processs_own_device_and_a_set_one_wins(monkeypatch, cuda):
+    monkeypatch.setattr(platform, "has_cuda", lambda: cuda)
+    assert platform.on_with_cuda(None) is cuda
+    assert platform.on_with_cuda(True) is True and platform.on_with_cuda(False) is False
+
+
 @pytest.mark.parametrize("conf,expected", [
     ("expandable_segments:True", ""),
     ("max_split_size_mb:512,expandable_segments:True", "max_split_size_mb:512"),
