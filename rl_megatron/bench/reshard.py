@@ -17,6 +17,8 @@ import time
 
 import torch
 
+PEAK_SYNCS = 3  # untimed syncs whose peak extra memory is measured
+
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -78,9 +80,10 @@ def measure_rank(cfg, repeats: int) -> dict:
         resharder.sync()  # warm-up: first touch of the buffers, shared-memory handshakes
         copy = plain_copy(resharder.plan.bytes_into(rank))  # the limit: the same bytes copied, in turns with syncs
         copy()
-        peaks, stats = [], []
-        seconds, memcpy_seconds = _timed_together(
-            [lambda: peaks.append(peak_extra_rss(lambda: stats.append(resharder.sync()))), copy], repeats)
+        stats = []
+        seconds, memcpy_seconds = _timed_together([lambda: stats.append(resharder.sync()), copy], repeats)
+        # The peak from syncs of their own: reading /proc around a timed sync would add to its time.
+        peaks = [peak_extra_rss(resharder.sync) for _ in range(PEAK_SYNCS)]
         engine.weights_updated()
         resharder.verify()  # raises, naming the tensor, if any piece differs
         state = [export_hf_state_dict(actor.chunks, actor.table)]
