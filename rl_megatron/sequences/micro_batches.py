@@ -139,9 +139,8 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     spans = [length + -length % span_multiple for length in lengths]
     pieces = [_attention_spans(samples.position_ids, row, length, span)
               for row, (length, span) in enumerate(zip(lengths, spans))]
-    ids = torch.cat([F.pad(row[:length], (0, span - length), value=batch.pad_id)
-                     for row, length, span in zip(samples.input_ids, lengths, spans)]).unsqueeze(0)
-    positions = torch.cat([torch.arange(piece) for sample in pieces for piece in sample])
+    ids = _packed_row(samples.input_ids, lengths, spans, batch.pad_id)
+    positions = _restarting_positions([piece for sample in pieces for piece in sample])
     starts, sample_starts = [0], [0]
     for sample, span in zip(pieces, spans):
         for piece in sample:
@@ -153,6 +152,26 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
         starts.append(input_ids.shape[1])
         positions = torch.cat([positions, torch.arange(tail)])
     return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts, sample_starts=sample_starts)
+
+
+def _packed_row(input_ids: Tensor, lengths: list[int], spans: list[int], pad_id: int) -> Tensor:
+    """Each row's first `length` tokens, padded with `pad_id` to its `span`, one after the other in one row: a few
+    whole-batch ops, not a pad per sample (each a torch call through the host's dispatch)."""
+    width = max(spans)
+    if width > input_ids.shape[1]:
+        input_ids = F.pad(input_ids, (0, width - input_ids.shape[1]), value=pad_id)
+    column = torch.arange(width, device=input_ids.device)
+    kept = torch.where(column < torch.tensor(lengths, device=input_ids.device).unsqueeze(1), input_ids[:, :width],
+                       pad_id)
+    return kept[column < torch.tensor(spans, device=input_ids.device).unsqueeze(1)].unsqueeze(0)
+
+
+def _restarting_positions(pieces: list[int]) -> Tensor:
+    """0, 1, ... within each of consecutive pieces of these lengths: `torch.cat([torch.arange(n) for n in pieces])`
+    without a tensor per piece."""
+    lengths = torch.tensor(pieces)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
 
 
 def _attention_spans(position_ids: Tensor | None, row: int, length: int, span: int) -> list[int]:
