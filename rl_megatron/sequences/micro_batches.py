@@ -15,6 +15,7 @@ losses see the same tensors whatever the layout, and their normalisation does no
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -140,18 +141,15 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     pieces = [_attention_spans(samples.position_ids, row, length, span)
               for row, (length, span) in enumerate(zip(lengths, spans))]
     ids = _packed_row(samples.input_ids, lengths, spans, batch.pad_id)
-    positions = _restarting_positions([piece for sample in pieces for piece in sample])
-    starts, sample_starts = [0], [0]
-    for sample, span in zip(pieces, spans):
-        for piece in sample:
-            starts.append(starts[-1] + piece)
-        sample_starts.append(sample_starts[-1] + span)
     input_ids = _pad_tokens(ids, multiple, batch.pad_id)
+    spans_in_row = [piece for sample in pieces for piece in sample]
     tail = input_ids.shape[1] - ids.shape[1]
     if tail:  # the padding is a sample of its own: it attends to itself only
-        starts.append(input_ids.shape[1])
-        positions = torch.cat([positions, torch.arange(tail)])
-    return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts, sample_starts=sample_starts)
+        spans_in_row.append(tail)
+    starts = [0, *itertools.accumulate(spans_in_row)]
+    positions = _restarting_positions(spans_in_row, starts)
+    return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts,
+                      sample_starts=[0, *itertools.accumulate(spans)])
 
 
 def _packed_row(input_ids: Tensor, lengths: list[int], spans: list[int], pad_id: int) -> Tensor:
@@ -166,12 +164,10 @@ def _packed_row(input_ids: Tensor, lengths: list[int], spans: list[int], pad_id:
     return kept[column < torch.tensor(spans, device=input_ids.device).unsqueeze(1)].unsqueeze(0)
 
 
-def _restarting_positions(pieces: list[int]) -> Tensor:
-    """0, 1, ... within each of consecutive pieces of these lengths: `torch.cat([torch.arange(n) for n in pieces])`
-    without a tensor per piece."""
-    lengths = torch.tensor(pieces)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+def _restarting_positions(pieces: list[int], starts: list[int]) -> Tensor:
+    """0, 1, ... within each of consecutive pieces of these lengths (`starts`: where each begins, and the end):
+    `torch.cat([torch.arange(n) for n in pieces])` without a tensor per piece."""
+    return torch.arange(starts[-1]) - torch.repeat_interleave(torch.tensor(starts[:-1]), torch.tensor(pieces))
 
 
 def _attention_spans(position_ids: Tensor | None, row: int, length: int, span: int) -> list[int]:
