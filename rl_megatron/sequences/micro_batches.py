@@ -140,7 +140,8 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     spans = [length + -length % span_multiple for length in lengths]
     pieces = [_attention_spans(samples.position_ids, row, length, span)
               for row, (length, span) in enumerate(zip(lengths, spans))]
-    ids = _packed_row(samples.input_ids, lengths, spans, batch.pad_id)
+    sample_starts = [0, *itertools.accumulate(spans)]
+    ids = _packed_row(samples.input_ids, lengths, spans, sample_starts, batch.pad_id)
     input_ids = _pad_tokens(ids, multiple, batch.pad_id)
     spans_in_row = [piece for sample in pieces for piece in sample]
     tail = input_ids.shape[1] - ids.shape[1]
@@ -149,19 +150,22 @@ def micro_batch(batch: TrainBatch, rows: list[int], packing: bool, multiple: int
     starts = [0, *itertools.accumulate(spans_in_row)]
     positions = _restarting_positions(spans_in_row, starts)
     return MicroBatch(samples, rows, lengths, input_ids, positions.unsqueeze(0), starts,
-                      sample_starts=[0, *itertools.accumulate(spans)])
+                      sample_starts=sample_starts)
 
 
-def _packed_row(input_ids: Tensor, lengths: list[int], spans: list[int], pad_id: int) -> Tensor:
-    """Each row's first `length` tokens, padded with `pad_id` to its `span`, one after the other in one row: a few
-    whole-batch ops, not a pad per sample (each a torch call through the host's dispatch)."""
-    width = max(spans)
-    if width > input_ids.shape[1]:
-        input_ids = F.pad(input_ids, (0, width - input_ids.shape[1]), value=pad_id)
-    column = torch.arange(width, device=input_ids.device)
-    kept = torch.where(column < torch.tensor(lengths, device=input_ids.device).unsqueeze(1), input_ids[:, :width],
-                       pad_id)
-    return kept[column < torch.tensor(spans, device=input_ids.device).unsqueeze(1)].unsqueeze(0)
+def _packed_row(input_ids: Tensor, lengths: list[int], spans: list[int], starts: list[int], pad_id: int) -> Tensor:
+    """Each row's first `length` tokens, padded with `pad_id` to its `span`, one after the other in one row (`starts`:
+    where each span begins, and the end). One gather, by an index built on the host and copied up without waiting:
+    not a pad per sample (each a torch call through the host's dispatch), nor a mask whose size the host reads back."""
+    width = input_ids.shape[1]
+    token = torch.arange(starts[-1])
+    # per token: how far its sample's span starts from that sample's row in the flat input, and where its length ends
+    shift, end = torch.repeat_interleave(torch.tensor([[start - row * width for row, start in enumerate(starts[:-1])],
+                                                       [start + length for start, length in zip(starts, lengths)]]),
+                                         torch.tensor(spans), dim=1)
+    source = torch.where(token < end, token - shift, input_ids.numel())  # padding: the pad id appended below
+    flat = torch.cat([input_ids.reshape(-1), input_ids.new_full((1,), pad_id)])
+    return flat[to_device(source, input_ids.device)].unsqueeze(0)
 
 
 def _restarting_positions(pieces: list[int], starts: list[int]) -> Tensor:
