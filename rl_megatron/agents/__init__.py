@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from rl_megatron.agent_workers import AgentWorkers
 from rl_megatron.agents.base import (AGENT_LOOPS, AgentContext, AgentLoop, SingleTurnLoop, TurnGenerator,
                                      register_agent_loop)
 from rl_megatron.agents.gateway import GatewayLoop, GatewayServer, RunSampling
@@ -77,4 +78,5 @@ def build_agent_loop(rollout, tokenizer, stop_ids: list[int], model_path: str = 
     sampling = RunSampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
     server = GatewayServer(rollout.agent.host, rollout.agent.port, os.path.basename(os.path.normpath(model_path)),
                            sampling)
-    return GatewayLoop(context, function, server, rollout.max_model_len)
+    workers = AgentWorkers(rollout.agent.function, rollout.agent.num_workers) if rollout.agent.num_workers else None
+    return GatewayLoop(context, function, server, rollout.max_model_len, workers)

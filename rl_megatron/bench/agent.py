@@ -5,10 +5,13 @@ The tool demo's task (rl_megatron/data/lookup.py: the first --batch rows, --n ep
 with the `lookup` tool's schema as the data loader renders them) through the agent-loop runner twice, on one
 in-process vLLM engine of a random-weight Qwen2 (by default 256 wide, 2 layers) with the tool demo's 29-token
 tokenizer and chat template in Qwen2.5's tool format (rl_megatron/models/tiny.py):
-  in_process  rollout.agent_loop=tool_agent with configs/tools/lookup.yaml (`ToolAgentLoop`);
-  gateway     rollout.agent.function=examples/agents/lookup_openai.py:lookup_agent (`GatewayLoop`): the agent calls
-              the gateway over HTTP with the official `openai` client and runs the tool itself.
-Both loops are built by `build_agent_loop`, as the trainer builds them, with every episode in flight at once
+  in_process             rollout.agent_loop=tool_agent with configs/tools/lookup.yaml (`ToolAgentLoop`);
+  gateway                rollout.agent.function=examples/agents/lookup_openai.py:lookup_agent (`GatewayLoop`, its
+                         calls timed: rl_megatron/bench/timed_agent.py): the agent calls the gateway over HTTP with
+                         the official `openai` client and runs the tool itself, in the gateway's agent worker
+                         processes (rollout.agent.num_workers, the default);
+  gateway_in_controller  the same with rollout.agent.num_workers=0: the agents in the gateway's event loop.
+The loops are built by `build_agent_loop`, as the trainer builds them, with every episode in flight at once
 (rollout.agent.max_concurrency = the episodes), and run --repeats times each, alternately (the median time).
 
 The workload: up to --max-tokens (default 32) tokens a model turn, rollout.ignore_eos off, so that the engine does
@@ -22,10 +25,11 @@ path's cost shows.
 
 The engine runs in a thread of its own (built there: vLLM's CPU attention plans for the thread that built it), so
 that the event loop (the scheduler, the gateway's episodes, the agents) runs on while it decodes, as the trainer's
-controller does while its engines decode in their workers. Unlike there, the engine, the gateway's HTTP thread and
-the agents share one process (its GIL) and the machine's cores.
+controller does while its engines decode in their workers. Unlike there, the engine and the gateway share one
+process (its GIL); the agent workers, and the engine, share the machine's cores with them.
 
-Figures: episodes/s of each loop (the figure: the gateway's; the limit: the in-process loop's); the gateway's added
+Figures: episodes/s of each loop (the figure: the gateway's; the limit: the in-process loop's; `in_controller_*`:
+the gateway's with its agents in the controller's event loop); the gateway's added
 latency per call, median and p99: each call's time as the agent's client sees it (sent, answered and parsed) less
 the time its generation took as the episode's `generate` handle waited for it (its queueing in the engine's batch
 included); `lone_*`: the same with one episode at a time (no other call to queue behind); `same_tokens`: the share
@@ -36,18 +40,16 @@ of episodes whose response_ids, loss_mask and rollout_log_probs are identical be
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-import openai
-
 from rl_megatron import platform
 from rl_megatron.agents import AgentLoop, AgentRunner, GatewayLoop, build_agent_loop
 from rl_megatron.batch import Prompt, Sample
+from rl_megatron.bench.timed_agent import SPEC, call_seconds
 from rl_megatron.config.choices import SINGLE_TURN
 from rl_megatron.config.schema import AgentConfig, MultiTurnConfig, RolloutConfig
 from rl_megatron.data.loader import tokenize_prompts
@@ -59,7 +61,6 @@ from rl_megatron.rollout.vllm_engine import VLLMEngine
 from rl_megatron.tools import ToolSet
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-AGENT_FUNCTION = os.path.join(REPO, "examples", "agents", "lookup_openai.py") + ":lookup_agent"
 TOOL_CONFIG = os.path.join(REPO, "configs", "tools", "lookup.yaml")
 TURN_TOKENS = 32
 MAX_TURNS = 2
@@ -77,29 +78,13 @@ class CallTimes:
     client: list[float] = field(default_factory=list)
 
 
-EPISODE: contextvars.ContextVar[CallTimes] = contextvars.ContextVar("bench_agent_episode")
-
-
-class TimedClient(openai.AsyncOpenAI):
-    """The agent's client, timing each request it completes (sent, answered and parsed) for the episode it runs in;
-    `with_options` copies keep the class."""
-
-    async def request(self, *args, **kwargs):
-        start = time.perf_counter()
-        response = await super().request(*args, **kwargs)
-        times = EPISODE.get(None)
-        if times is not None:
-            times.client.append(time.perf_counter() - start)
-        return response
-
-
 class TimedGateway(AgentLoop):
-    """`GatewayLoop` with each episode's calls timed on both sides (`CallTimes`)."""
+    """`GatewayLoop` with each episode's calls timed on both sides (`CallTimes`): the engine's here, the client's
+    where the agent ran (rl_megatron/bench/timed_agent.py, its metrics)."""
 
     def __init__(self, gateway: GatewayLoop):
         super().__init__(gateway.context)
         self.gateway, self.episodes = gateway, []
-        gateway.function = timed_agent(gateway.function)
 
     async def run(self, prompt: Prompt, generate) -> Sample:
         times = CallTimes()
@@ -111,25 +96,13 @@ class TimedGateway(AgentLoop):
             times.engine.append(time.perf_counter() - start)
             return completion
 
-        EPISODE.set(times)  # in this trajectory's task: the agent's task, started inside it, inherits it
-        return await self.gateway.run(prompt, timed)
+        sample = await self.gateway.run(prompt, timed)
+        if sample.agent_stats is not None:
+            times.client = call_seconds(sample.agent_stats.metrics)
+        return sample
 
     def close(self) -> None:
         self.gateway.close()
-
-
-def timed_agent(function):
-    """`function` (the example agent) with its client a `TimedClient` made by the example's own `new_client`: the
-    example keeps one client per event loop (`_CLIENTS`), which this fills before the agent's first call in each."""
-    clients, new_client = function.__globals__["_CLIENTS"], function.__globals__["new_client"]
-
-    async def agent(base_url: str, row: dict):
-        loop = asyncio.get_running_loop()
-        if loop not in clients:
-            clients[loop] = new_client(base_url, cls=TimedClient)
-        return await function(base_url, row)
-
-    return agent
 
 
 class EngineThread:
@@ -143,11 +116,13 @@ class EngineThread:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.engine.serve, requests)
 
 
-def rollout_config(max_tokens: int, episodes: int, gateway: bool) -> RolloutConfig:
+def rollout_config(max_tokens: int, episodes: int, gateway: bool, workers: int | None = None) -> RolloutConfig:
     turns = MultiTurnConfig(tool_config_path=TOOL_CONFIG, max_assistant_turns=MAX_TURNS, max_tool_calls=10_000,
                             max_tool_response_length=TOOL_REPLY_TOKENS)
     turns.max_response_length = MAX_TURNS * (max_tokens + TOOL_REPLY_TOKENS)  # the config's default (preflight)
-    agent = AgentConfig(function=AGENT_FUNCTION if gateway else None, reward="scorer", max_concurrency=episodes)
+    agent = AgentConfig(function=SPEC if gateway else None, reward="scorer", max_concurrency=episodes)
+    if workers is not None:
+        agent.num_workers = workers
     return RolloutConfig(agent_loop=SINGLE_TURN if gateway else "tool_agent", agent=agent, multi_turn=turns,
                          max_tokens=max_tokens, max_model_len=MAX_PROMPT_TOKENS + turns.max_response_length,
                          kv_cache_bytes=256 << 20)
@@ -168,10 +143,11 @@ def same_sample(a: Sample, b: Sample) -> bool:
 
 
 def agent_loop(engine: EngineThread, model_dir: str, tokenizer, max_tokens: int, episodes: int,
-               gateway: bool) -> AgentLoop:
-    """The in-process tool loop, or the timed gateway loop, at `max_tokens` a turn, as the trainer builds them."""
-    loop = build_agent_loop(rollout_config(max_tokens, episodes, gateway), tokenizer, engine.engine.stop_token_ids,
-                            model_dir)
+               gateway: bool, workers: int | None = None) -> AgentLoop:
+    """The in-process tool loop, or the timed gateway loop (its agents in `workers` processes; None: the config's
+    default), at `max_tokens` a turn, as the trainer builds them."""
+    loop = build_agent_loop(rollout_config(max_tokens, episodes, gateway, workers), tokenizer,
+                            engine.engine.stop_token_ids, model_dir)
     return TimedGateway(loop) if gateway else loop
 
 
@@ -181,15 +157,17 @@ def workload(engine: EngineThread, model_dir: str, tokenizer, prompts: list[Prom
     their figures."""
     episodes = len(prompts) * n
     seeds = request_seeds(0, "train", 0, len(prompts))
-    built = {name: agent_loop(engine, model_dir, tokenizer, max_tokens, episodes, name == "gateway")
-             for name in ("in_process", "gateway")}
+    built = {name: agent_loop(engine, model_dir, tokenizer, max_tokens, episodes, name != "in_process",
+                              0 if name == "gateway_in_controller" else None)
+             for name in ("in_process", "gateway", "gateway_in_controller")}
     runners = {name: AgentRunner(loop, name, engine.serve, engines=1, vocab_size=VOCAB)
                for name, loop in built.items()}
     seconds, samples = {name: [] for name in built}, {}
     try:
         for name, runner in runners.items():  # a warm-up: the gateway's server starts, the agent's client is made
             runner.run(prompts[:WARMUP_PROMPTS], seeds[:WARMUP_PROMPTS], 1, 1.0, f"{tag}-{name}-warmup")
-        built["gateway"].episodes.clear()
+        for name in ("gateway", "gateway_in_controller"):
+            built[name].episodes.clear()
         for repeat in range(repeats):
             for name, runner in runners.items():
                 start = time.perf_counter()
@@ -204,9 +182,14 @@ def workload(engine: EngineThread, model_dir: str, tokenizer, prompts: list[Prom
     clean = [s.tool_stats is not None and s.tool_stats.errors == 0 for s in in_process]  # lookup itself never fails
     stats = [s.agent_stats for s in through_gateway if s.agent_stats is not None]
     rate, in_process_rate = episodes / timed["gateway"], episodes / timed["in_process"]
+    in_controller_rate = episodes / timed["gateway_in_controller"]
     return {"episodes_per_s": rate, "in_process_episodes_per_s": in_process_rate,
             "ratio_to_in_process": rate / in_process_rate, "gateway_s": timed["gateway"],
-            "in_process_s": timed["in_process"], **latency(built["gateway"].episodes),
+            "in_process_s": timed["in_process"], "agent_workers": built["gateway"].gateway.workers.count,
+            "in_controller_episodes_per_s": in_controller_rate,
+            "in_controller_ratio_to_in_process": in_controller_rate / in_process_rate,
+            **latency(built["gateway"].episodes),
+            **latency(built["gateway_in_controller"].episodes, "in_controller_"),
             "same_tokens": sum(same) / episodes,
             "same_tokens_without_malformed_calls": (sum(s for s, c in zip(same, clean) if c) / sum(clean)
                                                     if any(clean) else None),

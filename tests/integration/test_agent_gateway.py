@@ -38,6 +38,9 @@ THIS = __name__
 
 
 def rollout(function: str | None = None, **agent) -> RolloutConfig:
+    """This module's agents run in the test's process (rollout.agent.num_workers=0), where RECORDED is read; the
+    examples' in the gateway's agent worker processes."""
+    agent = {"num_workers": 0, **agent} if function and function.startswith(THIS) else agent
     return RolloutConfig(n=1, temperature=1.0, max_tokens=3, max_model_len=MAX_MODEL_LEN,
                          agent_loop="single_turn" if function else "tool_agent",
                          agent=AgentConfig(function=function, **agent),
@@ -227,8 +230,8 @@ def same_as_the_tool_loop(samples, reference) -> None:
 
 
 def test_the_lookup_agent_samples_what_the_tool_loop_samples(model, reference):
-    samples = run(model, rollout("examples/agents/lookup_openai.py:lookup_agent", reward="scorer"), LOOKUP_ROWS,
-                  LOOKUP_SEEDS, n=4)
+    samples = run(model, rollout("examples/agents/lookup_openai.py:lookup_agent", reward="scorer", num_workers=2),
+                  LOOKUP_ROWS, LOOKUP_SEEDS, n=4)
     same_as_the_tool_loop(samples, reference)
     assert all(s.agent_reward is None for s in samples)  # the scorer's
 

@@ -8,19 +8,21 @@ function against its own base URL on the gateway, and becomes one sample.
 
 Episodes run concurrently (rollout.agent.max_concurrency), each under rollout.agent.timeout_s. One that raises, times
 out or returns something else than a reward ends alone: it is logged with its row, counted (agent/episodes_failed),
-and its sample joins no loss, or is trained with rollout.agent.failed_reward when set. A plain (not async) function
-runs in a thread of its own, so that a blocking client cannot stall the rollout's event loop.
+and its sample joins no loss, or is trained with rollout.agent.failed_reward when set. The function runs in
+rollout.agent.num_workers processes of its own (rl_megatron/agent_workers.py: the harness's CPU beside the gateway's),
+or with 0 in the rollout's event loop; a plain (not async) function runs in a thread of its own there, so that a
+blocking client cannot stall that loop.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-import threading
 import time
 import weakref
 from numbers import Real
 
+from rl_megatron.agent_workers import AgentWorkerFailed, AgentWorkers, call_agent
 from rl_megatron.agents.base import AgentContext, AgentLoop, TurnGenerator
 from rl_megatron.agents.gateway.episode import Episode
 from rl_megatron.agents.gateway.server import GatewayServer
@@ -34,9 +36,10 @@ class AgentFailed(Exception):
 
 
 class GatewayLoop(AgentLoop):
-    def __init__(self, context: AgentContext, function, server: GatewayServer, max_model_len: int):
+    def __init__(self, context: AgentContext, function, server: GatewayServer, max_model_len: int,
+                 workers: AgentWorkers | None = None):
         super().__init__(context)
-        self.function, self.server, self.max_model_len = function, server, max_model_len
+        self.function, self.server, self.max_model_len, self.workers = function, server, max_model_len, workers
         self.agent = context.rollout.agent
         self._slots = weakref.WeakKeyDictionary()  # event loop -> its semaphore: per rollout (each its own loop)
 
@@ -54,6 +57,8 @@ class GatewayLoop(AgentLoop):
                 failure = None
             except asyncio.TimeoutError:
                 failure = f"timed out after rollout.agent.timeout_s={self.agent.timeout_s:g} s"
+            except AgentWorkerFailed as error:  # in a worker process: its message names the error's type
+                failure = str(error)
             except Exception as error:  # noqa: BLE001 - one episode's failure ends that episode only
                 failure = f"{type(error).__name__}: {error}"
             finally:
@@ -70,12 +75,13 @@ class GatewayLoop(AgentLoop):
 
     def close(self) -> None:
         self.server.close()
+        if self.workers is not None:
+            self.workers.close()
 
     async def _call(self, base_url: str, row: dict):
-        if asyncio.iscoroutinefunction(self.function):
-            return await self.function(base_url, row)
-        result = await _in_own_thread(self.function, base_url, row)
-        return await result if asyncio.iscoroutine(result) else result
+        if self.workers is not None:
+            return await self.workers.run(base_url, row)
+        return await call_agent(self.function, base_url, row)
 
     def _reward(self, result) -> tuple[float | None, dict[str, float]]:
         """The reward (None: the scorer's) and the metrics of what the function returned."""
@@ -106,35 +112,6 @@ class GatewayLoop(AgentLoop):
         sample = episode.sample(failure)
         sample.agent_reward = self.agent.failed_reward
         return sample
-
-
-def _in_own_thread(function, *args) -> asyncio.Future:
-    """`function(*args)` in a daemon thread of its own. Not asyncio.to_thread: its executor runs CPUs + 4 calls at
-    once, and the rollout's event loop joins it when it closes (asyncio.run), so a function still running past
-    rollout.agent.timeout_s would hold the whole rollout until it returned."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error) -> None:
-        if future.done():  # timed out: cancelled
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def run() -> None:
-        try:
-            outcome = (function(*args), None)
-        except Exception as error:  # noqa: BLE001 - the episode's failure, handed to it
-            outcome = (None, error)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the rollout has ended (its event loop is closed): nothing waits for it
-            pass
-
-    threading.Thread(target=run, name="rl_megatron-agent", daemon=True).start()
-    return future
 
 
 def agent_row(prompt: Prompt) -> dict:
