@@ -2,9 +2,9 @@
 them, each an asyncio event loop with any number of episodes in flight, called from the gateway's loop
 (rl_megatron/agents/gateway/loop.py) over a socket pair.
 
-Why processes: an agent harness spends its own CPU on every call (the official `openai` client ~5 ms of Python a
-call: building the request, its connection pool, parsing the reply into its models), several times the gateway's
-cost. In the controller's event loop that CPU and the gateway's share one core and one GIL, and every call waits
+Why processes: an agent harness spends its own CPU on every call (the official `openai` client's Python: building
+the request, its connection pool, parsing the reply into its models), several times the gateway's own cost
+(docs/benchmarks.md: py-spy of the controller's event loop). In the controller's event loop that CPU and the gateway's share one core and one GIL, and every call waits
 behind every other episode's client. In workers it runs beside the gateway, on other cores, as a harness deployed on
 its own does (verl's `rollout.agent.num_workers` agent-loop workers are the same idea). num_workers=0 keeps the
 episodes in the controller's event loop (state shared with the caller, a debugger's breakpoints).

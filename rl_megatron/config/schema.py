@@ -191,7 +191,7 @@ class MultiTurnConfig:
 class AgentConfig:
     function: Optional[str] = None  # "pkg.mod:fn" or "file.py:fn": your agent, `async def fn(base_url, row) -> float | dict`, run once per episode against the OpenAI-compatible gateway at base_url (docs/agentic-rl.md); null: no gateway
     max_concurrency: int = checked(64, POSITIVE)  # episodes running at once
-    num_workers: int = checked(1, NOT_NEGATIVE, "0 runs the episodes in the controller")  # processes running the function's episodes (verl's agent-loop workers), each with its own event loop: the harness's CPU (the `openai` client's ~5 ms a call) beside the gateway's instead of on its event loop; 0: in the controller's event loop (state shared with the caller, breakpoints)
+    num_workers: int = checked(4, NOT_NEGATIVE, "0 runs the episodes in the controller")  # processes running the function's episodes (verl's agent-loop workers), each with its own event loop: the harness's CPU (the `openai` client's, most of a call's cost) beside the gateway's instead of on its event loop; 0: in the controller's event loop (state shared with the caller, breakpoints)
     timeout_s: float = checked(600.0, above(0), "seconds, e.g. 600")  # wall-clock limit of one episode; past it the episode fails (agent/episodes_failed)
     reward: Literal["function", "scorer"] = "function"  # where an episode's reward comes from: the function's return value (a number, or a dict with "reward" and metrics logged under agent/), or the scorer (reward.custom_fn, else the data source's scorer) reading the last assistant message
     failed_reward: Optional[float] = None  # the reward of an episode whose agent raised, timed out or returned garbage, its tokens so far trained; null: the episode joins no loss

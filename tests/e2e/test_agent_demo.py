@@ -24,8 +24,8 @@ def controller_warnings(tmp_path) -> list[str]:
 
 
 def test_an_openai_client_agent_learns_through_the_gateway(tmp_path):
-    # ~510 HTTP calls a step through the `openai` client, ~4 ms of the controller's CPU each, over ~80 steps: several
-    # minutes on two cores shared with the suite's other worker (docs/benchmarks.md).
+    # ~510 HTTP calls a step through the `openai` client (in the gateway's agent worker processes), over ~80 steps:
+    # several minutes on two cores shared with the suite's other worker (docs/benchmarks.md).
     run = (f"trainer.save_every={SAVE_EVERY}",)
     killed = start_until(train_command(tmp_path, *run, config="demo_cpu_agent"),
                          lambda: latest_checkpoint(tmp_path, "demo_cpu_agent") == SAVE_EVERY

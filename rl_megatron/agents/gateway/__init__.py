@@ -3,8 +3,9 @@ trains as it is (rollout.agent.function; docs/agentic-rl.md).
 
     openai_api.py  requests checked, responses and stream chunks built, errors in OpenAI's shape
     episode.py     one episode's calls as a token-faithful sample: the context extended call by call, or forked
-    server.py      the HTTP server (FastAPI on uvicorn, in a thread of the controller), episodes by unguessable id
-    loop.py        the user's function run once per episode, as the agent loop of the rollout's trajectories
+    server.py      the HTTP server (aiohttp, served from the rollout's event loop), episodes by unguessable id
+    loop.py        the user's function run once per episode (in rl_megatron/agent_workers.py's processes), as the
+                   agent loop of the rollout's trajectories
 """
 from rl_megatron.agents.gateway.episode import Episode
 from rl_megatron.agents.gateway.loop import GatewayLoop, agent_row

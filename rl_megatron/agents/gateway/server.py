@@ -5,8 +5,9 @@ of the rollout that runs the episodes.
 
 Served in the rollout's own event loop (while any of its episodes runs), a call reaches its episode and the
 engines' scheduler without a thread between them: no hand-over between event loops and no contention for the GIL
-between two threads, which cost a few milliseconds a call on a loaded CPU. A plain (not async) agent function runs
-in a thread of its own (`loop.py`), so that blocking I/O in it cannot stall this loop.
+between two threads, which cost a few milliseconds a call on a loaded CPU. The agents themselves run in worker
+processes (rollout.agent.num_workers, `loop.py`); in this loop with 0, a plain (not async) function in a thread of its
+own, so that blocking I/O in it cannot stall it.
 
 An episode's base URL carries its id (16 random bytes): the only way to reach an episode, so a request without one,
 or with an unknown or ended one, is refused (404). A client that hangs up mid-call does not cancel the call (the
