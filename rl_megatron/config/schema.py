@@ -195,7 +195,7 @@ class AgentConfig:
     timeout_s: float = checked(600.0, above(0), "seconds, e.g. 600")  # wall-clock limit of one episode; past it the episode fails (agent/episodes_failed)
     reward: Literal["function", "scorer"] = "function"  # where an episode's reward comes from: the function's return value (a number, or a dict with "reward" and metrics logged under agent/), or the scorer (reward.custom_fn, else the data source's scorer) reading the last assistant message
     failed_reward: Optional[float] = None  # the reward of an episode whose agent raised, timed out or returned garbage, its tokens so far trained; null: the episode joins no loss
-    host: str = "127.0.0.1"  # the address the gateway binds: the controller's loopback, where agents run in the controller; the controller's cluster address for harnesses on other machines (never all interfaces by default)
+    host: str = "127.0.0.1"  # the address the gateway binds: the controller's loopback, where agents run on the controller's machine (its agent workers); the controller's cluster address for harnesses on other machines (never all interfaces by default)
     port: int = checked(0, NOT_NEGATIVE, "0 picks a free port")  # the gateway's port (0: a free one)
 
 
