@@ -25,8 +25,12 @@ Per mode (`modes.synchronous`, `modes.one_step_off`, `modes.streaming`), means o
 - `wait_for_train_share`: the share of the step the engines sit idle waiting for the trainer: one-step-off
   `timing_s/wait_for_train` / step (between the end of one batch and the start of the next); synchronous,
   train / step (derived: the engines idle through the whole training);
-- `overlap`: the share of the generation hidden behind training, (gen - wait_for_rollout) / gen clamped to [0, 1]
-  (0 when synchronous: nothing is hidden);
+- `overlap`: the share of the generation hidden behind training, (gen - wait_for_rollout) / gen clamped to [0, 1],
+  over the whole run, each batch's generation against the trainer's waits for it (0 when synchronous: nothing is
+  hidden). Summed over every step, not the steady ones: step k's wait is its take of batch k plus its sync's wait
+  for batch k + 1 (rl_megatron/trainer/rollout_ahead.py), so only the run's sums pair each batch with its own waits;
+  one step's wait set against another batch's generation (long-tailed: their lengths differ) read 0 where batches
+  overlapped. The first batch, which nothing hides, is counted;
 - `response_length_mean` (mean of the steps' means) and `response_length_max` (their max);
 - `samples_per_s`, `trained_tokens_per_s`, `staleness_max` (`async/staleness/max`), `dropped_samples` (past the
   bound, kept out of training: `async/dropped`, summed) and `engine_idle_share`: the
@@ -119,7 +123,8 @@ def figures(rows: list[dict], mode: str, samples_per_step: int) -> dict:
         wait_for_rollout = mean([r["timing_s/wait_for_rollout"] for r in steady])
         wait_for_train = mean([r["timing_s/wait_for_train"] for r in steady])
         train_s = step - wait_for_rollout
-        overlap = min(1.0, max(0.0, (gen - wait_for_rollout) / gen)) if gen > 0 else 0.0
+        generated, waited = sum(r["timing_s/gen"] for r in rows), sum(r["timing_s/wait_for_rollout"] for r in rows)
+        overlap = min(1.0, max(0.0, (generated - waited) / generated)) if generated > 0 else 0.0
     else:  # the trainer idles through the generation, the engines through the training
         train_s = step - gen
         wait_for_rollout, wait_for_train, overlap = gen, train_s, 0.0
