@@ -4,14 +4,15 @@ them, each an asyncio event loop with any number of episodes in flight, called f
 
 Why processes: an agent harness spends its own CPU on every call (the official `openai` client's Python: building
 the request, its connection pool, parsing the reply into its models), several times the gateway's own cost
-(docs/benchmarks.md: py-spy of the controller's event loop). In the controller's event loop that CPU and the gateway's share one core and one GIL, and every call waits
-behind every other episode's client. In workers it runs beside the gateway, on other cores, as a harness deployed on
-its own does (verl's `rollout.agent.num_workers` agent-loop workers are the same idea). num_workers=0 keeps the
-episodes in the controller's event loop (state shared with the caller, a debugger's breakpoints).
+(docs/benchmarks.md: py-spy of the controller's event loop). In the controller's event loop that CPU and the
+gateway's share one core and one GIL, and every call waits behind every other episode's client. In workers it runs
+beside the gateway, on other cores, as a harness deployed on its own does (verl's `rollout.agent.num_workers`
+agent-loop workers are the same idea). num_workers=0 keeps the episodes in the controller's event loop (state shared
+with the caller, a debugger's breakpoints).
 
-A worker is started with `python -m rl_megatron.agent_workers FD` (not multiprocessing's spawn, which would import the
-controller's whole `__main__` again), loads the function by its spec and the controller's sys.path, and exits when
-the controller's end of the socket closes. Messages (pickled by multiprocessing.connection):
+A worker is started with `python -m rl_megatron.agent_workers FD SPEC` (`plugins.module_process`, as the reward
+scorer's processes are), loads the function by its spec, and exits when the controller's end of the socket closes.
+Messages (pickled by multiprocessing.connection):
     controller -> worker   ("run", episode, base_url, row)   ("cancel", episode)
     worker -> controller   (episode, error or None, result)
 A worker that dies fails the episodes it held (each names its exit code); the next episode starts a new one.
@@ -30,7 +31,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from rl_megatron.plugins import load_callable, with_absolute_path
+from rl_megatron.plugins import load_callable, module_process, with_absolute_path
 
 KEY = "rollout.agent.function"
 
@@ -39,15 +40,11 @@ class AgentWorkerFailed(Exception):
     """An episode's failure reported by its worker: the message says what happened (the error as `Type: text`)."""
 
 
-def call_agent(function, base_url: str, row: dict) -> asyncio.Future:
+async def call_agent(function, base_url: str, row: dict):
     """`function(base_url, row)` awaited: a coroutine function in the running loop, a plain one in a thread of its own
     (a blocking client cannot stall the loop)."""
     if asyncio.iscoroutinefunction(function):
-        return asyncio.ensure_future(function(base_url, row))
-    return asyncio.ensure_future(_plain(function, base_url, row))
-
-
-async def _plain(function, base_url: str, row: dict):
+        return await function(base_url, row)
     result = await _in_own_thread(function, base_url, row)
     return await result if asyncio.iscoroutine(result) else result
 
@@ -59,20 +56,12 @@ def _in_own_thread(function, *args) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(result, error) -> None:
-        if future.done():  # timed out: cancelled
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
     def run() -> None:
         try:
-            outcome = (function(*args), None)
+            outcome = (None, function(*args))
         except Exception as error:  # noqa: BLE001 - the episode's failure, handed to it
-            outcome = (None, error)
-        _call_soon(loop, settle, *outcome)
+            outcome = (error, None)
+        _call_soon(loop, _settle, future, *outcome)
 
     threading.Thread(target=run, name="rl_megatron-agent", daemon=True).start()
     return future
@@ -85,13 +74,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         pass
 
 
-def _settle(future: asyncio.Future, error: str | None, result) -> None:
+def _settle(future: asyncio.Future, error: BaseException | str | None, result) -> None:
+    """`future` given `result`, or `error` (a worker's message: AgentWorkerFailed)."""
     if future.done():  # cancelled (timed out) before the answer came
         return
     if error is None:
         future.set_result(result)
     else:
-        future.set_exception(AgentWorkerFailed(error))
+        future.set_exception(AgentWorkerFailed(error) if isinstance(error, str) else error)
 
 
 class AgentWorkers:
@@ -129,15 +119,14 @@ class _Worker:
     def __init__(self, spec: str, index: int):
         ours, theirs = socket.socketpair()
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "rl_megatron.agent_workers", str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            self.process = module_process("rl_megatron.agent_workers", [str(theirs.fileno()), spec],
+                                          (theirs.fileno(),))
         finally:
             theirs.close()
         self.index, self.alive = index, True
         self.socket, self.connection = ours, Connection(os.dup(ours.fileno()))
         self.pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
-        self._send(("setup", list(sys.path), spec))
         threading.Thread(target=self._read, name=f"rl_megatron-agent-worker-{index}", daemon=True).start()
 
     async def run(self, episode: int, base_url: str, row: dict):
@@ -203,9 +192,7 @@ class _Worker:
 
 # -- the worker process ---------------------------------------------------------------------------------------------
 
-def serve(connection: Connection) -> None:
-    _, path, spec = connection.recv()
-    sys.path[:] = path
+def serve(connection: Connection, spec: str) -> None:
     try:
         function, problem = load_callable(spec, KEY), None
     except Exception as error:  # noqa: BLE001 - every episode reports it
@@ -255,4 +242,4 @@ async def _serve(connection: Connection, function, problem: str | None) -> None:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    serve(Connection(int(sys.argv[1])), sys.argv[2])

@@ -1,17 +1,21 @@
 """The user's code, named in the config: `pkg.module:name` or `path/to/file.py:name` for a function (the rollout
 function, the reward function), and `trainer.imports` for modules imported for what they register
 (`@rl_megatron.rewards.register`) in every process of a run: the controller, the Ray workers and the scorer
-processes."""
+processes; `module_process` starts such a process (a scorer's, an agent worker's) where the controller's imports
+import too."""
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from types import ModuleType
 
 from rl_megatron.errors import ConfigError
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds rl_megatron/
 
 
 def import_module(name: str, key: str) -> ModuleType:
@@ -75,3 +79,15 @@ def with_absolute_path(spec: str) -> str:
     if not module_name.endswith(".py"):
         return spec
     return f"{os.path.abspath(module_name)}{colon}{rest}"
+
+
+def module_process(module: str, args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """`python -m module *args` in a fresh interpreter (not a fork of the controller, nor multiprocessing's spawn,
+    which re-imports the controller's main module and torch with it), passed `pass_fds`. The folder holding
+    rl_megatron, then the controller's sys.path go first on its PYTHONPATH, so what the controller imports (the
+    user's package on a folder added at run time) imports there too. Its own session: Ctrl-C stays the controller's,
+    and killing the group also ends the process's children."""
+    paths = [PACKAGE_ROOT, *(p or os.getcwd() for p in sys.path), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p))}
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, pass_fds=pass_fds,
+                            stdin=subprocess.DEVNULL, start_new_session=True)

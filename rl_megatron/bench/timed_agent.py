@@ -15,7 +15,7 @@ import openai
 from rl_megatron.plugins import load_callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(REPO, "examples", "agents", "lookup_openai.py") + ":lookup_agent"
+EXAMPLE = load_callable(os.path.join(REPO, "examples", "agents", "lookup_openai.py") + ":lookup_agent", "bench agent")
 SPEC = os.path.abspath(__file__) + ":timed_lookup_agent"
 CALLS: contextvars.ContextVar[list[float]] = contextvars.ContextVar("bench_agent_calls")
 
@@ -41,12 +41,11 @@ def call_seconds(metrics: dict[str, float]) -> list[float]:
 async def timed_lookup_agent(base_url: str, row: dict) -> dict[str, float]:
     """One episode of the example agent, its client a `TimedClient` made by the example's own `new_client` (the
     example keeps one client per event loop, `_CLIENTS`, which this fills before its first call in each)."""
-    function = load_callable(EXAMPLE, "bench agent")
-    clients, new_client = function.__globals__["_CLIENTS"], function.__globals__["new_client"]
+    clients, new_client = EXAMPLE.__globals__["_CLIENTS"], EXAMPLE.__globals__["new_client"]
     loop = asyncio.get_running_loop()
     if loop not in clients:
         clients[loop] = new_client(base_url, cls=TimedClient)
     calls: list[float] = []
     CALLS.set(calls)  # in this episode's task: the example's calls are awaited in it
-    await function(base_url, row)
+    await EXAMPLE(base_url, row)
     return {f"call_{index}_s": seconds for index, seconds in enumerate(calls)}

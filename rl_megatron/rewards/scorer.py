@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import weakref
 from collections import deque
@@ -29,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from rl_megatron.batch import Sample, ToolStats
-from rl_megatron.plugins import import_user_modules, with_absolute_path
+from rl_megatron.plugins import import_user_modules, module_process, with_absolute_path
 from rl_megatron.rewards import SCORERS, keywords_from_config
 from rl_megatron.rewards.custom import load_custom_fn
 from rl_megatron.rewards.worker import IDLE, PROGRESS_BYTES, ScorerCode, progress_view
@@ -39,7 +38,6 @@ logger = logging.getLogger(__name__)
 CHUNKS_PER_WORKER = 4  # a few chunks per process balance uneven scorers at a few messages per step
 STARTUP_TIMEOUT_S = 60.0  # a scorer process must import its scorer within this
 MAX_POLL_S = 0.1  # how often a busy pool checks the clock when no message arrives
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds rl_megatron/
 
 
 class _ScorerProcess:
@@ -49,17 +47,10 @@ class _ScorerProcess:
         ours, theirs = socket.socketpair()
         progress_fd = os.memfd_create("rl_megatron-reward-progress")
         os.ftruncate(progress_fd, PROGRESS_BYTES)
-        # The folder holding rl_megatron, then the controller's sys.path go first on the child's, so what the
-        # controller imports (a custom scorer's package on a folder added at run time) imports there too.
-        paths = [PACKAGE_ROOT, *(p or os.getcwd() for p in sys.path),
-                 *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(p for p in paths if p))}
-        command = [sys.executable, "-m", "rl_megatron.rewards.worker", str(theirs.fileno()), str(progress_fd)]
         try:
-            # Its own session: Ctrl-C stays the controller's, and killing the group also ends a scorer's children.
-            self.process = subprocess.Popen(command + [code.to_json()], env=env,
-                                            pass_fds=(theirs.fileno(), progress_fd), stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+            self.process = module_process("rl_megatron.rewards.worker",
+                                          [str(theirs.fileno()), str(progress_fd), code.to_json()],
+                                          (theirs.fileno(), progress_fd))
             self.progress = progress_view(progress_fd)
         finally:
             theirs.close()
