@@ -82,6 +82,10 @@ class Resharder:
                 self.peer_sources[(piece.src_rank, piece.src_key)] = peer_tensor(spec.location, spec.dtype, spec.shape)
         self.channel.connect({b.dst_rank for b in self.plan.buckets if b.src_rank == self.rank},
                              {b.src_rank for b in self.plan.buckets if b.dst_rank == self.rank})
+        # The in-place copies' views (target views, source views) by (phase, part), made at the first sync and kept
+        # while no source or target tensor moved (`_addresses`).
+        self._views: dict[tuple, tuple[list, list]] = {}
+        self._views_at: tuple = ()
 
     @staticmethod
     def _gather(obj) -> list:
@@ -107,6 +111,10 @@ class Resharder:
         the rest after the second is posted), where no bucket travels: point-to-point calls beside a collective
         in flight are not relied on."""
         start = time.perf_counter()
+        addresses = self._addresses()
+        if addresses != self._views_at:
+            self._views.clear()
+            self._views_at = addresses
         phases = self.plan.phases if phase is None else [self.plan.phases[phase]]
         hidden = self.plan.reads_peers and not self.plan.buckets
         sources_final = dist.barrier(async_op=True) if self.plan.reads_peers else None
@@ -128,16 +136,16 @@ class Resharder:
                                          None if incoming is None else (incoming.src_rank, incoming.nbytes))
                 if i == 0:  # while the first buckets travel
                     copy_start = time.perf_counter()
-                    self._copy(own[:split])
+                    self._copy((id(current), "own first"), own[:split])
                     if sources_final is not None:
                         waited = time.perf_counter()
                         sources_final.wait()
                         sources_final = None
                         copy_start += time.perf_counter() - waited
-                    self._copy([p for p in local if p.src_rank != self.rank])
+                    self._copy((id(current), "peers"), [p for p in local if p.src_rank != self.rank])
                     if split < len(own):
                         reads_done = dist.barrier(async_op=True)
-                    self._copy(own[split:])
+                    self._copy((id(current), "own rest"), own[split:])
                     copied += sum(p.nbytes for p in local)
                     copy_seconds += time.perf_counter() - copy_start
                 if incoming is not None:
@@ -154,10 +162,21 @@ class Resharder:
             self.verify()
         return stats
 
-    def _copy(self, pieces: list) -> None:
-        for piece in pieces:
-            local_view(self._target(piece.dst_key), piece.dst).copy_(
-                local_view(self._source(piece.src_key, piece.src_rank), piece.src))
+    def _copy(self, part: tuple, pieces: list) -> None:
+        """`pieces` copied in one call. A sync copies hundreds of pieces; making each one's two views at every sync
+        cost more than its bytes on CPU, so they are made once per `part` of the plan."""
+        if not pieces:
+            return
+        views = self._views.get(part)
+        if views is None:
+            views = self._views[part] = ([local_view(self._target(p.dst_key), p.dst) for p in pieces],
+                                         [local_view(self._source(p.src_key, p.src_rank), p.src) for p in pieces])
+        torch._foreach_copy_(*views)
+
+    def _addresses(self) -> tuple:
+        """Where every source and target tensor's memory is. A tensor given other memory (`param.data = ...`, or its
+        storage reallocated) since the views were made: they are made again."""
+        return tuple(t.data_ptr() for held in (self.sources, self.targets) for t, _ in held.values())
 
     # Packing and unpacking hold no reference to a bucket once done, so that the channel alone decides how many
     # buckets are alive (its `slots`).

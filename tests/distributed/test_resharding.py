@@ -70,3 +70,35 @@ def test_a_plan_that_does_not_fit_fails_before_any_byte_moves(tmp_path, case):
     else:  # both shapes, and the tensor
         assert "model.layers.0.mlp.down_proj.weight" in message and "(64, 128)" in message and "(64, 192)" in message
     assert untouched
+
+
+def syncs_while_the_sources_move() -> list[bool]:
+    """One rank: two sources (the rows of one HF tensor) into a target, synced as they are, after one is given other
+    memory (`param.data = ...`), and after the other's storage is freed and reallocated in place (as offloading
+    does). Whether the target then holds what the sources hold, at each sync."""
+    from rl_megatron.models.weight_layouts import along, whole
+    from rl_megatron.resharding import Resharder
+    from rl_megatron.resharding.plan import TensorSpec
+
+    shape, f32 = (8, 4), torch.float32
+    top, bottom = torch.arange(16.).view(4, 4), torch.arange(16., 32.).view(4, 4)
+    sources = {key: (tensor, TensorSpec(key, (4, 4), f32, (along("w", shape, 0, start, start + 4, 0),)))
+               for key, tensor, start in (("top", top, 0), ("bottom", bottom, 4))}
+    target = torch.zeros(shape)
+    resharder = Resharder(sources, [], {"w": (target, TensorSpec("w", shape, f32, (whole("w", shape),)))},
+                          bucket_bytes=1 << 20)
+    holds = []
+    for move in (None, lambda: setattr(top, "data", top.data + 100),
+                 lambda: (bottom.untyped_storage().resize_(0), bottom.untyped_storage().resize_(64),
+                          bottom.fill_(-1))):
+        if move is not None:
+            move()
+        resharder.sync()
+        holds.append(torch.equal(target, torch.cat([top, bottom])))
+    resharder.close()
+    return holds
+
+
+def test_a_sync_copies_what_the_sources_hold_after_they_moved():
+    """The copies' views are made once and kept while the tensors stay where they are."""
+    assert run_distributed(syncs_while_the_sources_move, 1)[0] == [True, True, True]
