@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rl_megatron.models.weight_layouts import hf_view, local_view
 from rl_megatron.resharding.channels import make_channel
 from rl_megatron.resharding.plan import Plan, PlanError, build_plan
-from rl_megatron.resharding.shared_params import peer_tensor, share_parameters
+from rl_megatron.resharding.shared_params import PeerReads, peer_tensor, share_parameters
 from rl_megatron.resharding.specs import Held, hf_targets, megatron_sources
 
 __all__ = ["PlanError", "Resharder", "SyncStats", "engine_mismatches", "export_hf_state_dict",
@@ -82,6 +82,16 @@ class Resharder:
                 self.peer_sources[(piece.src_rank, piece.src_key)] = peer_tensor(spec.location, spec.dtype, spec.shape)
         self.channel.connect({b.dst_rank for b in self.plan.buckets if b.src_rank == self.rank},
                              {b.src_rank for b in self.plan.buckets if b.dst_rank == self.rank})
+        # The handshakes of reading peers' parameters in place (each rank creates its counters, maps its peers').
+        self.peer_reads = None
+        if self.plan.reads_peers:
+            local = self.plan.local
+            self.peer_reads = PeerReads({p.src_rank for p in local.get(self.rank, []) if p.src_rank != self.rank},
+                                        {rank for rank, pieces in local.items() for p in pieces
+                                         if p.src_rank == self.rank and rank != self.rank})
+            self.peer_reads.connect(self._gather(self.peer_reads.own.handle))
+            dist.barrier()
+            self.peer_reads.own.unlink()
         # The in-place copies' views (target views, source views) by (phase, part), made at the first sync and kept
         # while no source or target tensor moved (`_addresses`).
         self._views: dict[tuple, tuple[list, list]] = {}
@@ -105,28 +115,21 @@ class Resharder:
     def sync(self, phase: int | None = None) -> SyncStats:
         """Fill the targets: every phase of the plan in order, or only `phase` (a collective either way).
 
-        Reading peers' parameters in place takes two handshakes: every rank's parameters are final before anyone
-        reads them, and nobody changes them while a peer may still read them. Both are barriers posted without
-        waiting, each hidden behind copies of this rank's own shards (half of them before the first is needed,
-        the rest after the second is posted), where no bucket travels: point-to-point calls beside a collective
-        in flight are not relied on."""
+        Reading peers' parameters in place takes two handshakes (`PeerReads`): a rank reads a peer's shards once the
+        peer's parameters are final for this sync, after copying its own; and it returns once every rank reading its
+        shards is done, so that its caller may change them."""
         start = time.perf_counter()
         addresses = self._addresses()
         if addresses != self._views_at:
             self._views.clear()
             self._views_at = addresses
         phases = self.plan.phases if phase is None else [self.plan.phases[phase]]
-        hidden = self.plan.reads_peers and not self.plan.buckets
-        sources_final = dist.barrier(async_op=True) if self.plan.reads_peers else None
-        if sources_final is not None and not hidden:
-            sources_final.wait()
-            sources_final = None
-        reads_done = None
+        reads = self.peer_reads
+        if reads is not None:
+            reads.ready()
         copied, copy_seconds, received = 0, 0.0, 0
-        for n, current in enumerate(phases):
+        for current in phases:
             local = current.local.get(self.rank, [])
-            own = [p for p in local if p.src_rank == self.rank]
-            split = _half_by_bytes(own) if hidden and n == len(phases) - 1 else len(own)
             for i, round_ in enumerate(current.rounds or [[]]):
                 outgoing = next((b for b in round_ if b.src_rank == self.rank), None)
                 incoming = next((b for b in round_ if b.dst_rank == self.rank), None)
@@ -136,27 +139,24 @@ class Resharder:
                                          None if incoming is None else (incoming.src_rank, incoming.nbytes))
                 if i == 0:  # while the first buckets travel
                     copy_start = time.perf_counter()
-                    self._copy((id(current), "own first"), own[:split])
-                    if sources_final is not None:
+                    self._copy((id(current), "own"), [p for p in local if p.src_rank == self.rank])
+                    peers = [p for p in local if p.src_rank != self.rank]
+                    if peers:
                         waited = time.perf_counter()
-                        sources_final.wait()
-                        sources_final = None
+                        reads.wait_for_sources()
                         copy_start += time.perf_counter() - waited
-                    self._copy((id(current), "peers"), [p for p in local if p.src_rank != self.rank])
-                    if split < len(own):
-                        reads_done = dist.barrier(async_op=True)
-                    self._copy((id(current), "own rest"), own[split:])
+                        self._copy((id(current), "peers"), peers)
                     copied += sum(p.nbytes for p in local)
                     copy_seconds += time.perf_counter() - copy_start
                 if incoming is not None:
                     self._unpack(incoming)
                     received += incoming.nbytes
                 self.channel.end_round()
+        if reads is not None:
+            reads.done()
         self.channel.finish()
-        if self.plan.reads_peers and reads_done is None:  # not hidden, or no own shards were left to hide it behind
-            reads_done = dist.barrier(async_op=True)
-        if reads_done is not None:
-            reads_done.wait()
+        if reads is not None:
+            reads.wait_for_readers()
         stats = SyncStats(copied, received, copy_seconds, time.perf_counter() - start)
         if self.verify_after_sync:
             self.verify()
@@ -212,16 +212,6 @@ class Resharder:
             box = ", ".join(f"{a}:{b}" for a, b in zip(p.src.start, p.src.stop))
             raise RuntimeError(f"Weight sync check failed for {len(bad)} piece(s); first: '{p.src.hf_name}'[{box}] "
                                f"from '{p.src_key}' (rank {p.src_rank}) into '{p.dst_key}' (rank {p.dst_rank}).")
-
-
-def _half_by_bytes(pieces: list) -> int:
-    """How many of `pieces`, from the first, hold about half their bytes."""
-    total, running = sum(p.nbytes for p in pieces), 0
-    for i, piece in enumerate(pieces):
-        if 2 * running >= total:
-            return i
-        running += piece.nbytes
-    return len(pieces)
 
 
 def _window(buffer: torch.Tensor, offset: int, piece) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """The transfer plan, as a pure function of what each rank holds and needs."""
 import os
+import threading
 
 import pytest
 import torch
 
 from rl_megatron.models.weight_layouts import along, whole
 from rl_megatron.resharding.channels import SharedBuffer, make_channel, shared_file_prefix
-from rl_megatron.resharding.shared_params import _remove_files_of_dead_processes
+from rl_megatron.resharding import shared_params
+from rl_megatron.resharding.shared_params import PeerReads, _remove_files_of_dead_processes
 from rl_megatron.resharding.plan import PlanError, TensorSpec, build_plan
 
 F32 = torch.float32
@@ -131,3 +133,29 @@ def test_the_sweep_removes_files_of_dead_processes_of_its_own_pid_namespace_only
         assert not os.path.exists(dead) and os.path.exists(other)
     finally:
         os.unlink(other)
+
+
+def test_a_rank_reads_a_peer_once_it_is_ready_and_returns_once_its_readers_are_done(monkeypatch):
+    """`PeerReads`, two ranks in one process: rank 0 reads rank 1's parameters. Rank 1 waits at the end of a sync
+    until rank 0 is done, and a peer that never comes is named after the wait's limit."""
+    reader, source = PeerReads(sources={1}, readers=set()), PeerReads(sources=set(), readers={0})
+    handles = [reader.own.handle, source.own.handle]
+    for reads in (reader, source):
+        reads.connect(handles)
+    for reads in (reader, source):
+        reads.own.unlink()
+    for _ in range(2):  # two syncs
+        source.ready()
+        reader.ready()
+        reader.wait_for_sources()
+        waiting = threading.Thread(target=source.wait_for_readers)
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive()  # the reader has not said it is done
+        reader.done()
+        waiting.join(5)
+        assert not waiting.is_alive()
+    monkeypatch.setattr(shared_params, "WAIT_LIMIT_S", 0.0)
+    reader.ready()  # a third sync the source never starts
+    with pytest.raises(RuntimeError, match="waited 0 s for rank 1 to start this sync; that worker may have died"):
+        reader.wait_for_sources()
