@@ -123,8 +123,9 @@ class PeerReads:
     def connect(self, handles: list) -> None:
         """`handles`: every rank's `own.handle`; maps the counters of the ranks this one waits on. After every rank
         has connected (a barrier), `own.unlink()` leaves nothing behind in /dev/shm."""
-        self.peers = {rank: SharedBuffer.attach(handles[rank]).tensor.view(torch.int64)
-                      for rank in {*self.sources, *self.readers}}
+        waits_on = {*self.sources, *self.readers}
+        self.peers = {rank: SharedBuffer.attach(handles[rank]).tensor.view(torch.int64) for rank in waits_on}
+        self.pids = {rank: _creator(handles[rank][0]) for rank in waits_on}
 
     def ready(self) -> None:
         """This rank's parameters are final for the next sync."""
@@ -150,10 +151,22 @@ class PeerReads:
             while int(counter[which]) < self.count:
                 polls += 1
                 time.sleep(0 if polls < 100 else 1e-4)  # yield the core at first, then sleep between looks
-                if polls % 10_000 == 0 and time.monotonic() - start > WAIT_LIMIT_S:
-                    raise RuntimeError(f"Weight sync: waited {WAIT_LIMIT_S:.0f} s for rank {rank} to {what}; that "
-                                       "worker may have died (see its log).")
+                if polls % 1000 == 0:
+                    pid = self.pids[rank]
+                    if pid is not None and not os.path.exists(f"/proc/{pid}"):
+                        raise RuntimeError(f"Weight sync: rank {rank} (process {pid}) died before it could {what} "
+                                           "(see its log).")
+                    if time.monotonic() - start > WAIT_LIMIT_S:
+                        raise RuntimeError(f"Weight sync: waited {WAIT_LIMIT_S:.0f} s for rank {rank} to {what}; "
+                                           "that worker may be stuck (see its log).")
         _fence()
+
+
+def _creator(path: str) -> int | None:
+    """The process id in a shared file's name, where it names a process of this PID namespace (a peer's file from
+    another namespace names a process this one cannot see)."""
+    prefix = shared_file_prefix()
+    return int(path[len(prefix):].split("-")[0]) if path.startswith(prefix) else None
 
 
 def _fence() -> None:
