@@ -30,10 +30,8 @@ _PEERS: dict[tuple, SharedBuffer] = {}  # peers' files mapped here, by handle
 def _remove_files_of_dead_processes() -> None:
     """The files of processes of this PID namespace that died without removing them (other namespaces' are theirs:
     their process ids mean nothing here)."""
-    prefix = shared_file_prefix()
-    for path in glob.glob(f"{prefix}*"):
-        pid = int(path[len(prefix):].split("-")[0])
-        if not os.path.exists(f"/proc/{pid}"):
+    for path in glob.glob(f"{shared_file_prefix()}*"):
+        if not _alive(_creator(path)):
             with contextlib.suppress(FileNotFoundError):  # every worker on the machine sweeps at once
                 os.unlink(path)
 
@@ -118,6 +116,7 @@ class PeerReads:
         self.own = SharedBuffer.create(2 * 8)  # a new file reads as zeros: no sync yet
         self.counters = self.own.tensor.view(torch.int64)
         self.peers: dict[int, torch.Tensor] = {}
+        self.pids: dict[int, int | None] = {}  # the peers' process ids, where this PID namespace can see them
         self.count = 0
 
     def connect(self, handles: list) -> None:
@@ -153,7 +152,7 @@ class PeerReads:
                 time.sleep(0 if polls < 100 else 1e-4)  # yield the core at first, then sleep between looks
                 if polls % 1000 == 0:
                     pid = self.pids[rank]
-                    if pid is not None and not os.path.exists(f"/proc/{pid}"):
+                    if pid is not None and not _alive(pid):
                         raise RuntimeError(f"Weight sync: rank {rank} (process {pid}) died before it could {what} "
                                            "(see its log).")
                     if time.monotonic() - start > WAIT_LIMIT_S:
@@ -167,6 +166,10 @@ def _creator(path: str) -> int | None:
     another namespace names a process this one cannot see)."""
     prefix = shared_file_prefix()
     return int(path[len(prefix):].split("-")[0]) if path.startswith(prefix) else None
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 def _fence() -> None:
