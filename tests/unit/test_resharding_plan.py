@@ -159,17 +159,18 @@ def test_a_rank_reads_a_peer_once_it_is_ready_and_returns_once_its_readers_are_d
     reader.ready()  # a third sync the source never starts
     with pytest.raises(RuntimeError, match="waited 0 s for rank 1 to start this sync; that worker may be stuck"):
         reader.wait_for_sources()
-    # A source whose process is gone is named as soon as the reader looks (its file's name holds its process id).
+    # A source whose process is gone is named as soon as the reader looks: its file's name holds its process id (of
+    # this PID namespace only). (No file of a dead process here: any worker's sweep may remove it meanwhile.)
+    never = 2 ** 22 + 1  # above the kernel's largest pid: never alive
+    assert shared_params._creator(f"{shared_file_prefix()}{never}-test") == never
+    assert shared_params._creator(f"/dev/shm/rl_megatron-1-{os.getpid()}-test") is None
     monkeypatch.setattr(shared_params, "WAIT_LIMIT_S", 3600.0)
-    dead = f"{shared_file_prefix()}{2 ** 22 + 1}-test"  # above the kernel's largest pid: never alive
-    moved = SharedBuffer.create(16)
-    os.rename(moved.path, dead)
-    try:
-        orphan = PeerReads(sources={1}, readers=set())
-        orphan.connect([orphan.own.handle, (dead, 16)])
-        orphan.own.unlink()
-        orphan.ready()
-        with pytest.raises(RuntimeError, match=f"rank 1 \\(process {2 ** 22 + 1}\\) died before it could start"):
-            orphan.wait_for_sources()
-    finally:
-        os.unlink(dead)
+    orphan, gone = PeerReads(sources={1}, readers=set()), SharedBuffer.create(16)
+    orphan.connect([orphan.own.handle, gone.handle])
+    orphan.own.unlink()
+    gone.unlink()
+    assert orphan.pids == {1: os.getpid()}
+    orphan.pids[1] = never
+    orphan.ready()
+    with pytest.raises(RuntimeError, match=f"rank 1 \\(process {never}\\) died before it could start this sync"):
+        orphan.wait_for_sources()
