@@ -7,6 +7,8 @@ import contextlib
 import glob
 import os
 
+import torch
+
 from rl_megatron.rollout.cpu_gated_delta import run_gated_delta_net_in_torch
 
 
@@ -26,10 +28,18 @@ def keep_cpu_weights_in_place() -> None:
     run_gated_delta_net_in_torch()
 
 
+# Linear layers with fewer weights than this run plain `F.linear`. On 2 cores (docs/benchmarks.md, 2026-11-30) a
+# oneDNN handler costs 0.6 ms to pack whatever the size, and up to 256 x 256 weights its product is no faster than
+# F.linear's at any batch (16 to 1024 rows; slower below 128); from 384 x 384 on it is faster. An engine synced every
+# step repacks each layer every step, which took a tiny model's generation from 0.043 to 0.053 s a step.
+ONEDNN_MIN_WEIGHTS = 2**17
+
+
 def _pack_cpu_linear_from_parameters() -> None:
     """Each linear layer's oneDNN handler (vLLM's fastest CPU GEMM) is packed from its weight parameter, which stays
     as loaded, and packed again at its first use after the parameter changed (torch counts in-place writes in
-    `_version`): a weight sync costs one repacking of each layer, at the next generation."""
+    `_version`): a weight sync costs one repacking of each layer, at the next generation. Layers too small for
+    oneDNN to pay (`ONEDNN_MIN_WEIGHTS`) multiply by their parameter with `F.linear`."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils, "packs_linear_from_parameters", False):  # patched once per process
@@ -39,6 +49,9 @@ def _pack_cpu_linear_from_parameters() -> None:
     def dispatch_keeping_parameters(layer, remove_weight: bool) -> None:
         # Not a linear layer: experts (packed below), or a convolution vLLM would pack in place for its bf16 kernel.
         if layer.weight.ndim != 2:
+            return
+        if layer.weight.numel() < ONEDNN_MIN_WEIGHTS:
+            layer.cpu_linear = torch.nn.functional.linear
             return
         dispatch(layer, remove_weight=False)
         if not hasattr(layer, "cpu_linear"):  # nothing packed
