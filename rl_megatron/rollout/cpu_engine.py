@@ -39,7 +39,8 @@ def _pack_cpu_linear_from_parameters() -> None:
     """Each linear layer's oneDNN handler (vLLM's fastest CPU GEMM) is packed from its weight parameter, which stays
     as loaded, and packed again at its first use after the parameter changed (torch counts in-place writes in
     `_version`): a weight sync costs one repacking of each layer, at the next generation. Layers too small for
-    oneDNN to pay (`ONEDNN_MIN_WEIGHTS`) multiply by their parameter with `F.linear`."""
+    oneDNN to pay (`ONEDNN_MIN_WEIGHTS`) multiply by their parameter with `F.linear`. Both read the parameters
+    through plain aliases (`_plain`)."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils, "packs_linear_from_parameters", False):  # patched once per process
@@ -50,25 +51,40 @@ def _pack_cpu_linear_from_parameters() -> None:
         # Not a linear layer: experts (packed below), or a convolution vLLM would pack in place for its bf16 kernel.
         if layer.weight.ndim != 2:
             return
+        # vLLM passes each call the layer's weight, and its bias or None (a row-parallel shard but the first).
+        weight, layer_bias = _plain(layer.weight), _plain(getattr(layer, "bias", None))
+
+        def plain_bias(bias):
+            return None if bias is None else layer_bias
+
         if layer.weight.numel() < ONEDNN_MIN_WEIGHTS:
-            layer.cpu_linear = torch.nn.functional.linear
+            layer.cpu_linear = lambda x, _, bias: torch.nn.functional.linear(x, weight, plain_bias(bias))
             return
         dispatch(layer, remove_weight=False)
-        if not hasattr(layer, "cpu_linear"):  # nothing packed
-            return
-        packed = [layer.weight._version, layer.cpu_linear]
+        packed = [weight._version, layer.cpu_linear]
 
-        def linear(x, weight, bias):
-            if layer.weight._version != packed[0]:
+        def linear(x, _, bias):
+            if weight._version != packed[0]:
                 dispatch(layer, remove_weight=False)
-                packed[:] = [layer.weight._version, layer.cpu_linear]
+                packed[:] = [weight._version, layer.cpu_linear]
                 layer.cpu_linear = linear
-            return packed[1](x, weight, bias)
+            return packed[1](x, weight, plain_bias(bias))
 
         layer.cpu_linear = linear
 
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_parameters
     utils.packs_linear_from_parameters = True
+
+
+def _plain(param: torch.Tensor | None) -> torch.Tensor | None:
+    """`param` as a plain tensor: the same memory and version counter (a sync's in-place writes show in both), but
+    without the class of vLLM's parameters, whose Python `__torch_function__` every op taking the parameter and
+    every `_version` read would run (a tenth of a decode step's CPU time at the bench's size). The engine's
+    parameters keep their memory for its life: the syncs write into them (`rl_megatron.resharding`)."""
+    if param is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return param.detach()
 
 
 def _pack_cpu_experts_from_parameters() -> None:

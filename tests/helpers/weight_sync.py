@@ -8,8 +8,10 @@ def sync_config(model_dir: str, *overrides: str):
     return cycle_config(load_config("configs/demo_cpu.yaml", list(overrides)), model_dir)
 
 
-def check_sync_puts_trainer_weights_into_engines(model_dir: str, *overrides: str, cpus: int = 2) -> None:
+def check_sync_puts_trainer_weights_into_engines(model_dir: str, *overrides: str, cpus: int = 2,
+                                                 log_prob_tolerance: float = 1e-5) -> None:
     """Sync, compare every engine's weights and greedy output with the trainer's; one large update; again."""
     report = weight_cycle(sync_config(model_dir, *overrides), cpus)
     assert report.problems == []
-    assert report.max_log_prob_gap < 1e-5  # the engine sampled from the distribution the trainer computes
+    # The engine sampled from the distribution the trainer computes, to float32 rounding.
+    assert report.max_log_prob_gap < log_prob_tolerance

@@ -28,4 +28,7 @@ def test_sync_puts_hybrid_weights_into_engines(ray_session, tmp_path, model_type
     log-probs of the sampled tokens are the trainer's, their greedy answers transformers', before and after an
     update."""
     model_dir = family_model_dir(tmp_path / model_type, model_type, tied=False)
-    check_sync_puts_trainer_weights_into_engines(model_dir)
+    # The trainer runs the Gated DeltaNet recurrence chunk by chunk, the engine token by token: more rounding apart
+    # than attention alone. Measured 2026-11-30: 5.0e-6 dense, 1.0e-5 MoE (4.2e-6 both with the engine's linear
+    # layers on oneDNN, which the tiny models no longer use: rollout/cpu_engine.py::ONEDNN_MIN_WEIGHTS).
+    check_sync_puts_trainer_weights_into_engines(model_dir, log_prob_tolerance=2e-5)
