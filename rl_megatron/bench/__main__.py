@@ -133,7 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads (default: the machine's cores; agent 1)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
-                             "recompute updates per mode (the median), agent runs of each loop (the median)")
+                             "recompute updates per mode (the median), agent runs of each loop (the median), "
+                             "generate and multi_turn --peer vllm runs of each side (the mean)")
     parser.add_argument("--peer", choices=tuple(PEER_BENCHES),
                         help="run a peer on the same work after the project and report ratio_to_peer (the project's "
                              "tokens/s over the peer's). transformers (train, log_probs): Hugging Face transformers, "
@@ -352,7 +353,7 @@ def run(args, model_dir: str) -> dict:
         samples[:] = [Sample.answering(prompt, c.response_ids, c.log_probs, status=c.status)
                       for prompt, c in zip(prompts, completions)]
 
-    seconds = timed(generate, repeats=2)
+    seconds = timed(generate, repeats=args.repeats)
     generated = sum(len(s.response_ids) for s in samples)  # random weights rarely sample EOS: count what was made
     value = 2 * params * generated / seconds
     figures = {}
@@ -360,7 +361,7 @@ def run(args, model_dir: str) -> dict:
         conversations = [Conversation(p.ids, [(cfg.rollout.max_tokens, seed)], []) for p, seed in zip(prompts, seeds)]
         figures = compare_with_vllm(engine, model_dir, engine_dtype, engine_seed, cfg.rollout.temperature,
                                     conversations, generated / seconds, [s.response_ids for s in samples],
-                                    repeats=2, threads=args.threads)
+                                    repeats=args.repeats, threads=args.threads)
     return {"bench": "generate", "value": value, "ratio": value / peak, "seconds": seconds,
             "tokens_per_s": generated / seconds, **compute, **figures}
 

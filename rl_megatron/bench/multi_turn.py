@@ -12,8 +12,9 @@ the asynchronous schedule's trajectories per second; the ratio, its speed-up ove
 process is set up as a rollout worker's (`platform.setup`) before the engine starts.
 
 With `--peer vllm`, the serving path's own speed: the asynchronous schedule again with tools that return at once
-(`serving_tokens_per_s`: model tokens per second), against vLLM alone generating the same turns directly, turn k of
-every trajectory in one `LLM.generate` call, each with the tool replies before it and the same seed (`vllm_peer.py`).
+(`serving_tokens_per_s`: model tokens per second, the mean of --repeats runs), against vLLM alone generating the
+same turns directly (the mean of as many runs), turn k of every trajectory in one `LLM.generate` call, each with the
+tool replies before it and the same seed (`vllm_peer.py`).
 As in a rollout worker, the engine's steps run with Megatron's CUDA-to-CPU function mode switched off
 (`platform/cpu_compat.device_mode_off`).
 """
@@ -106,13 +107,14 @@ def run(args, model_dir: str) -> dict:
     if args.peer == "vllm":
         runner = AgentRunner(loop, "bench", serve, engines=1, vocab_size=args.vocab)
         start = time.perf_counter()
-        served = runner.run(with_instant_tools(batch), list(range(len(batch))), 1, temperature, "serving")
-        serving_s = time.perf_counter() - start
+        for _ in range(args.repeats):  # as many as vLLM alone's, each side's mean: one run of ~1 s varied by ±15 %
+            served = runner.run(with_instant_tools(batch), list(range(len(batch))), 1, temperature, "serving")
+        serving_s = (time.perf_counter() - start) / args.repeats
         served_tokens = sum(s.model_tokens() for s in served)
         figures = {"serving_s": serving_s, "serving_tokens_per_s": served_tokens / serving_s,
                    **compare_with_vllm(engine, model_dir, engine_dtype, engine_seed, temperature, conversations(batch),
-                                       served_tokens / serving_s, [s.response_ids for s in served], repeats=1,
-                                       threads=args.threads)}
+                                       served_tokens / serving_s, [s.response_ids for s in served],
+                                       repeats=args.repeats, threads=args.threads)}
     return {"bench": "multi_turn", "value": value, "unit": "trajectories/s",
             "ratio": seconds["turn_synchronous"] / seconds["asynchronous"],
             "limit_name": "turn-synchronous trajectories/s", "limit": args.batch / seconds["turn_synchronous"],

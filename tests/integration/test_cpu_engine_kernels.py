@@ -1,7 +1,7 @@
 """The CPU engine's linear layers on vLLM's oneDNN kernel, packed from weight parameters that the syncs write in
 place (rl_megatron/rollout/cpu_engine.py): the parameter keeps its storage, a write reaches the very next product,
-and an unchanged weight is not packed again; a layer too small for oneDNN to pay is never packed. (That a whole engine generates as transformers does with the trainer's
-weights, before and after an update: test_weight_sync.py.)"""
+and an unchanged weight is not packed again; a layer too small for oneDNN to pay is never packed. (That a whole
+engine generates as transformers does with the trainer's weights, before and after an update: test_weight_sync.py.)"""
 import pytest
 import torch
 
