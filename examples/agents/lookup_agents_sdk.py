@@ -24,7 +24,7 @@ async def lookup_agent(base_url: str, row: dict) -> None:
         """Look up the secret digit of this question."""
         return secret
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=None) as client:
         agent = Agent(name="lookup", tools=[lookup],
                       model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
         try:

@@ -20,8 +20,9 @@ _CLIENTS = weakref.WeakKeyDictionary()  # event loop -> its client
 def new_client(base_url: str, cls: type[openai.AsyncOpenAI] = openai.AsyncOpenAI) -> openai.AsyncOpenAI:
     """The agent's client of the gateway. (Not on the `openai` package's aiohttp transport, though its calls cost
     less there: an aiohttp session left open when its event loop ends is reported as unclosed, and each rollout
-    batch runs in an event loop of its own.)"""
-    return cls(base_url=base_url, api_key="unused", max_retries=0)
+    batch runs in an event loop of its own.) No time limit of its own (`timeout=None`): the episode has one,
+    rollout.agent.timeout_s, and the client's default 5 s to connect failed episodes on a loaded machine."""
+    return cls(base_url=base_url, api_key="unused", max_retries=0, timeout=None)
 
 
 def client_for(base_url: str) -> openai.AsyncOpenAI:
