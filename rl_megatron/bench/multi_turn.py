@@ -107,7 +107,7 @@ def run(args, model_dir: str) -> dict:
     if args.peer == "vllm":
         runner = AgentRunner(loop, "bench", serve, engines=1, vocab_size=args.vocab)
         start = time.perf_counter()
-        for _ in range(args.repeats):  # as many as vLLM alone's, each side's mean: one run of ~1 s varied by ±15 %
+        for _ in range(args.repeats):  # as many as vLLM alone's, each side's mean: single runs varied by ±15 %
             served = runner.run(with_instant_tools(batch), list(range(len(batch))), 1, temperature, "serving")
         serving_s = (time.perf_counter() - start) / args.repeats
         served_tokens = sum(s.model_tokens() for s in served)

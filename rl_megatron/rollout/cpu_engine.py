@@ -29,9 +29,9 @@ def keep_cpu_weights_in_place() -> None:
 
 
 # Linear layers with fewer weights than this run plain `F.linear`. On 2 cores (docs/benchmarks.md, 2026-11-30) a
-# oneDNN handler costs 0.6 ms to pack whatever the size, and up to 256 x 256 weights its product is no faster than
-# F.linear's at any batch (16 to 1024 rows; slower below 128); from 384 x 384 on it is faster. An engine synced every
-# step repacks each layer every step, which took a tiny model's generation from 0.043 to 0.053 s a step.
+# oneDNN handler costs at least 0.6 ms to pack (1 ms at 1024 x 512), and up to 256 x 256 weights its product is no
+# faster than F.linear's at any batch (16 to 1024 rows; slower below 128); from 384 x 384 on it is faster. An engine
+# synced every step repacks each layer every step, which took a tiny model's generation from 0.043 to 0.053 s a step.
 ONEDNN_MIN_WEIGHTS = 2**17
 
 
@@ -79,8 +79,8 @@ def _pack_cpu_linear_from_parameters() -> None:
 def _plain(param: torch.Tensor | None) -> torch.Tensor | None:
     """`param` as a plain tensor: the same memory and version counter (a sync's in-place writes show in both), but
     without the class of vLLM's parameters, whose Python `__torch_function__` every op taking the parameter and
-    every `_version` read would run (a tenth of a decode step's CPU time at the bench's size). The engine's
-    parameters keep their memory for its life: the syncs write into them (`rl_megatron.resharding`)."""
+    every `_version` read would run (15 % of `bench multi_turn --peer vllm`'s serving samples under py-spy).
+    The engine's parameters keep their memory for its life: the syncs write into them (`rl_megatron.resharding`)."""
     if param is None:
         return None
     with torch._C.DisableTorchFunctionSubclass():
