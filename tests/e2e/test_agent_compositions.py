@@ -8,11 +8,16 @@ from helpers.runs import train
 
 from rl_megatron.models.tiny import TOOLS, write_tiny_model
 
+# A quarter of the demo's batch (8 prompts x 8 episodes, one update a step): these runs check that the paths compose,
+# not that the task is learnt (tests/e2e/test_agent_demo.py), and a step's episodes cost the machine most of its time.
+PROMPTS = 8
+SMALL_BATCH = (f"data.train_batch_size={PROMPTS}",)
 
 # One-step-off with partial rollouts, the trainer and the engine on a device each (tests/e2e/test_async.py's layout):
 # an episode's calls may straddle a weight update, each token keeping the version and log-prob it was sampled with.
 ONE_STEP_OFF_PARTIAL = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
-                        "trainer.rollout_staleness=1", "rollout.partial_rollout=true", "trainer.total_steps=6")
+                        "trainer.rollout_staleness=1", "rollout.partial_rollout=true", "trainer.total_steps=6",
+                        *SMALL_BATCH)
 
 
 def test_gateway_episodes_run_one_step_off_with_partial_rollouts(tmp_path):
@@ -35,7 +40,7 @@ def test_gateway_episodes_run_one_step_off_with_partial_rollouts(tmp_path):
 # same are dropped and more rows generated until a batch's worth vary).
 LORA_SERVED = ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.lora.target_modules=[all-linear]",
                "resharding.verify=true")
-DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", "data.gen_batch_size=32")
+DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", f"data.gen_batch_size={PROMPTS}", *SMALL_BATCH)
 
 
 def test_gateway_episodes_train_lora_adapters_served_by_the_engines_under_dynamic_sampling(tmp_path):
@@ -44,8 +49,8 @@ def test_gateway_episodes_train_lora_adapters_served_by_the_engines_under_dynami
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["agent/episodes_failed"] == 0 and r["agent/prefix_breaks"] == 0 for r in rows)
     # Only groups whose episodes scored differently are trained on: a batch's worth each step, from as many rounds
-    # of 32 rows as it took.
-    assert all(r["filter/kept_groups"] == 32 and r["filter/prompts_used"] == 32 * r["filter/gen_batches"]
+    # of a batch's rows as it took.
+    assert all(r["filter/kept_groups"] == PROMPTS and r["filter/prompts_used"] == PROMPTS * r["filter/gen_batches"]
                and 0 < r["reward/mean"] < 1 for r in rows)
     # The engines generated through the adapters the trainer holds (they are updated every step): the trainer's
     # recomputed log-probs of the episodes' tokens are the engines' (the lora demo's bound for served adapters).
@@ -75,7 +80,7 @@ def test_gateway_episodes_stream_with_lora_adapters_served_by_the_engines_under_
     assert all(r["reward/score"] == pytest.approx(r["reward/acc"] + 0.01 * r["judge/score/mean"], abs=1e-6)
                for r in rows)
     assert all(r["agent/episodes_failed"] == 0 and r["async/staleness/max"] <= 1 for r in rows)
-    assert all(r["filter/kept_groups"] == 32 and r["filter/prompts_used"] >= 32 and 0 < r["reward/mean"] < 1
+    assert all(r["filter/kept_groups"] == PROMPTS and r["filter/prompts_used"] >= PROMPTS and 0 < r["reward/mean"] < 1
                for r in rows)
     # Batch 1 and every call continued after an update were sampled by the trainer's current adapters: the engines
     # served exactly those.
