@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import megatron.core.transformer.moe.moe_utils as moe_utils
 import torch
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.utils import get_pg_size
 
@@ -34,5 +35,37 @@ def fix_expert_biases(model: torch.nn.Module) -> None:
                 module.explicit_expert_comm = True
 
 
+def standard_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a new tensor of `shape` (row-major)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def embeddings_in_standard_strides() -> None:
+    """The embedding's output, [s, b, h], is its [b, s, h] lookup transposed, and `.contiguous()` keeps a transposed
+    tensor whose batch is 1 (a packed row) as it is: `is_contiguous()` ignores the stride of a dimension of size 1.
+    The residual stream and every norm's output then carry strides (h, s * h, 1), and `torch.matmul` folds such an
+    input into one GEMM only for a weight that requires grad: the policy and a frozen copy of it (the reference)
+    rounded the same row apart (one ULP of the log-probs; 3.7e-9 of KL before any update). Under sequence
+    parallelism the scatter already makes a new tensor. A copy in row-major strides where they differ, one per
+    forward, gives every model the same GEMMs (the policy's results are unchanged)."""
+    forward = LanguageModelEmbedding.forward
+    if getattr(forward, "in_standard_strides", False):  # applied already (platform.setup may run again)
+        return
+
+    def forward_in_standard_strides(self, *args, **kwargs):
+        embeddings = forward(self, *args, **kwargs)
+        if embeddings.stride() == standard_strides(embeddings.shape):
+            return embeddings
+        return embeddings.clone(memory_format=torch.contiguous_format)
+
+    forward_in_standard_strides.in_standard_strides = True
+    LanguageModelEmbedding.forward = forward_in_standard_strides
+
+
 def apply() -> None:
     bind_missing_te_general_gemm()
+    embeddings_in_standard_strides()

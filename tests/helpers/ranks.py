@@ -201,3 +201,15 @@ def reward_model_scores(cfg, batch):
     model = MegatronRewardModel(cfg, role_model_config(cfg, Role.REWARD_MODEL, read_hf_config(cfg.model.path)))
     assert not any(p.requires_grad for chunk in model.chunks for p in chunk.parameters())  # forward only
     return model.scores(batch)
+
+
+def policy_and_reference_log_probs(cfg, batch):
+    """The actor and its reference as the workers build one beside it (`Role.REF`: a frozen copy of the initial
+    policy): each one's log-probs of `batch`."""
+    from rl_megatron.roles import Role
+    from rl_megatron.workers.megatron_actor import MegatronActor
+
+    actor = build_actor(cfg)
+    reference = MegatronActor(cfg, actor.hf_config, role=Role.REF, initial=actor)
+    assert not any(p.requires_grad for chunk in reference.chunks for p in chunk.parameters())
+    return actor.log_probs(batch), reference.log_probs(batch)
