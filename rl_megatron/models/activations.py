@@ -21,19 +21,24 @@ from rl_megatron.roles import Role
 SELECTIVE_MODULES = ("core_attn",)
 
 
-def sequence_parallel_on(setting: Optional[bool], tp: int) -> bool:
-    """actor.sequence_parallel at a TP size: as set, else on at TP > 1 (Megatron's recommendation: norms, residuals
-    and dropout then work on 1/TP of the sequence instead of every TP rank repeating them on all of it). At TP 1
-    it is off whatever the key says: one rank has nothing to split (Megatron refuses it there), and a reference or
-    critic placed separately at TP 1 follows the actor's key, which may be true for the actor's TP > 1."""
-    return tp > 1 and setting is not False
+def sequence_parallel_on(setting: Optional[bool], tp: int, cuda: bool, required: bool) -> bool:
+    """actor.sequence_parallel at a TP size: as set; unset, on at TP > 1 with CUDA (Megatron's recommendation: norms,
+    residuals and dropout then work on 1/TP of the sequence instead of every TP rank repeating them on all of it, for
+    the same bytes over NCCL), and on CPU only where the model `required`s it (`models.family.needs_sequence_parallel`).
+    Over gloo each of its all-gathers and reduce-scatters is a round trip of its own, twice TP's all-reduces, to
+    split activations a CPU run has no need to split: the demo's step is ~30% faster without (docs/benchmarks.md).
+    At TP 1 it is off whatever the key says: one rank has nothing to split (Megatron refuses it there), and a
+    reference or critic placed separately at TP 1 follows the actor's key, which may be true for the actor's TP > 1."""
+    if tp == 1:
+        return False
+    return (cuda or required) if setting is None else setting
 
 
 @dataclass(frozen=True)
 class ActivationSettings:
     """The activation keys of one role (its config section's names): None everywhere is Megatron's default at
-    the role's TP (sequence parallelism at TP > 1, no recomputation)."""
-    sequence_parallel: Optional[bool] = None  # None: on at TP > 1 (`sequence_parallel_on`)
+    the role's TP (sequence parallelism at TP > 1 on GPU, no recomputation)."""
+    sequence_parallel: Optional[bool] = None  # None: on at TP > 1 with CUDA or where the model needs it (`sequence_parallel_on`)
     recompute_granularity: Optional[str] = None  # None, "full" (whole layers) or "selective" (SELECTIVE_MODULES)
     recompute_method: Optional[str] = None  # full: "uniform" (groups of recompute_num_layers) or "block"
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per model chunk (block)
@@ -55,10 +60,12 @@ class ActivationSettings:
                    recompute_method=section.recompute_method, recompute_num_layers=section.recompute_num_layers,
                    fused_swiglu=fused, wgrad_into_main_grad=wgrad_into_main_grad)
 
-    def transformer_config_fields(self, tp: int, swiglu: bool) -> dict:
+    def transformer_config_fields(self, tp: int, swiglu: bool, needs_sequence_parallel: bool) -> dict:
         """Megatron's TransformerConfig fields for these settings at tensor-parallel size `tp` (`swiglu`: the MLPs'
-        activation is SwiGLU, which the fusion takes)."""
-        fields = dict(sequence_parallel=sequence_parallel_on(self.sequence_parallel, tp),
+        activation is SwiGLU, which the fusion takes; `needs_sequence_parallel`: the model trains at TP > 1 only
+        with it)."""
+        fields = dict(sequence_parallel=sequence_parallel_on(self.sequence_parallel, tp, platform.has_cuda(),
+                                                             needs_sequence_parallel),
                       recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
                       recompute_num_layers=self.recompute_num_layers,
                       bias_activation_fusion=self.fused_swiglu and swiglu,

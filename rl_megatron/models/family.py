@@ -252,6 +252,13 @@ def moe_experts(hf: dict) -> int:
     return family.experts(hf) if family is not None else 0
 
 
+def needs_sequence_parallel(hf: dict) -> bool:
+    """Whether Megatron trains the model at TP > 1 only with sequence parallelism: MoE layers (Megatron asserts it)
+    and Gated DeltaNet layers (their gated norm's gradient is summed over the TP ranks only then)."""
+    family = FAMILIES.get(hf.get("model_type"))
+    return family is not None and (family.experts(hf) > 0 or family.gated_delta_net)
+
+
 def family_fields(hf: dict) -> dict:
     """The family's part of a checkpoint's config fields; none for an unsupported model_type (whose checkpoint
     differs from any loadable model in model_type already)."""

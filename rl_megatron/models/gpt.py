@@ -16,7 +16,7 @@ from rl_megatron import platform
 from rl_megatron.platform import megatron_fixes
 from rl_megatron.config.schema import MoeConfig
 from rl_megatron.models.activations import ActivationSettings
-from rl_megatron.models.family import family_of, head_dim, table_for
+from rl_megatron.models.family import family_of, head_dim, needs_sequence_parallel, table_for
 from rl_megatron.models.gated_delta_layers import hybrid_block
 from rl_megatron.models import mxfp4
 from rl_megatron.models.hf_weights import INDEX_FILE
@@ -128,9 +128,10 @@ def transformer_config(hf: dict, tp: int, pp: int, dtype: str, ep: int = 1, etp:
         # twice a layer); without TE, models/packed_attention.py's sync-free RoPE runs. MLA keeps the unfused one.
         apply_rope_fusion=uses_transformer_engine() and not family.mla,
         tensor_model_parallel_size=tp,
-        # Sequence parallelism and recomputation (MoE layers train at TP > 1 only with sequence parallelism, which
-        # is on there unless actor.sequence_parallel=false, refused then by preflight.layout.check_activations).
-        **activations.transformer_config_fields(tp, swiglu=mlp["activation_func"] is F.silu),
+        # Sequence parallelism and recomputation (MoE and Gated DeltaNet layers train at TP > 1 only with sequence
+        # parallelism, which is on there unless actor.sequence_parallel=false, refused then by preflight).
+        **activations.transformer_config_fields(tp, swiglu=mlp["activation_func"] is F.silu,
+                                                needs_sequence_parallel=needs_sequence_parallel(hf)),
         pipeline_model_parallel_size=pp,
         **stages.transformer_config_fields(),  # uneven first / last stages (models/pipeline_stages.py)
         expert_model_parallel_size=ep,

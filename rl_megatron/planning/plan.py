@@ -33,6 +33,8 @@ from rl_megatron.config import ConfigError
 from rl_megatron.config.choices import lora_modules
 from rl_megatron.config.pools import worker_pools
 from rl_megatron.config.schema import Config
+from rl_megatron.models.activations import sequence_parallel_on
+from rl_megatron.models.family import needs_sequence_parallel
 from rl_megatron.models.hf_config import carries_routing, model_config, read_hf_config, role_model_config
 from rl_megatron.models.pipeline_stages import PipelineSplit, StageLayers, stage_runs
 from rl_megatron.planning import memory
@@ -200,7 +202,7 @@ def role_passes(name: Role, cfg: Config, layout: dict, on_gpu: bool, hf: dict) -
         tokens=tokens, row_tokens=min(tokens, longest), dtype=cfg.model.dtype, tp=tp, pp=layout["pp"],
         vpp=layout.get("vpp", 1), cp=layout.get("cp", 1), etp=layout.get("etp", tp),
         stages=StageLayers.of_role(cfg, name),
-        sequence_parallel=tp > 1 and cfg.actor.sequence_parallel is not False,
+        sequence_parallel=sequence_parallel_on(cfg.actor.sequence_parallel, tp, on_gpu, needs_sequence_parallel(hf)),
         attention="fused" if on_gpu else "spans" if packing else "local", trains=name.trainable,
         recompute=recompute.recompute_granularity if recompute else None,
         recompute_method=recompute.recompute_method if recompute else None,

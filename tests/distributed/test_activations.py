@@ -115,13 +115,13 @@ def test_recompute_modes_give_the_gradients_of_no_recompute(tmp_path):
 
 @pytest.fixture(scope="module")
 def tp2_results(tmp_path_factory):
-    """One run of two ranks at TP=2: a dense Qwen2 with sequence parallelism off, on (the default), and on with full
+    """One run of two ranks at TP=2: a dense Qwen2 with sequence parallelism off, on (GPU's default), and on with full
     recomputation; a Qwen3-MoE (sequence parallelism on, its experts split over the TP ranks) without and with full
     recomputation. Per rank: `update_each_mode`'s results."""
     folder = tmp_path_factory.mktemp("tp2")
     dense, moe = (config(family_model_dir(folder / family, family, tied=False), 2, 1, **OPTIMIZER)
                   for family in ("qwen2", "qwen3_moe"))
-    runs = {"dense": (dense, {"sp_off": {"sequence_parallel": False}, "sp_default": {},
+    runs = {"dense": (dense, {"sp_off": {"sequence_parallel": False}, "sp_on": {"sequence_parallel": True},
                               "sp_full": {"sequence_parallel": True, **FULL_UNIFORM_1}}, {}),
             "moe": (moe, {"off": {}, "full": FULL_UNIFORM_1}, {})}
     return run_distributed(update_each_mode, 2, 2, args=(ppo_batch(), runs))
@@ -131,7 +131,7 @@ def test_sequence_parallelism_at_tp2_equals_no_sequence_parallelism(tp2_results)
     """A dense model at TP=2: sequence parallelism on against off, and full recomputation under it."""
     mask = ppo_batch().response_mask.bool()
     for rank, results in enumerate(tp2_results):
-        off, on, full = (results["dense", "actor", mode] for mode in ("sp_off", "sp_default", "sp_full"))
+        off, on, full = (results["dense", "actor", mode] for mode in ("sp_off", "sp_on", "sp_full"))
         assert (off["megatron"], on["megatron"], full["megatron"]) == ((False, None, None), (True, None, None),
                                                                       (True, "full", "uniform"))
         check_same_update(on, off, tolerance=1e-5)

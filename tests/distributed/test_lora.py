@@ -35,10 +35,12 @@ RECOMPUTE_FULL = {"actor.recompute_granularity": "full", "actor.recompute_method
 # attention (the experts take none yet), which is data-parallel over both ranks.
 @pytest.mark.parametrize("family,layers,tp,pp,vpp,ep,ranks,targets,extra", [
     ("qwen2", 2, 2, 1, 1, 1, 2, ["all-linear", "lm_head"], {"actor.sequence_packing": True}),
+    ("qwen2", 2, 2, 1, 1, 1, 2, ["all-linear", "lm_head"], {"actor.sequence_parallel": False}),
     ("qwen2", 4, 1, 2, 2, 1, 2, ["q_proj", "v_proj", "down_proj"], {"actor.sequence_packing": False}),
     ("qwen3_moe", 2, 1, 1, 1, 2, 2, ["q_proj", "k_proj", "v_proj", "o_proj"], RECOMPUTE_FULL)])
 def test_adapters_match_peft_and_only_they_train(tmp_path, family, layers, tp, pp, vpp, ep, ranks, targets, extra):
-    """TP=2 (sequence parallel, packed rows): every module, the output layer (split over the vocabulary) too.
+    """TP=2 (packed rows), with sequence parallelism (GPU's default) and without (a dense model's on CPU): every
+    module, the output layer (split over the vocabulary) too.
     PP=2 x VPP=2, padded rows: a subset, each virtual chunk with its own layers' adapters. EP=2 (the attention
     data-parallel over both ranks, each updating on its half of the batch) with every layer recomputed: the MoE
     model's attention."""
@@ -54,11 +56,16 @@ def test_adapters_match_peft_and_only_they_train(tmp_path, family, layers, tp, p
     plain, initial, adapted, disabled, metrics, grads, initial_adapters, _, _, optimized, adapter_numel = results[-1]
     mask = batch.response_mask.bool()
 
-    # B starts at zero: the adapted model is the base model, bit for bit; so is the model with adapters disabled.
+    # B starts at zero: the adapted model is the base model, bit for bit under sequence parallelism; so is the model
+    # with adapters disabled. (Without it, a frozen base's passes round differently from a trainable one's, by
+    # a float32 ULP at most: 9.5e-7 seen.)
     assert set(initial_adapters) == set(adapters)
     assert all(torch.count_nonzero(t) == 0 for n, t in initial_adapters.items() if ".lora_B." in n)
     assert all(torch.count_nonzero(t) == t.numel() for n, t in initial_adapters.items() if ".lora_A." in n)
-    assert torch.equal(initial.log_probs, plain.log_probs) and torch.equal(disabled.log_probs, plain.log_probs)
+    if cfg.actor.sequence_parallel is False:
+        assert max((t.log_probs - plain.log_probs).abs().max() for t in (initial, disabled)) <= 1e-6
+    else:
+        assert torch.equal(initial.log_probs, plain.log_probs) and torch.equal(disabled.log_probs, plain.log_probs)
 
     # With the adapters: PEFT's log-probs, and PEFT's gradient for every adapter.
     peft_log_probs, peft_grads = peft_reference(model, dataclasses.replace(batch, old_log_probs=adapted.log_probs),

@@ -6,10 +6,17 @@ import torch
 from rl_megatron.batch import TrainBatch
 from rl_megatron.doctor.parity import (BATCH, PROMPT, SEQ, family_model_dir, hf_model, hf_reference,
                                        hf_token_log_probs, make_batch)
-from rl_megatron.doctor.parity import actor_config as config  # the name every parity test uses
+from rl_megatron.doctor.parity import actor_config
 
 __all__ = ["BATCH", "SEQ", "build_actor", "config", "family_model_dir", "hf_model", "hf_reference",
            "hf_token_log_probs", "hf_update_reference", "long_tailed_batch", "make_batch"]
+
+
+def config(model_dir: str, tp: int, pp: int, vpp: int = 1, **overrides):
+    """The doctor's `actor_config`, with sequence parallelism at TP > 1 as GPU runs have it by default (CPU runs
+    leave it off for dense models, `models.activations.sequence_parallel_on`): the parity tests hold the layout GPU
+    users train, unless a test sets actor.sequence_parallel itself."""
+    return actor_config(model_dir, tp, pp, vpp, **{"actor.sequence_parallel": "true", **overrides})
 
 
 def long_tailed_batch(count: int = 16) -> TrainBatch:

@@ -2,6 +2,7 @@
 critic's), what each role builds from them (`ActivationSettings`), what reaches Megatron's TransformerConfig, and
 every combination Megatron would refuse in a worker refused at load time, naming the key and the fix. No processes,
 no Megatron state: well under a second each."""
+import itertools
 import os
 
 import pytest
@@ -41,11 +42,21 @@ def megatron_config(cfg, role: Role, tp: int):
 # ----------------------------------------------------------------------------------------- sequence parallelism
 
 
-def test_sequence_parallelism_is_on_at_tp_above_one_for_dense_models_too():
+def test_sequence_parallelism_unset_is_on_at_tp_above_one_on_gpu_and_on_cpu_where_the_model_needs_it():
+    """Megatron's recommendation on GPU; on CPU (gloo: a round trip per all-gather and reduce-scatter) only for the
+    models that train at TP > 1 with it alone (MoE, Gated DeltaNet)."""
+    for cuda, required in itertools.product((True, False), repeat=2):
+        assert sequence_parallel_on(None, tp=2, cuda=cuda, required=required) is (cuda or required)
+        assert sequence_parallel_on(None, tp=1, cuda=cuda, required=required) is False
+        assert sequence_parallel_on(False, tp=2, cuda=cuda, required=required) is False
+        assert sequence_parallel_on(True, tp=2, cuda=cuda, required=required) is True
     cfg = load()  # the demo: a dense Qwen2 at TP=2, actor.sequence_parallel unset
     assert cfg.actor.sequence_parallel is None
-    assert megatron_config(cfg, Role.ACTOR, tp=2).sequence_parallel is True
+    assert megatron_config(cfg, Role.ACTOR, tp=2).sequence_parallel is False  # this CPU machine
     assert megatron_config(cfg, Role.ACTOR, tp=1).sequence_parallel is False
+    assert megatron_config(load("actor.sequence_parallel=true"), Role.ACTOR, tp=2).sequence_parallel is True
+    moe = load("actor.tensor_model_parallel_size=2", "actor.expert_model_parallel_size=1", model=MOE)
+    assert moe.actor.sequence_parallel is None and megatron_config(moe, Role.ACTOR, tp=2).sequence_parallel is True
 
 
 def test_sequence_parallel_false_turns_it_off_for_every_role():
@@ -56,7 +67,7 @@ def test_sequence_parallel_false_turns_it_off_for_every_role():
 
 def test_sequence_parallel_true_at_tp_one_is_off_not_an_error():
     """One rank has nothing to split; a separate reference at TP 1 follows the actor's key set for its TP 2."""
-    assert not sequence_parallel_on(True, tp=1)
+    assert not sequence_parallel_on(True, tp=1, cuda=True, required=True)
     cfg = load("actor.sequence_parallel=true", "actor.tensor_model_parallel_size=1")
     config = megatron_config(cfg, Role.ACTOR, tp=1)  # Megatron itself raises for sequence_parallel at TP 1
     assert config.sequence_parallel is False

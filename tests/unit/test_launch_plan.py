@@ -219,18 +219,21 @@ def test_actor_activations_in_the_plan_by_hand():
     short = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.max_tokens_per_micro_batch=4"),
                        gpu_memory_gib=80).pools[0].roles[0]
     assert short.activations.tokens == 9
-    # CPU slots (torch's layers, layer_memory.py): the norms keep their input and the normalized input in fp32, 2 *
+    # CPU slots (torch's layers, layer_memory.py), sequence parallelism set (unset, a dense model has none on CPU,
+    # models.activations.sequence_parallel_on): the norms keep their input and the normalized input in fp32, 2 *
     # (8 + 2) * 64/2 = 640, and the unfused RoPE its tables, 2 * 4 * 32 = 256 a token of a packed row; packed rows
     # attend per sample with torch's fused kernel, which keeps its copies of Q, K, V and its output, 2 * 4 * 32,
     # beside the output projection's input 2 * 32, instead of the QKV output and RoPE's Q and K; the head's norm
     # 10 * 64/2 = 320.
-    cpu = build_plan(cluster("actor.tensor_model_parallel_size=2"), on_gpu=False).pools[0].roles[0]
+    sp = ("actor.tensor_model_parallel_size=2", "actor.sequence_parallel=true")
+    cpu = build_plan(cluster(*sp), on_gpu=False).pools[0].roles[0]
+    unset = build_plan(cluster("actor.tensor_model_parallel_size=2"), on_gpu=False).pools[0].roles[0]
+    assert "sequence parallel" in cpu.activation_note and "sequence parallel" not in unset.activation_note
     assert cpu.activations.update == 36 * (2 * (640 + 256 + 64 + 256 + 640) + 320 + 90)
     # Right-padded rows (4 of 9 tokens share RoPE's tables: 64) go through Megatron's local attention, which keeps
     # the QKV output and RoPE's Q and K, 2 * (96 + 32 + 32), and the fp32 softmax and its bf16 copy over rows of 9
     # tokens, one head per rank (9 * 6).
-    padded = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.sequence_packing=false"),
-                        on_gpu=False).pools[0].roles[0]
+    padded = build_plan(cluster(*sp, "actor.sequence_packing=false"), on_gpu=False).pools[0].roles[0]
     assert padded.activations.update == 36 * (2 * (640 + 64 + 64 + 320 + 54 + 640) + 320 + 90)
     budget_padded = build_plan(cluster("actor.tensor_model_parallel_size=2", "actor.sequence_packing=false",
                                        "actor.max_tokens_per_micro_batch=100"), on_gpu=False).pools[0].roles[0]
