@@ -26,9 +26,10 @@ ONE_STEP_OFF = ("trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1
 SAME_WEIGHTS_LOGPROB_DIFF = 5e-5
 SYNC_AT = 24  # partial rollouts: the token of each 48-token answer where the update lands
 # Issue 54's target: one-step-off within 1.25x the synchronous run's steps to 0.8. The synchronous demo at this
-# layout (seed 0) took 155 steps with torch 2.13.0 on AVX2 (docs/benchmarks.md); the steps are a property of the
-# machine's arithmetic (as the demo's reward trace, test_train_cli), so elsewhere only the bound before the target.
-SYNCHRONOUS_STEPS = {("2.13.0", "AVX2"): 155}
+# layout (seed 0) took 155 steps with torch 2.13.0 on AVX2 (an AMD EPYC) and 144 on AVX512 (an Intel Xeon)
+# (docs/benchmarks.md); the steps are a property of the machine's arithmetic (as the demo's reward trace,
+# test_train_cli), so elsewhere only the bound before the target.
+SYNCHRONOUS_STEPS = {("2.13.0", "AVX2"): 155, ("2.13.0", "AVX512"): 144}
 LOOSE_STEP_BOUND = 250
 
 
