@@ -10,9 +10,12 @@ A prompt is admitted only while the version lag it could reach stays within the 
 AReaL's admission rule): the g-th group accepted would be trained at step g // B + 1 (B groups a step), by that step's
 policy version, so it enters only once the engines hold a version within the bound of that one. A weight sync
 interrupts every request in flight; each continues on the new weights, each token's version recorded (the partial
-rollouts' interrupt-and-continue, `rl_megatron.rollout.serving`). A group that finishes so late that its oldest token
-would be past the bound when trained is dropped from the queue (async/dropped) and its place freed for a new prompt;
-so is a group that dynamic sampling filters out (algorithm.filter_groups: its samples all scored alike).
+rollouts' interrupt-and-continue, `rl_megatron.rollout.serving`). The trainer does not wait for a slow group, except
+at the last batch the bound lets it join: there it waits for it, as one-step-off waits for its slowest sample,
+instead of discarding its generation (the engines meanwhile decode the groups admitted after it). A group that still
+finishes past the bound (more groups at their last batch than a batch holds) is dropped from the queue
+(async/dropped) and its place freed for a new prompt; so is a group that dynamic sampling filters out
+(algorithm.filter_groups: its samples all scored alike).
 
 A checkpoint pauses admission and saves the queue and the prompts drawn but unfinished (`StreamState`); a resumed
 run trains on the queue's groups first and generates the unfinished prompts again from their start, with their
@@ -123,6 +126,7 @@ class Streaming:
         self.filtered: list[Group] = []  # dropped by dynamic sampling since the last batch taken
         self.accepted = settings.trained_steps * settings.batch_groups  # groups taken in: trained, queued, in flight
         self.in_flight: dict[int, StreamPrompt] = {}
+        self.admitted_versions: dict[int, int] = {}  # in flight: the engines' version when admitted (<= its tokens')
         self.pending: list[StreamPrompt] = []  # drawn, not yet admitted
         self.draws = 0
         self.paused = False
@@ -138,10 +142,12 @@ class Streaming:
 
     def take(self, step: int, timer: Timer) -> Rollout:
         """The oldest data.train_batch_size groups ready (waiting for them: timing_s/wait_for_rollout), less those past
-        the bound; with dynamic sampling, once its cap is reached, the groups kept padded (as `GroupFilter.fill`)."""
+        the bound, and waiting for those in flight that this batch is the last to admit within it (`_batch_ready`);
+        with dynamic sampling, once its cap is reached, the groups kept padded (as `GroupFilter.fill`)."""
         self._start()
         settings, dropped = self.settings, 0
         oldest_allowed = settings.version_training(step) - settings.bound
+        next_allowed = settings.version_training(step + 1) - settings.bound
         with timer("wait_for_rollout"), self.changed:
             self.paused = False
             while True:
@@ -150,7 +156,7 @@ class Streaming:
                 fresh = [group for group in self.ready if group.oldest_version() >= oldest_allowed]
                 stale = len(self.ready) - len(fresh)
                 self.ready, self.accepted, dropped = fresh, self.accepted - stale, dropped + stale * settings.n
-                if len(self.ready) >= settings.batch_groups or self._cap_reached():
+                if self._batch_ready(oldest_allowed, next_allowed) or self._cap_reached():
                     break
                 self._wake_admission()
                 self.changed.wait()
@@ -262,6 +268,7 @@ class Streaming:
             self.admitted += 1
             self.accepted += 1
             self.in_flight[order] = source
+            self.admitted_versions[order] = self.engines.weight_version
         return order, source
 
     async def _run_group(self, order: int, source: StreamPrompt) -> None:
@@ -284,7 +291,7 @@ class Streaming:
             return
         group = Group(order, source, samples, rewards, admitted_at, time.perf_counter())
         with self.changed:
-            del self.in_flight[order]
+            del self.in_flight[order], self.admitted_versions[order]
             if self.filter is None or self.filter.varies(rewards):
                 self.ready.append(group)
             else:
@@ -298,6 +305,15 @@ class Streaming:
             self.loop.call_soon_threadsafe(self.wake.set)
 
     # -- metrics and dynamic sampling (under `changed`) --------------------------------------------------------------
+
+    def _batch_ready(self, oldest_allowed: int, next_allowed: int) -> bool:
+        """Whether the batch is there to take: the data.train_batch_size oldest groups among those ready and those in
+        flight at their last chance (admitted at a version the next batch may not train, and this one may) are all
+        ready. A slow group is passed over until its last chance, and then waited for rather than dropped."""
+        last_chance = [order for order, version in self.admitted_versions.items()
+                       if oldest_allowed <= version < next_allowed]
+        candidates = sorted([group.order for group in self.ready] + last_chance)[:self.settings.batch_groups]
+        return len(candidates) == self.settings.batch_groups and not set(candidates) & set(last_chance)
 
     def _cap_reached(self) -> bool:
         finished = len(self.ready) + len(self.filtered)

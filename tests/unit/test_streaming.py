@@ -1,6 +1,6 @@
 """Streaming rollouts' controller side (rl_megatron/trainer/streaming.py) over scripted engines: AReaL's admission
-rule, the queue handing out the oldest groups, weight syncs interrupting requests in flight, groups past the bound
-dropped and replaced, dynamic sampling per group, and the checkpoint of the queue and the unfinished prompts. The
+rule, the queue handing out the oldest groups, weight syncs interrupting requests in flight, a slow group waited for
+at its last batch within the bound, groups past it dropped and replaced, dynamic sampling per group, and the checkpoint of the queue and the unfinished prompts. The
 real engines run it in tests/e2e/test_async.py."""
 import asyncio
 import threading
@@ -187,20 +187,38 @@ def test_a_weight_sync_interrupts_the_requests_in_flight_which_continue_on_the_n
         streaming.close()
 
 
-def test_a_group_that_would_be_trained_past_the_bound_is_dropped_and_its_place_refilled():
-    """Group 0 (version 0, long) is still decoding when the trainer reaches step 3 (trained by version 2): with
-    bound 1 its first tokens are too old; it is dropped when it finishes and a fresh prompt takes its place."""
+def test_a_slow_group_is_passed_over_until_its_last_batch_within_the_bound_which_waits_for_it():
+    """Group 0 (version 0, long) is still decoding at step 1: batch 1 takes group 1 without it. Batch 2 (trained by
+    version 1) is the last that may train a version-0 group at bound 1, so it waits for group 0 rather than drop it."""
     streaming, engines, _ = stream([1000, 2, 2, 2, 2, 2, 2, 2], batch_groups=1, n=1, bound=1, max_tokens=1024)
     try:
-        first = streaming.take(1, Timer())  # group 1 (group 0 is still running: batches never wait for it)
-        assert first.samples[0].prompt_ids[0] == 2
+        first = streaming.take(1, Timer())
+        assert first.samples[0].prompt_ids[0] == 2 and 0 in streaming.in_flight
         update(streaming, engines)
-        streaming.take(2, Timer())
+        second = streaming.take(2, Timer())
+        assert [len(s.response_ids) for s in second.samples] == [1000] and second.metrics["async/dropped"] == 0
+        assert second.samples[0].policy_version == 0  # one version behind the trainer: within the bound
+    finally:
+        streaming.close()
+
+
+def test_a_group_that_still_finishes_past_the_bound_is_dropped_and_its_place_refilled():
+    """Two slow groups at their last batch (version 0 at bound 2, step 3) where a batch holds one: batch 3 waits for
+    the older; the other's first tokens are too old for batch 4, so it is dropped when it finishes and a fresh
+    prompt takes its place."""
+    streaming, engines, _ = stream([1000, 1000, 2, 2, 2, 2, 2, 2], batch_groups=1, n=1, bound=2, max_tokens=1024)
+    try:
+        assert streaming.take(1, Timer()).samples[0].prompt_ids[0] == 2  # group 2: groups 0 and 1 are slow
         update(streaming, engines)
-        wait_for(lambda: not any(order == 0 for order in streaming.in_flight))
+        assert streaming.take(2, Timer()).samples[0].policy_version == 1  # group 3, admitted at version 1
+        update(streaming, engines)
         third = streaming.take(3, Timer())
-        assert third.metrics["async/dropped"] == 1 and third.samples[0].prompt_ids[0] == 2
-        assert all(s.policy_version >= 1 for s in third.samples)
+        assert [len(s.response_ids) for s in third.samples] == [1000] and third.metrics["async/dropped"] == 0
+        update(streaming, engines)
+        wait_for(lambda: 1 not in streaming.in_flight)
+        fourth = streaming.take(4, Timer())
+        assert fourth.metrics["async/dropped"] == 1 and fourth.samples[0].prompt_ids[0] == 2
+        assert all(s.policy_version >= 2 for s in fourth.samples)
     finally:
         streaming.close()
 
