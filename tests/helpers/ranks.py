@@ -11,6 +11,7 @@ from rl_megatron.doctor.cycle import hf_greedy
 from rl_megatron.doctor.parity import saved_checkpoint
 from rl_megatron.models.family import table_for
 from rl_megatron.models.hf_config import read_hf_config
+from rl_megatron.roles import Role
 from helpers.worlds import run_distributed
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 8, 2 + 3]]
@@ -178,7 +179,6 @@ def policy_and_teacher_log_probs(cfg, batch, teacher_ids=None):
     from functools import partial
 
     from rl_megatron.models.hf_config import role_model_config
-    from rl_megatron.roles import Role
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     actor = build_actor(cfg)
@@ -195,7 +195,6 @@ def reward_model_scores(cfg, batch):
     """A reward model (reward_model.model.path, a sequence classifier of its own) built as a colocated one is, in the
     actor's layout: its head's output at every position of `batch`."""
     from rl_megatron.models.hf_config import role_model_config
-    from rl_megatron.roles import Role
     from rl_megatron.workers.megatron_critic import MegatronRewardModel
 
     model = MegatronRewardModel(cfg, role_model_config(cfg, Role.REWARD_MODEL, read_hf_config(cfg.model.path)))
@@ -206,7 +205,6 @@ def reward_model_scores(cfg, batch):
 def policy_and_reference_log_probs(cfg, batch):
     """The actor and its reference as the workers build one beside it (`Role.REF`: a frozen copy of the initial
     policy): each one's log-probs of `batch`."""
-    from rl_megatron.roles import Role
     from rl_megatron.workers.megatron_actor import MegatronActor
 
     actor = build_actor(cfg)

@@ -1,7 +1,7 @@
 """Streaming rollouts' controller side (rl_megatron/trainer/streaming.py) over scripted engines: AReaL's admission
 rule, the queue handing out the oldest groups, weight syncs interrupting requests in flight, a slow group waited for
-at its last batch within the bound, groups past it dropped and replaced, dynamic sampling per group, and the checkpoint of the queue and the unfinished prompts. The
-real engines run it in tests/e2e/test_async.py."""
+at its last batch within the bound, groups past it dropped and replaced, dynamic sampling per group, and the
+checkpoint of the queue and the unfinished prompts. The real engines run it in tests/e2e/test_async.py."""
 import asyncio
 import threading
 import time
