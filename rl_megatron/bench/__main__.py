@@ -30,7 +30,8 @@ Each prints its figure and the ratio to a limit measured in the same run on the 
   one-step-off's, on the same separate vLLM engine, all real runs of the CPU demo (`--steps`, `--max-tokens`,
   `--staleness`; `--workload long_tail`: answer lengths drawn log-normally, a few ~10x the median), with each mode's
   generation and training times, wait shares, overlap, engine idle share, samples and trained tokens per second and
-  the staleness reached, and the ideal step max(gen, train) (rl_megatron/bench/async_rl.py).
+  the staleness reached, the ideal step max(gen, train), and the engine's limit: its decode step at one sequence and
+  at a whole step's samples, and the samples/s of only full steps (rl_megatron/bench/async_rl.py, engine_steps.py).
 """
 from __future__ import annotations
 
@@ -296,6 +297,11 @@ def report(result: dict, as_json: bool) -> None:
         print(f"  ideal one-step-off step max(gen, train) of the synchronous run: {result['ideal_async_step_s']:.3f} s "
               f"({result['ideal_ratio']:.2f}x), measured {result['async_step_s']:.3f} s ({result['ratio']:.2f}x); "
               f"streaming {result['streaming_vs_one_step_off']:.2f}x one-step-off's samples/s")
+        engine = result["engine"]
+        print(f"  engine: a decode step of 1 sequence {engine['one_step_s'] * 1e3:.2f} ms, of {engine['width']} "
+              f"{engine['full_step_s'] * 1e3:.2f} ms ({engine['full_vs_one']:.1f}x); every step full: "
+              f"{engine['full_samples_per_s']:.0f} samples/s, streaming reaches "
+              f"{result['streaming_vs_full_engine']:.2f} of it")
 
 
 def run(args, model_dir: str) -> dict:

@@ -39,7 +39,11 @@ Per mode (`modes.synchronous`, `modes.one_step_off`, `modes.streaming`), means o
 
 `ideal_async_step_s` = max(gen, train) of the synchronous run: the step of a perfect one-step-off pipeline, where
 the longer of the two hides the other completely; `async_step_s` beside it is the one measured, and `ideal_ratio` the
-speed-up the ideal pipeline would have. The figure (`value`) is the one-step-off run's steps/s; `ratio` = synchronous
+speed-up the ideal pipeline would have. `engine` (rl_megatron/bench/engine_steps.py, measured after the runs on an
+engine built as theirs): a decode step's seconds holding one sequence (`one_step_s`) and a whole step's samples
+(`full_step_s`, `width`), their ratio, and `full_samples_per_s`, the samples/s of an engine decoding only full steps
+for answers of the streaming run's mean length: the limit of any rollout schedule; `streaming_vs_full_engine` is
+streaming's samples/s against it. The figure (`value`) is the one-step-off run's steps/s; `ratio` = synchronous
 step / one-step-off step, the speed-up (the `limit`: the synchronous run's steps/s); `streaming_vs_one_step_off`
 = one-step-off step / streaming step, streaming's samples/s against one-step-off's.
 
@@ -62,9 +66,11 @@ import time
 
 import yaml
 
+from rl_megatron.bench.engine_steps import engine_limit
 from rl_megatron.config.choices import ONE_STEP_OFF, STREAMING, SYNC
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = "configs/demo_cpu.yaml"  # every run's, relative to REPO
 DEFAULT_STEPS = 8
 DEFAULT_MAX_TOKENS = 64
 # the runs, by their names in the output: trainer.async_mode (each asynchronous one at --staleness, default 1)
@@ -79,15 +85,19 @@ WORKLOADS = {"demo": lambda max_tokens: (),
 RUN_TIMEOUT_S = 1200
 
 
+def engine_overrides(max_tokens: int, workload: str) -> list[str]:
+    """What every run sets of the demo's config that its engine sees: one trainer worker and one engine of its own,
+    the answers' budget and the workload."""
+    return ["trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
+            f"rollout.max_tokens={max_tokens}", *WORKLOADS[workload](max_tokens)]
+
+
 def trainer_command(experiment: str, mode: str, steps: int, max_tokens: int, log_dir: str,
                     workload: str = "demo", staleness: int = 1) -> list[str]:
-    return [sys.executable, "-m", "rl_megatron.train", "--config", "configs/demo_cpu.yaml",
-            "trainer.n_gpus_per_node=1", "actor.tensor_model_parallel_size=1", "rollout.placement=separate",
+    return [sys.executable, "-m", "rl_megatron.train", "--config", CONFIG, *engine_overrides(max_tokens, workload),
             f"trainer.async_mode={mode}", f"trainer.rollout_staleness={staleness if mode != SYNC else 0}",
-            f"rollout.max_tokens={max_tokens}",
             f"trainer.total_steps={steps}", "trainer.target_reward=null", "trainer.save_every=-1",
-            "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}",
-            *WORKLOADS[workload](max_tokens)]
+            "trainer.progress_bar=false", f"trainer.log_dir={log_dir}", f"trainer.experiment_name={experiment}"]
 
 
 def train(experiment: str, mode: str, steps: int, max_tokens: int, workload: str = "demo", staleness: int = 1
@@ -147,7 +157,7 @@ def figures(rows: list[dict], mode: str, samples_per_step: int) -> dict:
 
 def samples_per_step() -> int:
     """The demo's prompts a step times the samples of each (configs/demo_cpu.yaml)."""
-    with open(os.path.join(REPO, "configs", "demo_cpu.yaml")) as f:
+    with open(os.path.join(REPO, CONFIG)) as f:
         demo = yaml.safe_load(f)
     return demo["data"]["train_batch_size"] * demo["rollout"]["n"]
 
@@ -165,11 +175,14 @@ def run(args) -> dict:
         modes[name] = figures(rows, mode, samples) | {"run_s": run_s[name]}
     sync, one_off, streaming = modes["synchronous"], modes["one_step_off"], modes["streaming"]
     ideal = max(sync["gen_s"], sync["train_s"])
+    engine = engine_limit(REPO, CONFIG, engine_overrides(max_tokens, args.workload), samples,
+                          streaming["response_length_mean"])
     return {"bench": "async", "value": 1 / one_off["step_s"], "unit": "steps/s",
             "ratio": sync["step_s"] / one_off["step_s"],
             "limit_name": "synchronous steps/s", "limit": 1 / sync["step_s"],
             "sync_step_s": sync["step_s"], "async_step_s": one_off["step_s"],
             "ideal_async_step_s": ideal, "ideal_ratio": sync["step_s"] / ideal,
             "streaming_vs_one_step_off": one_off["step_s"] / streaming["step_s"],
+            "engine": engine, "streaming_vs_full_engine": streaming["samples_per_s"] / engine["full_samples_per_s"],
             "steps": steps, "max_tokens": max_tokens, "workload": args.workload, "staleness": args.staleness,
             "modes": modes}

@@ -238,6 +238,16 @@ def test_async_bench_runs_synchronous_one_step_off_and_streaming_steps():
     assert_positive(result, "value", "limit", "ratio", "ideal_async_step_s")
     assert result["value"] == pytest.approx(1 / one_off["step_s"])
     assert result["ratio"] == pytest.approx(sync["step_s"] / one_off["step_s"])
+    # The engines' limit: a decode step holding the step's 256 samples costs more than one holding a single sequence,
+    # and streaming's samples/s stays under those of an engine decoding only full steps.
+    engine = result["engine"]
+    assert engine["width"] == 256 and 0 < engine["one_step_s"] < engine["full_step_s"]
+    assert engine["full_vs_one"] == pytest.approx(engine["full_step_s"] / engine["one_step_s"])
+    assert engine["full_samples_per_s"] == pytest.approx(256 / (streaming["response_length_mean"]
+                                                                * engine["full_step_s"]))
+    assert 0 < result["streaming_vs_full_engine"] < 1
+    assert result["streaming_vs_full_engine"] == pytest.approx(streaming["samples_per_s"]
+                                                               / engine["full_samples_per_s"])
 
 
 def test_agent_bench_runs_the_gateway_and_the_in_process_loop_on_the_same_tokens():
