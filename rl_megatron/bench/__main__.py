@@ -55,7 +55,8 @@ BENCHES = ("generate", "log_probs", "update", "reshard", "train", "variable_leng
 PEER_BENCHES = {"transformers": ("train", "log_probs"), "vllm": ("generate", "multi_turn")}  # --peer: who runs it
 # Model and batch defaults per benchmark over the common ones. Resharding moves bytes: a model big enough (~150 MB
 # fp32) that the figure is not per-call overhead. train's depend on the device (rl_megatron/bench/train.py).
-COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256, "threads": os.cpu_count()}
+COMMON_DEFAULTS = {"hidden": 512, "layers": 4, "vocab": 4096, "batch": 32, "seq": 256, "threads": os.cpu_count(),
+                   "repeats": 5}
 MODEL_DEFAULTS = {"reshard": {"hidden": 1024, "layers": 2, "vocab": 8192},
                   "variable_length": {"hidden": 256, "layers": 2, "vocab": 4096},
                   # A few thousand tokens per micro-batch (one micro-batch), long enough sequences that the attention
@@ -132,10 +133,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=4, help="multi_turn: model turns per trajectory")
     parser.add_argument("--n", type=int, default=4, help="agent: samples (episodes) per prompt")
     parser.add_argument("--threads", type=int, help="torch threads (default: the machine's cores; agent 1)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed repeats: reshard syncs (the median is reported), train steps (the mean), "
-                             "recompute updates per mode (the median), agent runs of each loop (the median), "
-                             "generate and multi_turn --peer vllm runs of each side (the mean)")
+    parser.add_argument("--repeats", type=int,
+                        help="timed repeats (default 5; async 1): reshard syncs (the median is reported), train steps "
+                             "(the mean), recompute updates per mode (the median), agent runs of each loop (the "
+                             "median), generate and multi_turn --peer vllm runs of each side (the mean), async runs of "
+                             "each mode, interleaved (the median)")
     parser.add_argument("--peer", choices=tuple(PEER_BENCHES),
                         help="run a peer on the same work after the project and report ratio_to_peer (the project's "
                              "tokens/s over the peer's). transformers (train, log_probs): Hugging Face transformers, "

@@ -14,6 +14,11 @@ tail. The figures come from each run's metrics.jsonl (`timing_s/*`), over the st
 warm-up, and in one-step-off a batch with nothing before it to hide behind) and the last step (one-step-off generates
 nothing beside it: on shared cores it trains uncontended, faster than any steady step) are left out of every mode.
 
+`--repeats R` (default 1) runs the three modes R times, interleaved (synchronous, one-step-off, streaming, then again),
+so that a machine whose speed drifts (a shared VM) slows each mode's runs alike: each mode reports its run of median
+samples/s (`samples_per_s_by_repeat`: all of them), and `streaming_vs_one_step_off_by_repeat` pairs each repeat's
+one-step-off and streaming runs, which ran one after the other.
+
 Per mode (`modes.synchronous`, `modes.one_step_off`, `modes.streaming`), means over those steps:
 - `step_s`: `timing_s/step`, the trainer's step (taking the batch, the forward passes, the update, the weight sync);
 - `gen_s`: `timing_s/gen`, generating the step's batch: in the step when synchronous; one-step-off, in the
@@ -107,8 +112,8 @@ def train(experiment: str, mode: str, steps: int, max_tokens: int, workload: str
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix=f"rl_megatron_bench_async_{experiment}_") as log_dir:
         start = time.perf_counter()
-        done = subprocess.run(trainer_command(experiment, mode, steps, max_tokens, log_dir, workload, staleness), cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(trainer_command(experiment, mode, steps, max_tokens, log_dir, workload, staleness),
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             raise RuntimeError(f"the {experiment} run (trainer.async_mode={mode}) failed with exit code "
@@ -162,17 +167,25 @@ def samples_per_step() -> int:
     return demo["data"]["train_batch_size"] * demo["rollout"]["n"]
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Of one mode's runs (their `figures`), the one of median samples/s: the lower middle one of an even count."""
+    return sorted(runs, key=lambda run_figures: run_figures["samples_per_s"])[(len(runs) - 1) // 2]
+
+
 def run(args) -> dict:
-    steps = args.steps or DEFAULT_STEPS
+    steps, repeats = args.steps or DEFAULT_STEPS, args.repeats or 1
     max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
     if args.staleness < 1:
         raise SystemExit("bench async: --staleness must be at least 1 (the bound of the asynchronous runs)")
     if steps < 3:
         raise SystemExit("bench async: --steps must be at least 3 (the first and the last steps are left out)")
-    modes, run_s, samples = {}, {}, samples_per_step()
-    for name, mode in MODES.items():
-        rows, run_s[name] = train(name, mode, steps, max_tokens, args.workload, args.staleness)
-        modes[name] = figures(rows, mode, samples) | {"run_s": run_s[name]}
+    runs, samples = {name: [] for name in MODES}, samples_per_step()
+    for _ in range(repeats):  # the modes interleaved: a machine whose speed drifts moves each mode's runs alike
+        for name, mode in MODES.items():
+            rows, seconds = train(name, mode, steps, max_tokens, args.workload, args.staleness)
+            runs[name].append(figures(rows, mode, samples) | {"run_s": seconds})
+    modes = {name: median_run(mode_runs) | {"samples_per_s_by_repeat": [r["samples_per_s"] for r in mode_runs]}
+             for name, mode_runs in runs.items()}
     sync, one_off, streaming = modes["synchronous"], modes["one_step_off"], modes["streaming"]
     ideal = max(sync["gen_s"], sync["train_s"])
     engine = engine_limit(REPO, CONFIG, engine_overrides(max_tokens, args.workload), samples,
@@ -183,6 +196,9 @@ def run(args) -> dict:
             "sync_step_s": sync["step_s"], "async_step_s": one_off["step_s"],
             "ideal_async_step_s": ideal, "ideal_ratio": sync["step_s"] / ideal,
             "streaming_vs_one_step_off": one_off["step_s"] / streaming["step_s"],
+            "streaming_vs_one_step_off_by_repeat": [one_off_run["step_s"] / streaming_run["step_s"] for one_off_run,
+                                                    streaming_run in zip(runs["one_step_off"], runs["streaming"])],
             "engine": engine, "streaming_vs_full_engine": streaming["samples_per_s"] / engine["full_samples_per_s"],
-            "steps": steps, "max_tokens": max_tokens, "workload": args.workload, "staleness": args.staleness,
+            "steps": steps, "repeats": repeats, "max_tokens": max_tokens, "workload": args.workload,
+            "staleness": args.staleness,
             "modes": modes}

@@ -210,7 +210,7 @@ def test_async_bench_runs_synchronous_one_step_off_and_streaming_steps():
     it, in docs/benchmarks.md)."""
     result = bench("async", "--steps", "3", "--max-tokens", "24", "--workload", "long_tail")
     assert result["bench"] == "async" and result["steps"] == 3 and result["max_tokens"] == 24
-    assert result["workload"] == "long_tail" and result["staleness"] == 1
+    assert result["workload"] == "long_tail" and result["staleness"] == 1 and result["repeats"] == 1
     keys = {"step_s", "gen_s", "train_s", "wait_for_rollout_share", "wait_for_train_share", "overlap",
             "response_length_mean", "response_length_max", "steps", "measured_steps", "run_s", "samples_per_s",
             "trained_tokens_per_s", "engine_idle_share", "staleness_max", "dropped_samples"}
@@ -230,6 +230,8 @@ def test_async_bench_runs_synchronous_one_step_off_and_streaming_steps():
     assert (sync["staleness_max"], one_off["staleness_max"]) == (0, 1) and streaming["staleness_max"] <= 1
     assert 0 <= streaming["engine_idle_share"] <= 1
     assert result["streaming_vs_one_step_off"] == pytest.approx(one_off["step_s"] / streaming["step_s"])
+    assert result["streaming_vs_one_step_off_by_repeat"] == [result["streaming_vs_one_step_off"]]
+    assert all(mode["samples_per_s_by_repeat"] == [mode["samples_per_s"]] for mode in modes.values())
     assert 0 <= one_off["wait_for_rollout_share"] <= 1 and 0 <= one_off["wait_for_train_share"] <= 1
     assert 0 < one_off["overlap"] <= 1 and sync["overlap"] == 0
     # Synchronous: the step is the generation plus the training, and each side idles through the other's part.
