@@ -10,8 +10,8 @@ streaming gains less, and a slow sample needs more trainer steps to finish: `ful
 case the machine is (docs/async.md).
 
 The engine is built in the bench's process after the runs, as their engine worker builds it: the demo's model and
-rollout settings with the runs' overrides, a thread count of the runs' engine worker (the machine's cores shared
-by the trainer's worker and the engine's), random weights. Every request decodes exactly the timed steps
+rollout settings with the runs' overrides, the thread count of the runs' workers (`threads_per_worker`: the
+machine's cores shared by the trainer's worker and the engine's), random weights. Every request decodes exactly the timed steps
 (ignore_eos): `width` sequences of the demo's prompt length are prefilled, then `STEPS` decode steps timed.
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ import time
 import torch
 
 from rl_megatron.config.load import load
+from rl_megatron.config.pools import threads_per_worker
 from rl_megatron.preflight.resolve import resolve
 from rl_megatron.rollout.completions import TurnRequest
 from rl_megatron.rollout.engine import engine_class
 
 STEPS = 16  # timed decode steps at each width, after WARMUP
 WARMUP = 2
-RUN_WORKERS = 2  # the runs' workers sharing the machine's cores: the trainer's and the engine's
 
 
 def decode_step_s(engine, width: int, prompt_ids: list[int]) -> float:
@@ -52,9 +52,11 @@ def engine_limit(repo: str, config: str, overrides: list[str], samples_per_step:
     """The `engine` figures of the runs of `config` with `overrides` (its paths relative to `repo`, as the runs' own):
     the decode step at one sequence and at `samples_per_step`, their ratio, and the samples/s of an engine decoding
     only full steps for answers of `response_length_mean` tokens."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // RUN_WORKERS))  # before vLLM starts: it freezes the count
     with contextlib.chdir(repo):
         cfg = resolve(load(config, [*overrides, "rollout.ignore_eos=true"]))
+        # As many threads as each of the runs' workers had (a local cluster offers the machine's cores), set before
+        # vLLM starts: it freezes the count.
+        torch.set_num_threads(threads_per_worker(cfg, os.cpu_count() or 1))
         engine = engine_class(cfg.rollout.engine)(cfg.model.path, cfg.rollout, cfg.model.dtype, seed=cfg.trainer.seed)
     try:
         prompt_ids = [1 + i % 9 for i in range(cfg.data.max_prompt_length)]  # in the demo's vocabulary

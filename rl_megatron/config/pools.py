@@ -103,3 +103,8 @@ def worker_pools(cfg: Config) -> list[WorkerPool]:
                     "etp": a.expert_tensor_parallel_size or tp}
     return [WorkerPool(Role.ACTOR, tuple(actor_roles), cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, actor_layout),
             *separate]
+
+
+def threads_per_worker(cfg: Config, cpus: int) -> int:
+    """Torch threads for each worker of the run: the cluster's CPUs shared evenly by every pool's workers."""
+    return max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in worker_pools(cfg)))

@@ -7,7 +7,7 @@ import time
 from contextlib import ExitStack
 
 from rl_megatron.config import Config
-from rl_megatron.config.pools import worker_pools
+from rl_megatron.config.pools import threads_per_worker, worker_pools
 from rl_megatron.platform.determinism import deterministic_env
 from rl_megatron.roles import Role, roles_name
 from rl_megatron.rollout.engine import engine_class
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 def build_workers(cfg: Config, hf_config: dict, cpus: int, stack: ExitStack) -> dict[Role, WorkerGroup]:
     """The worker groups, by role (a colocated role maps to the actor's group); closed by `stack`."""
     pools = worker_pools(cfg)
-    threads = max(1, cpus // sum(pool.nnodes * pool.gpus_per_node for pool in pools))
+    threads = threads_per_worker(cfg, cpus)
     env = worker_env(threads, local_cluster=cfg.ray.address is None, deterministic=cfg.trainer.deterministic,
                      engine_env=engine_class(cfg.rollout.engine).process_env)
     logs = logs_dir(cfg.trainer.run_dir)
