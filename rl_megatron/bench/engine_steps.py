@@ -11,8 +11,9 @@ case the machine is (docs/async.md).
 
 The engine is built in the bench's process after the runs, as their engine worker builds it: the demo's model and
 rollout settings with the runs' overrides, the thread count of the runs' workers (`threads_per_worker`: the
-machine's cores shared by the trainer's worker and the engine's), random weights. Every request decodes exactly the timed steps
-(ignore_eos): `width` sequences of the demo's prompt length are prefilled, then `STEPS` decode steps timed.
+machine's cores shared by the trainer's worker and the engine's), random weights. Every request decodes exactly the
+timed steps (ignore_eos): `width` sequences of the demo's prompt length are prefilled, then `STEPS` decode steps
+timed.
 """
 from __future__ import annotations
 
