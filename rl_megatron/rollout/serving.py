@@ -4,7 +4,8 @@ no batch back.
 
     trajectory coroutines --generate(engine, TurnRequest)--> TurnScheduler --serve(engine, requests)--> engines
                                                               one driver per engine: adds the waiting requests,
-                                                              decodes until one finishes, hands it back
+                                                              decodes until one finishes, hands it back;
+                                                              its next call made before that one's result is back
 
 This is the pattern of verl's AgentLoop over its asynchronous rollout servers and of slime's custom generate
 functions over SGLang: the agent code is a coroutine per trajectory, and the engine batches across trajectories
@@ -43,7 +44,9 @@ from rl_megatron.rollout.completions import Completion, TurnRequest
 from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.gate import EngineGate
 
-# serve(engine index, requests to add) -> the requests that finished, by id (see RolloutEngine.serve)
+# serve(engine index, requests to add) -> the requests that finished, by id (see RolloutEngine.serve). One engine's
+# calls must run one after another in the order made, as a Ray actor's do: a driver makes the next before the
+# current one's result is back.
 ServeFn = Callable[[int, list[TurnRequest]], Awaitable[list[tuple[str, Completion]]]]
 # interrupt(engine index) -> the engine's unfinished requests, what each sampled so far (RolloutEngine.interrupt)
 InterruptFn = Callable[[int], Awaitable[list[tuple[str, Completion]]]]
@@ -206,47 +209,79 @@ class TurnScheduler:
                     future.set_exception(error)
 
     async def _serve_forever(self, engine: int) -> None:
-        while True:
-            if not self._running[engine]:
-                self._idle_since[engine] = time.perf_counter()
-                await self._wake[engine].wait()
-                self.idle_s[engine] += time.perf_counter() - self._idle_since[engine]
-                self._idle_since[engine] = None
-            self._wake[engine].clear()
-            if self.pausing is not None:
-                await self._let_weight_updates_in(engine)
-            adding, self._waiting[engine] = self._waiting[engine], []
-            self._running[engine] += len(adding)
-            version = self.pausing.version() if self.pausing else None  # constant until this engine's use ends
-            finished = await self.serve(engine, [self._capped(request) for request, _ in adding])
-            self._running[engine] -= len(finished)
-            if self.pausing is not None:
-                finished = self._hold(engine, finished, version)
-                if not self._running[engine]:
-                    self._leave(engine)
-                    self._release_at_sync_point()
-                    if self._held[engine]:
-                        await self._continue_held(engine)
-            done = [(self._futures.pop(request_id), self._whole(request_id, completion, version))
-                    for request_id, completion in finished]
-            if not self.turn_synchronous:
-                for future, completion in done:
-                    future.set_result(completion)
-                continue
-            self._round_done += done
-            if not any(self._running):  # the round is over: every trajectory gets its turn back at once
-                for future, completion in self._round_done:
-                    future.set_result(completion)
-                self._round_done = []
+        ahead = None  # the engine's next call, made before the result of the one awaited came back
+        try:
+            while True:
+                if ahead is None:
+                    if not self._running[engine]:
+                        self._idle_since[engine] = time.perf_counter()
+                        await self._wake[engine].wait()
+                        self.idle_s[engine] += time.perf_counter() - self._idle_since[engine]
+                        self._idle_since[engine] = None
+                    if self.pausing is not None:
+                        await self._let_weight_updates_in(engine)
+                    call, version = self._call(engine)
+                else:
+                    (call, version), ahead = ahead, None
+                if self._runs_ahead(engine):
+                    ahead = self._call(engine)
+                finished = await call
+                self._running[engine] -= len(finished)
+                if self.pausing is not None:
+                    finished = self._hold(engine, finished, version)
+                    if not self._running[engine] and ahead is None:
+                        self._leave(engine)
+                        self._release_at_sync_point()
+                        if self._held[engine]:
+                            await self._continue_held(engine)
+                self._hand_back(engine, finished, version)
+        finally:
+            if ahead is not None:
+                ahead[0].cancel()
+
+    def _call(self, engine: int) -> tuple[asyncio.Future, int | None]:
+        """Call the engine's `serve` with the requests waiting; the call (its finished requests, to await) and the
+        policy version its tokens are sampled with (constant until this engine's use of the gate ends)."""
+        self._wake[engine].clear()
+        adding, self._waiting[engine] = self._waiting[engine], []
+        self._running[engine] += len(adding)
+        version = self.pausing.version() if self.pausing else None
+        return asyncio.ensure_future(self.serve(engine, [self._capped(request) for request, _ in adding])), version
+
+    def _runs_ahead(self, engine: int) -> bool:
+        """Whether to make the engine's next call before the result of the current one is back. An engine's calls
+        run one after another in the order made (a Ray actor's), so the engine starts the next decode burst as soon
+        as it ends one, instead of waiting for its result's round trip through the controller (which on a loaded
+        host costs as much as a burst): what an asynchronous engine's own loop does for verl's and slime's servers.
+        Not when nothing would be decoded, nor while a weight sync waits for the engines or requests are held at
+        a fixed sync point (the use of the gate must end after the current call)."""
+        if not self._running[engine]:
+            return False
+        return self.pausing is None or not (self.pausing.gate.sync_waiting or self.pausing.holds())
+
+    def _hand_back(self, engine: int, finished: list[tuple[str, Completion]], version: int | None) -> None:
+        """Give the finished requests' completions to their trajectories: at once, or turn-synchronous, all of a
+        round's together once the round is over."""
+        done = [(self._futures.pop(request_id), self._whole(request_id, completion, version))
+                for request_id, completion in finished]
+        if not self.turn_synchronous:
+            for future, completion in done:
+                future.set_result(completion)
+            return
+        self._round_done += done
+        if not any(self._running):  # the round is over: every trajectory gets its turn back at once
+            for future, completion in self._round_done:
+                future.set_result(completion)
+            self._round_done = []
 
     async def _let_weight_updates_in(self, engine: int) -> None:
         """Partial rollouts: when a weight sync waits, interrupt this engine's requests (they wait to be continued)
         and end its use of the engines; a driver starting a use waits for the sync in progress."""
         if self._running[engine] and self.pausing.gate.sync_waiting and not self.pausing.holds():
             version = self.pausing.version()
-            for request_id, part in await self.pausing.interrupt(engine):
-                self._continue(engine, request_id, part, version)
-                self.interrupted += 1
+            interrupted = await self.pausing.interrupt(engine)
+            self._continue(engine, [(request_id, part, version) for request_id, part in interrupted])
+            self.interrupted += len(interrupted)
             self._running[engine] = 0
             self._leave(engine)
         await self._enter(engine)
@@ -300,31 +335,37 @@ class TurnScheduler:
         """Every request on this engine stopped at its cap or finished: wait for the awaited version, then
         continue the stopped ones with it."""
         await self._enter(engine, lambda: not self.pausing.holds())
-        for request_id, part, version in self._held[engine]:
-            self._continue(engine, request_id, part, version)
+        self._continue(engine, self._held[engine])
         self._held[engine] = []
         self._wake[engine].set()
 
-    def _continue(self, engine: int, request_id: str, part: Completion, version: int) -> None:
-        """Queue the continuation of an interrupted request (or hand back what it has, if it used its tokens)."""
-        part.versions = [version] * len(part.response_ids)
-        origin = self._origin.pop(request_id, request_id)
-        request = self._requests[origin]
-        sampled, parts = self._continued.get(origin, (None, 0))
-        sampled = part if sampled is None else sampled.followed_by(part)
-        future = self._futures.pop(request_id)
-        left = request.max_tokens - len(sampled.response_ids)
-        if left <= 0:
-            self._continued.pop(origin, None)
-            self._requests.pop(origin)
-            future.set_result(sampled)
-            return
-        continuation = TurnRequest(f"{origin}+{parts + 1}", request.token_ids + sampled.response_ids,
-                                   continuation_seed(request.seed, parts + 1), left, request.temperature)
-        self._continued[origin] = (sampled, parts + 1)
-        self._origin[continuation.request_id] = origin
-        self._futures[continuation.request_id] = future
-        self._waiting[engine].insert(0, (continuation, future))
+    def _continue(self, engine: int, parts: list[tuple[str, Completion, int]]) -> None:
+        """Queue the continuations of interrupted requests (each part: its request id, what it sampled, the version
+        that sampled it), ahead of the requests waiting and in the order given (an interrupt gives them in the order
+        the engine took them): once an engine holds more requests than it decodes at once (vLLM's max_num_seqs), it
+        takes them first come first served, so the oldest (a streaming batch's last groups) are decoded first. A
+        request that has used its tokens is handed back as it is."""
+        continuations = []
+        for request_id, part, version in parts:
+            part.versions = [version] * len(part.response_ids)
+            origin = self._origin.pop(request_id, request_id)
+            request = self._requests[origin]
+            sampled, count = self._continued.get(origin, (None, 0))
+            sampled = part if sampled is None else sampled.followed_by(part)
+            future = self._futures.pop(request_id)
+            left = request.max_tokens - len(sampled.response_ids)
+            if left <= 0:
+                self._continued.pop(origin, None)
+                self._requests.pop(origin)
+                future.set_result(sampled)
+                continue
+            continuation = TurnRequest(f"{origin}+{count + 1}", request.token_ids + sampled.response_ids,
+                                       continuation_seed(request.seed, count + 1), left, request.temperature)
+            self._continued[origin] = (sampled, count + 1)
+            self._origin[continuation.request_id] = origin
+            self._futures[continuation.request_id] = future
+            continuations.append((continuation, future))
+        self._waiting[engine][:0] = continuations
 
     def _whole(self, request_id: str, completion: Completion, version: int | None) -> Completion:
         """A finished request's completion, after what its earlier parts sampled (partial rollouts)."""

@@ -16,6 +16,8 @@ from rl_megatron.rollout.serving import Pausing, TurnScheduler, continuation_see
 from rl_megatron.trainer.metrics import Timer
 from rl_megatron.trainer.rollout_ahead import Ahead, InStep, Rollout, drop_stale
 
+from helpers.actor_calls import one_at_a_time
+
 
 def sample(version: int, tokens: int = 2, versions=None) -> Sample:
     return Sample([1], [2] * tokens, [0.0] * tokens, "t", None, policy_version=version, token_versions=versions)
@@ -145,6 +147,7 @@ class PausableEngine:
         self.running: dict[str, tuple[TurnRequest, list[int]]] = {}
         self.requests: list[TurnRequest] = []
 
+    @one_at_a_time
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
         self.requests += requests
         for r in requests:
@@ -160,7 +163,9 @@ class PausableEngine:
                     finished.append((request_id, self._completion(tokens, SampleStatus.TRUNCATED)))
         return finished
 
+    @one_at_a_time
     async def interrupt(self, engine: int) -> list[tuple[str, Completion]]:
+        assert self.open_calls[engine] == ["interrupt"], "a serve call was made around the interrupt"
         cut = [(rid, self._completion(tokens, SampleStatus.ABORTED)) for rid, (_, tokens) in self.running.items()]
         self.running = {}
         return cut
@@ -195,6 +200,26 @@ def test_a_weight_update_mid_request_continues_it_with_the_new_version_and_keeps
     assert completion.status == SampleStatus.TRUNCATED
 
 
+def test_interrupted_requests_continue_in_the_order_the_engine_took_them():
+    # An engine holding more requests than it decodes at once (vLLM's max_num_seqs) takes them first come first
+    # served: the continuations keep the oldest first, so a streaming batch's last groups are not decoded last.
+    engine, gate, version = PausableEngine(), EngineGate(), [0]
+    scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: version[0]))
+    requests = [TurnRequest(f"r{i}", [i], seed=i, max_tokens=40, temperature=1.0) for i in range(4)]
+
+    def update_weights():
+        time.sleep(0.06)
+        with gate.sync():
+            version[0] = 1
+
+    updating = threading.Thread(target=update_weights)
+    updating.start()
+    completions = asyncio.run(scheduler.run([lambda r=r: scheduler.generate(0, r) for r in requests]))
+    updating.join()
+    assert [r.request_id for r in engine.requests] == ["r0", "r1", "r2", "r3", "r0+1", "r1+1", "r2+1", "r3+1"]
+    assert all(len(c.response_ids) == 40 and c.versions[0] == 0 and c.versions[-1] == 1 for c in completions)
+
+
 def test_without_a_sync_waiting_partial_rollouts_change_nothing():
     engine, gate = PausableEngine(), EngineGate()
     scheduler = TurnScheduler(engine.serve, 1, pausing=Pausing(gate, engine.interrupt, lambda: 4))
@@ -210,6 +235,7 @@ class FinishingAtInterrupt(PausableEngine):
     """An engine whose request has sampled all its tokens when a sync interrupts it (it finished between the
     scheduler's last step and the interrupt): the continuation is not needed, the trajectory ends there."""
 
+    @one_at_a_time
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
         self.requests += requests
         for r in requests:

@@ -24,6 +24,8 @@ from rl_megatron.trainer.metrics import Timer
 from rl_megatron.trainer.rewards import Rewards
 from rl_megatron.trainer.streaming import StreamSettings, Streaming, admissible, oldest_first
 
+from helpers.actor_calls import one_at_a_time
+
 PROMPT_TOKENS = 2  # a prompt is [answer length, 0]
 
 
@@ -44,6 +46,7 @@ class ScriptedEngines:
     async def call_shard(self, name: str, axis: str, engine: int, *args):
         return await getattr(self, name)(engine, *args)
 
+    @one_at_a_time
     async def serve(self, engine: int, requests: list[TurnRequest], max_steps: int | None):
         self.requests += requests
         running = self.running[engine]
@@ -67,6 +70,7 @@ class ScriptedEngines:
                    if self.routing else None)
         return Completion(list(tokens), [-0.5] * len(tokens), status, routed_experts=routing)
 
+    @one_at_a_time
     async def interrupt(self, engine: int):
         running = self.running[engine]
         cut = [(rid, self._completion(request, tokens, SampleStatus.ABORTED))

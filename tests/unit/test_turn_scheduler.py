@@ -9,6 +9,8 @@ from rl_megatron.batch import SampleStatus
 from rl_megatron.rollout.serving import TurnScheduler
 from rl_megatron.rollout.completions import Completion, TurnRequest
 
+from helpers.actor_calls import one_at_a_time
+
 STEP_S = 0.01
 
 
@@ -19,7 +21,9 @@ class ScriptedEngines:
     def __init__(self, engines: int):
         self.running = [{} for _ in range(engines)]
         self.added: list[tuple[int, list[str]]] = []
+        self.depths: list[int] = []  # per call: the engine's calls not yet returned when it ended
 
+    @one_at_a_time
     async def serve(self, engine: int, requests: list[TurnRequest]) -> list[tuple[str, Completion]]:
         self.added.append((engine, [r.request_id for r in requests]))
         running = self.running[engine]
@@ -33,6 +37,7 @@ class ScriptedEngines:
                 if len(tokens) == request.max_tokens:
                     del running[request_id]
                     finished.append((request_id, Completion(tokens, [0.0] * len(tokens), SampleStatus.OK)))
+        self.depths.append(len(self.open_calls[engine]))  # this call and those made after it
         return finished
 
 
@@ -113,3 +118,12 @@ def test_an_engine_failure_fails_the_batch():
     scheduler = TurnScheduler(dead_engine, 1)
     with pytest.raises(ConnectionError, match="worker died"):
         asyncio.run(scheduler.run([agent(scheduler, i, 1, 2, 0.0) for i in range(3)]))
+
+
+def test_the_engines_next_call_is_made_before_the_current_one_returns():
+    # The engine starts its next decode burst at once instead of waiting for the controller's round trip; never
+    # more than one call waits behind the running one.
+    engines = ScriptedEngines(1)
+    scheduler = TurnScheduler(engines.serve, 1)
+    asyncio.run(scheduler.run([agent(scheduler, i, 1, turns=2, tool_s=0.0) for i in range(6)]))
+    assert max(engines.depths) == 2 and engines.depths.count(2) > len(engines.depths) // 2
