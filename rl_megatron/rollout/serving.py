@@ -132,6 +132,7 @@ class TurnScheduler:
         self._continued: dict[str, tuple[Completion, int]] = {}  # by an interrupted request's id: what its parts
         # sampled, and the latest part's number
         self._origin: dict[str, str] = {}  # a continuation's id -> its original request's id
+        self._one_step = [False] * self.engines  # the engine's latest call ends all it holds (see `_call`)
         self._using = [False] * self.engines  # partial rollouts: whether the engine's driver holds a use of the gate
         self._caps: dict[str, int] = {}  # a request stopped at sync_at_tokens -> its tokens there
         self._held: list[list[tuple[str, Completion, int]]] = [[] for _ in range(self.engines)]  # stopped there
@@ -246,16 +247,21 @@ class TurnScheduler:
         adding, self._waiting[engine] = self._waiting[engine], []
         self._running[engine] += len(adding)
         version = self.pausing.version() if self.pausing else None
-        return asyncio.ensure_future(self.serve(engine, [self._capped(request) for request, _ in adding])), version
+        requests = [self._capped(request) for request, _ in adding]
+        # A call decodes at least one step: requests of one token that are all the engine holds all end in it.
+        self._one_step[engine] = (len(requests) == self._running[engine]
+                                  and all(request.max_tokens <= 1 for request in requests))
+        return asyncio.ensure_future(self.serve(engine, requests)), version
 
     def _runs_ahead(self, engine: int) -> bool:
         """Whether to make the engine's next call before the result of the current one is back. An engine's calls
         run one after another in the order made (a Ray actor's), so the engine starts the next decode burst as soon
         as it ends one, instead of waiting for its result's round trip through the controller (which on a loaded
         host costs as much as a burst): what an asynchronous engine's own loop does for verl's and slime's servers.
-        Not when nothing would be decoded, nor while a weight sync waits for the engines or requests are held at
-        a fixed sync point (the use of the gate must end after the current call)."""
-        if not self._running[engine]:
+        Not when nothing would be decoded (the current call ends all the engine holds: turns of one token), nor
+        while a weight sync waits for the engines or requests are held at a fixed sync point (the use of the gate
+        must end after the current call)."""
+        if not self._running[engine] or self._one_step[engine]:
             return False
         return self.pausing is None or not (self.pausing.gate.sync_waiting or self.pausing.holds())
 

@@ -127,3 +127,14 @@ def test_the_engines_next_call_is_made_before_the_current_one_returns():
     scheduler = TurnScheduler(engines.serve, 1)
     asyncio.run(scheduler.run([agent(scheduler, i, 1, turns=2, tool_s=0.0) for i in range(6)]))
     assert max(engines.depths) == 2 and engines.depths.count(2) > len(engines.depths) // 2
+
+
+def test_turns_of_one_token_make_no_call_ahead():
+    # A call decodes at least one step, so it ends every one-token turn it holds: a call made ahead would find nothing
+    # to decode and cost a round trip.
+    engines = ScriptedEngines(1)
+    scheduler = TurnScheduler(engines.serve, 1)
+    requests = [TurnRequest(f"r{i}", [i], seed=i, max_tokens=1, temperature=1.0) for i in range(4)]
+    completions = asyncio.run(scheduler.run([lambda r=r: scheduler.generate(0, r) for r in requests]))
+    assert [c.response_ids for c in completions] == [[i % 97] for i in range(4)]
+    assert engines.depths and set(engines.depths) == {1}
