@@ -3,9 +3,9 @@
 With `--peer transformers`, Hugging Face transformers' step on the same work follows in the same process
 (bench/peer.py), and `ratio_to_peer` is the project's tokens/s over transformers'. With `--ladder`, the step's levers
 (LADDER) are applied one after another, each rung a fresh actor on the same weights and batch: its tokens/s, MFU,
-peak device memory and the first update's gradient norm (which no lever may change), and the figure is the last
-rung's, every lever on. Every run also counts the host
-syncs of one update (`host_syncs_per_update`, bench/host_syncs.py; on a GPU beside CUDA's own count).
+peak device memory and the first update's gradient norm (which no lever may change beyond float32's rounding),
+and the figure is the last rung's, every lever on. Every run also counts the host syncs of one update
+(`host_syncs_per_update`, bench/host_syncs.py; on a GPU beside CUDA's own count).
 
 A step is the actor's update over one mini-batch: forward, backward and optimizer step (PPO loss on the response
 tokens, every token forwarded). Default model: on GPU Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV

@@ -16,6 +16,8 @@ from rl_megatron.bench.train import LADDER
 # The weights outside the embedding: QKV 128x256 + bias 256, output 128x128, MLP 128x704 + 352x128, two norms of
 # 128, the final norm, the output layer 128x256.
 SMALL_MODEL_WEIGHTS = 128 * 256 + 256 + 128 * 128 + 128 * 704 + 352 * 128 + 2 * 128 + 128 + 128 * 256
+# The ladder's rungs agree on the first update's gradient norm to a few float32 roundings (float32's epsilon 1.2e-7).
+GRAD_NORM_ROUNDING = 1e-6
 SMALL_ARGS = ("--hidden", "128", "--layers", "1", "--vocab", "256", "--batch", "4", "--seq", "32", "--threads", "1")
 
 
@@ -65,11 +67,15 @@ def test_train_bench_reports_tokens_per_s_and_mfu():
     6 * N + 12 * L * Hq * S per token (N: the weights of the matrix multiplies). transformers' step on the same work
     follows once the project's model is freed (at a 7B width the two did not fit on an 80 GB GPU together). With
     --ladder, each lever's rung first (a fresh actor on the same weights): the first update's gradient the same on
-    every rung, and the figure the last rung's (every lever on)."""
+    every rung to float32's rounding, and the figure the last rung's (every lever on)."""
     result = bench("train", *SMALL_ARGS, "--repeats", "2", "--peer", "transformers", "--ladder")
     rungs = result["ladder"]
     assert [r["rung"] for r in rungs] == [name for name, _ in LADDER] and len(rungs) > 1
-    assert all(r["grad_norm"] == rungs[0]["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in rungs)
+    # Not bit for bit: Megatron's fused SwiGLU computes its backward by its own expression of the derivative, which
+    # rounds apart from autograd's in the last bit on some CPUs (2.4994924 against 2.4994922 on an AMD EPYC with
+    # AVX-512, equal on the earlier machines); a lever that changed the arithmetic would move the norm far more.
+    assert rungs[0]["grad_norm"] > 0 and all(r["tokens_per_s"] > 0 for r in rungs)
+    assert all(r["grad_norm"] == pytest.approx(rungs[0]["grad_norm"], rel=GRAD_NORM_ROUNDING) for r in rungs)
     assert all(r["mfu"] is None and r["peak_memory_bytes"] is None for r in rungs)  # no nominal peak, no CUDA
     assert result["tokens_per_s"] == rungs[-1]["tokens_per_s"]
     assert result["bench"] == "train" and result["dtype"] == "float32" and result["layers_impl"] == "local"
