@@ -33,10 +33,15 @@ FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED
 
 def completion_of(output, routed_experts: np.ndarray | None = None) -> Completion:
     """A vLLM CompletionOutput as a Completion (with its routing, when the engine returns it)."""
-    ids = list(output.token_ids)
-    log_probs = [step[token].logprob for step, token in zip(output.logprobs, ids)]
-    return Completion(ids, log_probs, FINISH_STATUS.get(output.finish_reason, SampleStatus.OK),
-                      routed_experts=routed_experts)
+    return sampled(output.token_ids, output.logprobs, FINISH_STATUS.get(output.finish_reason, SampleStatus.OK),
+                   routed_experts)
+
+
+def sampled(token_ids, logprobs, status: SampleStatus, routed_experts: np.ndarray | None = None) -> Completion:
+    """A Completion of the tokens vLLM sampled and its log-probs of them (a list per position, indexed by token)."""
+    ids = list(token_ids)
+    log_probs = [step[token].logprob for step, token in zip(logprobs, ids)]
+    return Completion(ids, log_probs, status, routed_experts=routed_experts)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class EngineRouting:
             return None
         return sample.routed_experts[:positions, self.layers].astype(ROUTING_DTYPE)
 
+    def of_cut(self, request_id: str, positions: int) -> np.ndarray | None:
+        """What the engine fed of request `request_id` (one sample), cut off unfinished after `positions` positions
+        (None if nothing, and on CUDA, as `of`)."""
+        return None if self.capture is None else self.capture.take(request_id, 0, positions, whole=False)
+
     def forget(self) -> None:
         """Drop the routing no completion took (requests aborted by `interrupt`)."""
         if self.capture is not None:

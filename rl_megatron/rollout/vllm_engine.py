@@ -17,7 +17,7 @@ import torch
 
 from rl_megatron import platform
 from rl_megatron.batch import SampleStatus
-from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of
+from rl_megatron.rollout.completions import Completion, TurnRequest, completion_of, sampled
 from rl_megatron.rollout.cpu_engine import keep_cpu_weights_in_place, name_cpu_shm_by_world, remove_stale_cpu_shm
 from rl_megatron.rollout.moe_backend import check_engine_moe_kernels, engine_moe_arguments, pins_moe_backend
 from rl_megatron.rollout.routing_capture import EngineRouting
@@ -175,7 +175,7 @@ class VLLMEngine:
         register_qwen3_5_text_models(hf.get("architectures") or [])
         self.sleeps = platform.has_cuda()  # vLLM's sleep mode (see `sleep`); its CPU backend has none
         self.asleep: set[str] = set()  # the parts (WAKE_TAGS) that `sleep` freed and no `wake_up` has restored
-        self.unfinished: dict[str, object] = {}  # `serve`'s requests not finished yet: their latest vLLM output
+        self.unfinished: dict[str, str] = {}  # `serve`'s requests not finished yet: vLLM's own id of each
         self.adapter = None  # the LoRARequest of the adapter every request goes through (`load_adapter`)
         # vLLM's own groups among an engine's TP shards: a day with Ray's debugger on (a shard may be paused at a
         # breakpoint), vLLM's default (None) otherwise.
@@ -246,42 +246,48 @@ class VLLMEngine:
         and stay in step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         for request in requests:
+            # Finished requests' outputs only, as vLLM's own offline `generate` asks: a cumulative output of every
+            # running request at every step cost ~15% of a decode step on CPU (docs/benchmarks.md, 2026-12-02).
             params = SamplingParams(**self._sampling(n=1, temperature=request.temperature,
-                                                     max_tokens=request.max_tokens, seed=request.seed))
-            engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params,
-                               lora_request=self.adapter)
-            self.unfinished[request.request_id] = None
+                                                     max_tokens=request.max_tokens, seed=request.seed),
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            self.unfinished[request.request_id] = engine.add_request(
+                request.request_id, TokensPrompt(prompt_token_ids=request.token_ids), params,
+                lora_request=self.adapter)
         finished, steps = [], 0
         while not finished and engine.has_unfinished_requests() and steps != max_steps:
             with device_mode_off():
                 outputs = engine.step()
-            for output in outputs:
-                if output.finished:
-                    finished.append((output.request_id, completion_of(output.outputs[0],
-                                                                      self._routing(output, output.outputs[0]))))
-                    self.unfinished.pop(output.request_id, None)
-                else:  # its tokens so far (vLLM's outputs are cumulative), for `interrupt`
-                    self.unfinished[output.request_id] = output
+            for output in outputs:  # each one finished
+                finished.append((output.request_id, completion_of(output.outputs[0],
+                                                                  self._routing(output, output.outputs[0]))))
+                self.unfinished.pop(output.request_id, None)
             steps += 1
         return finished
 
     def interrupt(self) -> list[tuple[str, Completion]]:
-        """Abort every request `serve` has not finished; returns what each sampled so far (ABORTED), by request id.
-        The controller continues them after a weight update as new requests (their tokens appended to the prompt),
-        so their KV cache is recomputed with the new weights."""
+        """Abort every request `serve` has not finished; returns what each sampled so far (ABORTED), by request id,
+        read from vLLM's record of the request before it goes. The controller continues them after a weight update
+        as new requests (their tokens appended to the prompt), so their KV cache is recomputed with the new
+        weights."""
+        states = self.llm.llm_engine.output_processor.request_states  # by vLLM's own id
+        cut = []
+        for request_id, own_id in self.unfinished.items():
+            state = states[own_id]
+            tokens = state.detokenizer.output_token_ids
+            routing = (None if self.routing is None else
+                       self.routing.of_cut(request_id, len(state.prompt_token_ids) + len(tokens) - 1))
+            cut.append((request_id, sampled(tokens, state.logprobs_processor.logprobs, SampleStatus.ABORTED,
+                                            routing)))
         if self.unfinished:
             self.llm.llm_engine.abort_request(list(self.unfinished))
-        cut = [(request_id, completion_of(output.outputs[0], self._routing(output, output.outputs[0]))
-                if output is not None else Completion([], [], SampleStatus.ABORTED))
-               for request_id, output in self.unfinished.items()]
         self.unfinished = {}
         if self.routing is not None:
             self.routing.forget()  # the aborted requests' rows past what their outputs show
-        for _, completion in cut:
-            completion.status = SampleStatus.ABORTED
         return cut
 
     def model(self) -> torch.nn.Module:
