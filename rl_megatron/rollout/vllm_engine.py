@@ -251,7 +251,7 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         for request in requests:
             # Finished requests' outputs only, as vLLM's own offline `generate` asks: a cumulative output of every
-            # running request at every step cost ~15% of a decode step on CPU (docs/benchmarks.md, 2026-12-02).
+            # running request at every step cost ~13% of a full decode step on CPU (docs/benchmarks.md, 2026-12-02).
             params = SamplingParams(**self._sampling(n=1, temperature=request.temperature,
                                                      max_tokens=request.max_tokens, seed=request.seed),
                                     output_kind=RequestOutputKind.FINAL_ONLY)
