@@ -16,7 +16,8 @@ The tiers, each a folder and a pytest marker of the same name (set here from the
 
 `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, the scopes of
 helpers.xdist_scopes), heaviest tier first. A test marked own_ray starts a Ray in the pytest process: it runs after
-the last test on the test run's Ray, on the same worker.
+the last test on the test run's Ray, on the same worker. `RL_MEGATRON_CPU_TIME=FILE` appends a line per test to
+FILE with its CPU seconds, every process it started included (helpers.cpu_time; root, a writable cgroup hierarchy).
 
 What several files share lives in tests/helpers, imported as `helpers.<module>` (this folder is on sys.path through
 this conftest): REPO (the repository's root) and the run launchers in helpers.runs."""
@@ -26,6 +27,10 @@ from pathlib import Path
 import pytest
 
 from helpers.xdist_scopes import TESTS, misplaced, scope_of
+
+# Each test's CPU seconds, its processes' included, appended to the file this names (helpers.cpu_time).
+if os.environ.get("RL_MEGATRON_CPU_TIME"):
+    pytest_plugins = ["helpers.cpu_time"]
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
